@@ -1,0 +1,79 @@
+# SPDX-License-Identifier: (GPL-2.0 OR MIT)
+# gpupin - see README.md.  `make help` lists the targets.
+
+SHELL := /bin/bash
+KVER ?= $(shell uname -r)
+# Running kernel's build dir, else the newest installed Debian headers.
+KDIR ?= $(or $(wildcard /lib/modules/$(KVER)/build),$(shell scripts/kdir.sh))
+NVIDIA_SRC ?= $(patsubst %/nvidia/nv-p2p.h,%,$(firstword $(wildcard /usr/src/nvidia-*/nvidia/nv-p2p.h)))
+VENV ?= $(CURDIR)/.venv
+PY := $(VENV)/bin/python
+KMAKE = $(MAKE) -C $(KDIR) M=$(CURDIR) $(if $(NVIDIA_SRC),NVIDIA_SRC=$(NVIDIA_SRC) KBUILD_EXTRA_SYMBOLS=$(NVIDIA_SRC)/Module.symvers)
+
+.PHONY: all modules clean setup pyext check check-kernel check-py test test-host test-vm \
+	test-gpu test-native test-long test-debug bench demo install help
+
+all: modules
+
+help:
+	@echo "make [modules]   build gpupin.ko (+ nvp2p_sim.ko) against KDIR=$(KDIR)"
+	@echo "make demo        build, load (in a VM if needed) and show pinning end to end"
+	@echo "make test        check + test-host + test-vm (+ test-gpu on a GPU host)"
+	@echo "make check       W=1, sparse, checkpatch --strict, ruff, mypy"
+	@echo "make test-host | test-vm | test-gpu | test-native | test-long | bench | install"
+
+modules:
+	@test -n "$(KDIR)" || { echo "no kernel headers: run 'make setup' (or set KDIR=)"; exit 1; }
+	$(KMAKE) modules
+
+clean:
+	-$(KMAKE) clean
+	rm -rf build pyctl/gpupin/_gpupin_cffi*.so pyctl/gpupin/_gpupin_cffi.c
+
+# Installs apt packages and the virtualenv; idempotent.
+setup:
+	scripts/setup.sh
+
+pyext: setup
+	cd pyctl && $(PY) gpupin/_build.py
+
+check: setup check-kernel check-py
+
+check-kernel: setup
+	$(MAKE) modules KDIR=$(KDIR) >/dev/null
+	scripts/check-kernel.sh "$(KDIR)"
+
+check-py: pyext
+	$(VENV)/bin/ruff check pyctl tests
+	$(VENV)/bin/mypy pyctl/gpupin
+
+test-host: pyext
+	$(VENV)/bin/pytest -q tests/host
+
+test-vm: setup pyext
+	scripts/vm-run.sh test
+
+test-gpu: pyext
+	$(VENV)/bin/pytest -q -m gpu tests/gpu
+
+test-native: pyext modules
+	GPUPIN_NATIVE=1 $(VENV)/bin/pytest -q tests/vm
+
+test-long: setup pyext
+	GPUPIN_LONG=1 scripts/vm-run.sh test
+
+bench: pyext
+	scripts/vm-run.sh bench
+
+demo: setup pyext
+	scripts/vm-run.sh demo
+
+test: check test-host test-vm
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		$(MAKE) test-gpu; else echo "test-gpu: skipped, no NVIDIA driver on this host"; fi
+
+install: modules
+	$(KMAKE) modules_install
+	depmod -a $(notdir $(patsubst %/build,%,$(KDIR))) || depmod -a
+	install -D -m 0644 packaging/99-gpupin.rules /etc/udev/rules.d/99-gpupin.rules
+	getent group gpupin >/dev/null || groupadd --system gpupin

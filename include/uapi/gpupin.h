@@ -1,0 +1,161 @@
+/* SPDX-License-Identifier: (GPL-2.0 WITH Linux-syscall-note) OR MIT */
+/*
+ * gpupin user-space ABI: /dev/gpupin ioctls, the validity map and the
+ * invalidation records read from the file.
+ *
+ * Every structure is made of __u64/__u32/__u8 fields with explicit padding,
+ * so it has one layout on every architecture and needs no compat handling.
+ * Every "flags", "pad" and "reserved" field must be zero on input, or the
+ * call fails with EINVAL; unknown commands fail with ENOTTY.
+ *
+ * Structure bodies in this file are read by the Python build (cffi cdef):
+ * keep one field per line, literal array sizes and no nested types.
+ */
+#ifndef _UAPI_GPUPIN_H
+#define _UAPI_GPUPIN_H
+
+#include <linux/ioctl.h>
+#include <linux/types.h>
+
+#define GPUPIN_ABI_VERSION 1
+#define GPUPIN_IOC_MAGIC 0xC7
+
+/* GPU pages are 64 KiB: pins are widened to this alignment. */
+#define GPUPIN_GPU_PAGE_SHIFT 16
+#define GPUPIN_GPU_PAGE_SIZE 65536
+#define GPUPIN_UUID_LEN 16
+#define GPUPIN_NAME_LEN 32
+
+/* gpupin_info.caps */
+#define GPUPIN_CAP_PERSISTENT 0x1
+#define GPUPIN_CAP_DMA_MAP 0x2
+#define GPUPIN_CAP_SIMULATOR 0x4
+
+struct gpupin_info {
+	__u32 abi_version;
+	__u32 flags;
+	__u32 caps;
+	__u32 gpu_page_size;
+	__u64 max_pinned_bytes;
+	__u64 pinned_bytes;
+	__u32 max_pins_per_file;
+	__u32 file_pins;
+	__u64 map_size;
+	char version[32];
+	char provider[32];
+	__u64 reserved[4];
+};
+
+/* gpupin_pin.flags (in) and .pin_flags (out) */
+#define GPUPIN_PIN_PERSISTENT 0x1
+#define GPUPIN_PIN_FLAGS_ALL 0x1
+
+struct gpupin_pin {
+	__u64 va;
+	__u64 size;
+	__u64 user_tag;
+	__u32 flags;
+	__u32 pad;
+	__u64 handle;
+	__u64 aligned_va;
+	__u64 aligned_size;
+	__u32 page_size;
+	__u32 entries;
+	__u8 gpu_uuid[16];
+	__u32 slot;
+	__u32 pin_flags;
+	__u64 valid_word;
+	__u64 reserved[2];
+};
+
+struct gpupin_unpin {
+	__u64 handle;
+	__u32 flags;
+	__u32 pad;
+};
+
+/* gpupin_query.state */
+#define GPUPIN_STATE_PINNED 1
+#define GPUPIN_STATE_INVALIDATED 2
+
+struct gpupin_query {
+	__u64 handle;
+	__u32 flags;
+	__u32 pad;
+	__u64 va;
+	__u64 size;
+	__u64 aligned_va;
+	__u64 aligned_size;
+	__u64 user_tag;
+	__u32 state;
+	__u32 entries;
+	__u32 dma_mappings;
+	__u32 pin_flags;
+	__u32 slot;
+	__u32 page_size;
+	__u64 reserved[2];
+};
+
+/* Physical addresses of pages [first, first + count): CAP_SYS_ADMIN only. */
+struct gpupin_get_pages {
+	__u64 handle;
+	__u64 addrs;
+	__u32 first;
+	__u32 count;
+	__u32 flags;
+	__u32 pad;
+	__u64 reserved[2];
+};
+
+struct gpupin_dma_map {
+	__u64 handle;
+	__u32 pci_domain;
+	__u32 pci_bus;
+	__u32 pci_devfn;
+	__u32 flags;
+	__u32 mapping_id;
+	__u32 entries;
+	__u64 reserved[2];
+};
+
+/* DMA addresses of mapping entries [first, first + count): CAP_SYS_ADMIN only. */
+struct gpupin_dma_addrs {
+	__u64 handle;
+	__u64 addrs;
+	__u32 mapping_id;
+	__u32 first;
+	__u32 count;
+	__u32 flags;
+	__u64 reserved[2];
+};
+
+struct gpupin_dma_unmap {
+	__u64 handle;
+	__u32 mapping_id;
+	__u32 flags;
+	__u64 reserved[2];
+};
+
+/* gpupin_event.reason */
+#define GPUPIN_INVAL_FREED 1	/* the GPU memory was freed (free callback) */
+#define GPUPIN_INVAL_OVERFLOW 2	/* records were lost: revalidate every pin */
+
+/* One record per invalidated pin, read() from the file; poll() says when. */
+struct gpupin_event {
+	__u64 handle;
+	__u64 user_tag;
+	__u32 reason;
+	__u32 slot;
+	__u64 reserved;
+};
+
+#define GPUPIN_IOC_INFO _IOWR(GPUPIN_IOC_MAGIC, 0x00, struct gpupin_info)
+#define GPUPIN_IOC_PIN _IOWR(GPUPIN_IOC_MAGIC, 0x01, struct gpupin_pin)
+#define GPUPIN_IOC_UNPIN _IOW(GPUPIN_IOC_MAGIC, 0x02, struct gpupin_unpin)
+#define GPUPIN_IOC_QUERY _IOWR(GPUPIN_IOC_MAGIC, 0x03, struct gpupin_query)
+#define GPUPIN_IOC_GET_PAGES _IOW(GPUPIN_IOC_MAGIC, 0x04, struct gpupin_get_pages)
+#define GPUPIN_IOC_DMA_MAP _IOWR(GPUPIN_IOC_MAGIC, 0x05, struct gpupin_dma_map)
+#define GPUPIN_IOC_DMA_ADDRS _IOW(GPUPIN_IOC_MAGIC, 0x06, struct gpupin_dma_addrs)
+#define GPUPIN_IOC_DMA_UNMAP _IOW(GPUPIN_IOC_MAGIC, 0x07, struct gpupin_dma_unmap)
+
+#endif /* _UAPI_GPUPIN_H */

@@ -1,0 +1,75 @@
+/* SPDX-License-Identifier: (GPL-2.0 WITH Linux-syscall-note) OR MIT */
+/*
+ * nvp2p_sim user-space ABI: /dev/nvp2p_sim lets a process allocate, read,
+ * write, query and free simulated GPU memory that the simulator's nv-p2p
+ * functions then pin.  Each open file is one simulated CUDA context with its
+ * own address range; closing it frees everything, running the free callbacks
+ * of the pins on it.  Same rules as gpupin.h: zero flags/pad/reserved.
+ */
+#ifndef _UAPI_NVP2P_SIM_H
+#define _UAPI_NVP2P_SIM_H
+
+#include <linux/ioctl.h>
+#include <linux/types.h>
+
+#define NVP2P_SIM_IOC_MAGIC 0xC8
+
+struct nvp2p_sim_alloc {
+	__u64 size;
+	__u32 flags;
+	__u32 pad;
+	__u64 va;
+	__u64 alloc_size;
+	__u64 buffer_id;
+	__u64 reserved[2];
+};
+
+struct nvp2p_sim_free {
+	__u64 va;
+	__u32 flags;
+	__u32 pad;
+};
+
+struct nvp2p_sim_query {
+	__u64 va;
+	__u32 flags;
+	__u32 pad;
+	__u64 base;
+	__u64 size;
+	__u64 buffer_id;
+	__u64 reserved[2];
+};
+
+/* nvp2p_sim_rw.flags */
+#define NVP2P_SIM_RW_WRITE 0x1
+
+struct nvp2p_sim_rw {
+	__u64 va;
+	__u64 len;
+	__u64 buf;
+	__u32 flags;
+	__u32 pad;
+};
+
+struct nvp2p_sim_stats {
+	__u64 pinned_pages;
+	__u64 bar_bytes;
+	__u64 live_callbacks;
+	__u64 page_tables;
+	__u64 dma_mappings;
+	__u64 allocations;
+	__u64 alloc_bytes;
+	__u64 get_pages_calls;
+	__u64 callbacks_run;
+	__u64 tables_not_freed;
+	__u64 mappings_not_freed;
+	__u64 reserved[5];
+};
+
+#define NVP2P_SIM_IOC_ALLOC _IOWR(NVP2P_SIM_IOC_MAGIC, 0x00, struct nvp2p_sim_alloc)
+#define NVP2P_SIM_IOC_FREE _IOW(NVP2P_SIM_IOC_MAGIC, 0x01, struct nvp2p_sim_free)
+#define NVP2P_SIM_IOC_QUERY _IOWR(NVP2P_SIM_IOC_MAGIC, 0x02, struct nvp2p_sim_query)
+#define NVP2P_SIM_IOC_RW _IOW(NVP2P_SIM_IOC_MAGIC, 0x03, struct nvp2p_sim_rw)
+#define NVP2P_SIM_IOC_STATS _IOR(NVP2P_SIM_IOC_MAGIC, 0x04, struct nvp2p_sim_stats)
+
+#endif /* _UAPI_NVP2P_SIM_H */

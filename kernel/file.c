@@ -1,0 +1,219 @@
+// SPDX-License-Identifier: (GPL-2.0 OR MIT)
+/*
+ * gpupin: /dev/gpupin file operations - open/release, ioctl dispatch, the
+ * read-only validity map (mmap), and invalidation records (read/poll).
+ */
+#define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
+
+#include <linux/fs.h>
+#include <linux/miscdevice.h>
+#include <linux/mm.h>
+#include <linux/poll.h>
+#include <linux/sched.h>
+#include <linux/slab.h>
+#include <linux/uaccess.h>
+#include <linux/version.h>
+#include <linux/vmalloc.h>
+#include "gpupin.h"
+
+/* Queue an invalidation record; called from the free callback. */
+void gpupin_queue_event(struct gpupin_file *f, struct gpupin_event_rec *rec)
+{
+	spin_lock(&f->ev_lock);
+	if (f->nr_events >= f->nr_slots) {
+		/* Bounded: the reader is told to revalidate everything. */
+		f->ev_overflow = true;
+		kfree(rec);
+	} else {
+		list_add_tail(&rec->node, &f->events);
+		f->nr_events++;
+	}
+	spin_unlock(&f->ev_lock);
+	wake_up_interruptible(&f->ev_wait);
+}
+
+static bool gpupin_events_pending(struct gpupin_file *f)
+{
+	bool pending;
+
+	spin_lock(&f->ev_lock);
+	pending = !list_empty(&f->events) || f->ev_overflow;
+	spin_unlock(&f->ev_lock);
+	return pending;
+}
+
+/* Take the next record into @ev; false if there is none. */
+static bool gpupin_event_pop(struct gpupin_file *f, struct gpupin_event *ev)
+{
+	struct gpupin_event_rec *rec = NULL;
+
+	spin_lock(&f->ev_lock);
+	if (f->ev_overflow) {
+		memset(ev, 0, sizeof(*ev));
+		ev->reason = GPUPIN_INVAL_OVERFLOW;
+		f->ev_overflow = false;
+		spin_unlock(&f->ev_lock);
+		return true;
+	}
+	rec = list_first_entry_or_null(&f->events, struct gpupin_event_rec, node);
+	if (rec) {
+		list_del(&rec->node);
+		f->nr_events--;
+	}
+	spin_unlock(&f->ev_lock);
+	if (!rec)
+		return false;
+	*ev = rec->ev;
+	kfree(rec);
+	return true;
+}
+
+static ssize_t gpupin_read(struct file *file, char __user *buf, size_t count, loff_t *ppos)
+{
+	struct gpupin_file *f = file->private_data;
+	struct gpupin_event ev;
+	size_t done = 0;
+	int ret;
+
+	if (count < sizeof(ev))
+		return -EINVAL;
+	while (done + sizeof(ev) <= count) {
+		if (!gpupin_event_pop(f, &ev)) {
+			if (done)
+				break;
+			if (file->f_flags & O_NONBLOCK)
+				return -EAGAIN;
+			ret = wait_event_interruptible(f->ev_wait, gpupin_events_pending(f));
+			if (ret)
+				return ret;
+			continue;
+		}
+		if (copy_to_user(buf + done, &ev, sizeof(ev)))
+			return done ? done : -EFAULT;
+		done += sizeof(ev);
+	}
+	return done;
+}
+
+static __poll_t gpupin_poll(struct file *file, poll_table *wait)
+{
+	struct gpupin_file *f = file->private_data;
+
+	poll_wait(file, &f->ev_wait, wait);
+	return gpupin_events_pending(f) ? EPOLLIN | EPOLLRDNORM : 0;
+}
+
+/* The validity map: read-only, shared, one u64 per slot. */
+static int gpupin_mmap(struct file *file, struct vm_area_struct *vma)
+{
+	struct gpupin_file *f = file->private_data;
+
+	if (vma->vm_flags & (VM_WRITE | VM_EXEC))
+		return -EPERM;
+	if (vma->vm_pgoff || vma->vm_end - vma->vm_start > f->vmap_size)
+		return -EINVAL;
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 3, 0)
+	vm_flags_clear(vma, VM_MAYWRITE | VM_MAYEXEC);
+#else
+	vma->vm_flags &= ~(VM_MAYWRITE | VM_MAYEXEC);
+#endif
+	return remap_vmalloc_range(vma, f->vmap, 0);
+}
+
+static long gpupin_ioctl(struct file *file, unsigned int cmd, unsigned long arg)
+{
+	struct gpupin_file *f = file->private_data;
+	void __user *uarg = (void __user *)arg;
+
+	switch (cmd) {
+	case GPUPIN_IOC_INFO:
+		return gpupin_ioctl_info(f, uarg);
+	case GPUPIN_IOC_PIN:
+		return gpupin_ioctl_pin(f, uarg);
+	case GPUPIN_IOC_UNPIN:
+		return gpupin_ioctl_unpin(f, uarg);
+	case GPUPIN_IOC_QUERY:
+		return gpupin_ioctl_query(f, uarg);
+	case GPUPIN_IOC_GET_PAGES:
+		return gpupin_ioctl_get_pages(f, uarg);
+	case GPUPIN_IOC_DMA_MAP:
+		return gpupin_ioctl_dma_map(f, uarg);
+	case GPUPIN_IOC_DMA_ADDRS:
+		return gpupin_ioctl_dma_addrs(f, uarg);
+	case GPUPIN_IOC_DMA_UNMAP:
+		return gpupin_ioctl_dma_unmap(f, uarg);
+	default:
+		return -ENOTTY;
+	}
+}
+
+static int gpupin_open(struct inode *inode, struct file *file)
+{
+	struct gpupin_file *f;
+
+	f = kzalloc(sizeof(*f), GFP_KERNEL);
+	if (!f)
+		return -ENOMEM;
+	f->nr_slots = clamp(READ_ONCE(gpupin_max_pins_per_file), 1U, GPUPIN_MAX_SLOTS);
+	f->vmap_size = PAGE_ALIGN(f->nr_slots * sizeof(u64));
+	f->vmap = vmalloc_user(f->vmap_size);
+	if (!f->vmap) {
+		kfree(f);
+		return -ENOMEM;
+	}
+	mutex_init(&f->lock);
+	xa_init(&f->pins);
+	ida_init(&f->slots);
+	spin_lock_init(&f->ev_lock);
+	INIT_LIST_HEAD(&f->events);
+	init_waitqueue_head(&f->ev_wait);
+	f->owner = get_pid(task_tgid(current));
+	file->private_data = f;
+	return 0;
+}
+
+/* Last close (or process death): every pin of the file goes. */
+static int gpupin_release(struct inode *inode, struct file *file)
+{
+	struct gpupin_file *f = file->private_data;
+	struct gpupin_event ev;
+
+	gpupin_file_release_pins(f);
+	while (gpupin_event_pop(f, &ev))
+		;
+	xa_destroy(&f->pins);
+	ida_destroy(&f->slots);
+	vfree(f->vmap);
+	put_pid(f->owner);
+	kfree(f);
+	return 0;
+}
+
+static const struct file_operations gpupin_fops = {
+	.owner = THIS_MODULE,
+	.open = gpupin_open,
+	.release = gpupin_release,
+	.unlocked_ioctl = gpupin_ioctl,
+	.compat_ioctl = compat_ptr_ioctl,
+	.mmap = gpupin_mmap,
+	.read = gpupin_read,
+	.poll = gpupin_poll,
+	.llseek = noop_llseek,
+};
+
+static struct miscdevice gpupin_miscdev = {
+	.minor = MISC_DYNAMIC_MINOR,
+	.name = "gpupin",
+	.fops = &gpupin_fops,
+	.mode = 0660,
+};
+
+int gpupin_file_init(void)
+{
+	return misc_register(&gpupin_miscdev);
+}
+
+void gpupin_file_exit(void)
+{
+	misc_deregister(&gpupin_miscdev);
+}

@@ -1,0 +1,146 @@
+/* SPDX-License-Identifier: (GPL-2.0 OR MIT) */
+/*
+ * gpupin internals.
+ *
+ * Locking, outermost first:
+ *   gpupin_file.lock (mutex) - the file's handle table, pin count and
+ *       handle counter.  Never held across an nv-p2p call, never taken by the
+ *       free callback.
+ *   gpupin_pin.lock (spinlock) - one pin's state, in-flight user count and
+ *       DMA mapping list.  Taken by the free callback; never held across an
+ *       nv-p2p call or anything that sleeps.
+ *   gpupin_file.ev_lock (spinlock) - the file's queue of invalidation
+ *       records.  Taken by the free callback, innermost.
+ *
+ * The free callback runs with the GPU driver's locks held, so it takes only
+ * the two spinlocks above and waits only for in-flight users, which never
+ * call into nv-p2p while counted (except dma_map_pages, which on the real
+ * driver does not take the lock its callbacks run under).
+ */
+#ifndef _GPUPIN_INTERNAL_H
+#define _GPUPIN_INTERNAL_H
+
+#include <linux/idr.h>
+#include <linux/kref.h>
+#include <linux/list.h>
+#include <linux/mutex.h>
+#include <linux/pid.h>
+#include <linux/spinlock.h>
+#include <linux/types.h>
+#include <linux/wait.h>
+#include <linux/xarray.h>
+#include <nv-p2p.h>
+#include "../include/uapi/gpupin.h"
+
+#define GPUPIN_VERSION "0.1.0"
+#define GPU_BOUND_SHIFT 16
+#define GPU_BOUND_SIZE (1ULL << GPU_BOUND_SHIFT)
+#define GPU_BOUND_MASK (~(GPU_BOUND_SIZE - 1))
+#define GPUPIN_MAX_SLOTS (1U << 20)
+
+/* Module parameters (main.c) */
+extern unsigned long gpupin_max_pinned_bytes;
+extern unsigned int gpupin_max_pins_per_file;
+extern bool gpupin_default_persistent;
+extern bool gpupin_debug;
+
+extern atomic64_t gpupin_pinned_bytes;
+extern char gpupin_provider[GPUPIN_NAME_LEN];
+extern u32 gpupin_caps;
+
+#define gpupin_dbg(fmt, ...)						\
+	do {								\
+		if (READ_ONCE(gpupin_debug))				\
+			pr_info_ratelimited(fmt, ##__VA_ARGS__);	\
+	} while (0)
+
+struct gpupin_file {
+	struct mutex lock;		/* see top of file */
+	struct xarray pins;		/* handle -> pin, under lock */
+	u64 next_handle;		/* last handle given, under lock */
+	unsigned int nr_pins;		/* under lock */
+	struct pid *owner;		/* thread group that opened the file */
+
+	u64 *vmap;			/* validity map, one word per slot */
+	size_t vmap_size;
+	unsigned int nr_slots;
+	struct ida slots;
+
+	spinlock_t ev_lock;		/* see top of file */
+	struct list_head events;	/* gpupin_event_rec, under ev_lock */
+	unsigned int nr_events;		/* under ev_lock, at most nr_slots */
+	bool ev_overflow;		/* under ev_lock */
+	wait_queue_head_t ev_wait;
+};
+
+enum gpupin_pin_state {
+	GPUPIN_PIN_PINNING,	/* get_pages in progress or unchecked */
+	GPUPIN_PIN_PINNED,	/* usable */
+	GPUPIN_PIN_RELEASING,	/* unpin owns the pages and is putting them */
+	GPUPIN_PIN_INVALIDATING,	/* free callback running */
+	GPUPIN_PIN_INVALIDATED,	/* pages gone; only the handle is left */
+};
+
+struct gpupin_event_rec {
+	struct list_head node;
+	struct gpupin_event ev;
+};
+
+struct gpupin_region {
+	struct kref ref;		/* handle table + temporary lookups */
+	struct gpupin_file *file;
+	u64 handle;
+	u32 slot;
+	u32 flags;			/* GPUPIN_PIN_* */
+	u64 va;
+	u64 size;
+	u64 aligned_va;
+	u64 aligned_size;
+	u64 user_tag;
+	struct nvidia_p2p_page_table *pt;
+
+	spinlock_t lock;		/* see top of file */
+	enum gpupin_pin_state state;	/* under lock */
+	unsigned int inflight;		/* under lock */
+	wait_queue_head_t wq;		/* inflight reaching 0, state changes */
+	struct list_head maps;		/* gpupin_map, under lock */
+	u32 next_map_id;		/* under lock */
+	struct gpupin_event_rec *ev;	/* queued on invalidation */
+};
+
+struct gpupin_map {
+	struct list_head node;
+	u32 id;
+	struct pci_dev *pdev;		/* holds a reference */
+	struct nvidia_p2p_dma_mapping *m;
+};
+
+/* pin.c */
+long gpupin_ioctl_pin(struct gpupin_file *f, struct gpupin_pin __user *uarg);
+long gpupin_ioctl_unpin(struct gpupin_file *f, struct gpupin_unpin __user *uarg);
+long gpupin_ioctl_query(struct gpupin_file *f, struct gpupin_query __user *uarg);
+long gpupin_ioctl_get_pages(struct gpupin_file *f, struct gpupin_get_pages __user *uarg);
+struct gpupin_region *gpupin_pin_lookup(struct gpupin_file *f, u64 handle);
+void gpupin_pin_put(struct gpupin_region *pin);
+int gpupin_pin_use(struct gpupin_region *pin);
+void gpupin_pin_unuse(struct gpupin_region *pin);
+void gpupin_file_release_pins(struct gpupin_file *f);
+bool gpupin_caller_owns(struct gpupin_file *f);
+
+/* dma.c */
+long gpupin_ioctl_dma_map(struct gpupin_file *f, struct gpupin_dma_map __user *uarg);
+long gpupin_ioctl_dma_addrs(struct gpupin_file *f, struct gpupin_dma_addrs __user *uarg);
+long gpupin_ioctl_dma_unmap(struct gpupin_file *f, struct gpupin_dma_unmap __user *uarg);
+void gpupin_unmap_all(struct gpupin_region *pin);
+void gpupin_free_maps_invalidated(struct gpupin_region *pin);
+u32 gpupin_map_count_locked(struct gpupin_region *pin);
+
+/* main.c */
+long gpupin_ioctl_info(struct gpupin_file *f, struct gpupin_info __user *uarg);
+
+/* file.c */
+int gpupin_file_init(void);
+void gpupin_file_exit(void);
+void gpupin_queue_event(struct gpupin_file *f, struct gpupin_event_rec *rec);
+
+#endif /* _GPUPIN_INTERNAL_H */

@@ -1,0 +1,119 @@
+// SPDX-License-Identifier: (GPL-2.0 OR MIT)
+/*
+ * gpupin: module parameters, the INFO ioctl, and module load/unload.
+ *
+ * gpupin pins NVIDIA GPU memory for third-party PCIe devices through the
+ * nv-p2p kernel API, provided by nvidia.ko (open kernel modules) or by the
+ * nvp2p_sim.ko simulator on machines without a GPU.
+ */
+#define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
+
+#include <linux/module.h>
+#include <linux/moduleparam.h>
+#include <linux/string.h>
+#include <linux/uaccess.h>
+#include "gpupin.h"
+
+unsigned long gpupin_max_pinned_bytes;
+module_param_named(max_pinned_bytes, gpupin_max_pinned_bytes, ulong, 0644);
+MODULE_PARM_DESC(max_pinned_bytes, "Bytes all files together may keep pinned; beyond it PIN fails with ENOSPC (0 = unlimited)");
+
+unsigned int gpupin_max_pins_per_file = 65536;
+module_param_named(max_pins_per_file, gpupin_max_pins_per_file, uint, 0644);
+MODULE_PARM_DESC(max_pins_per_file, "Pins (and validity-map slots) per open file, read at open (default 65536, at most 1048576)");
+
+bool gpupin_default_persistent;
+module_param_named(default_persistent, gpupin_default_persistent, bool, 0644);
+MODULE_PARM_DESC(default_persistent, "Pin with the persistent API even without GPUPIN_PIN_PERSISTENT (default off)");
+
+bool gpupin_debug;
+module_param_named(debug, gpupin_debug, bool, 0644);
+MODULE_PARM_DESC(debug, "Log pins, unpins and invalidations (rate-limited; default off)");
+
+atomic64_t gpupin_pinned_bytes = ATOMIC64_INIT(0);
+char gpupin_provider[GPUPIN_NAME_LEN] = "nvidia";
+u32 gpupin_caps = GPUPIN_CAP_DMA_MAP;
+
+long gpupin_ioctl_info(struct gpupin_file *f, struct gpupin_info __user *uarg)
+{
+	struct gpupin_info arg;
+	int i;
+
+	if (copy_from_user(&arg, uarg, sizeof(arg)))
+		return -EFAULT;
+	if (arg.flags)
+		return -EINVAL;
+	for (i = 0; i < ARRAY_SIZE(arg.reserved); i++)
+		if (arg.reserved[i])
+			return -EINVAL;
+	memset(&arg, 0, sizeof(arg));
+	arg.abi_version = GPUPIN_ABI_VERSION;
+	arg.caps = gpupin_caps;
+	arg.gpu_page_size = GPU_BOUND_SIZE;
+	arg.max_pinned_bytes = READ_ONCE(gpupin_max_pinned_bytes);
+	arg.pinned_bytes = atomic64_read(&gpupin_pinned_bytes);
+	arg.max_pins_per_file = f->nr_slots;
+	mutex_lock(&f->lock);
+	arg.file_pins = f->nr_pins;
+	mutex_unlock(&f->lock);
+	arg.map_size = f->vmap_size;
+	strscpy(arg.version, GPUPIN_VERSION, sizeof(arg.version));
+	strscpy(arg.provider, gpupin_provider, sizeof(arg.provider));
+	return copy_to_user(uarg, &arg, sizeof(arg)) ? -EFAULT : 0;
+}
+
+#ifndef GPUPIN_WITH_NVIDIA
+/* Exported by nvp2p_sim.ko only; looked up, never linked against. */
+const char *nvp2p_sim_provider(void);
+#endif
+
+static void gpupin_detect_provider(void)
+{
+#ifndef GPUPIN_WITH_NVIDIA
+	const char *(*sim_name)(void) = symbol_get(nvp2p_sim_provider);
+
+	if (sim_name) {
+		strscpy(gpupin_provider, sim_name(), sizeof(gpupin_provider));
+		gpupin_caps |= GPUPIN_CAP_SIMULATOR;
+		symbol_put(nvp2p_sim_provider);
+	}
+#endif
+#ifdef NVIDIA_P2P_CAP_GET_PAGES_PERSISTENT_API
+	gpupin_caps |= GPUPIN_CAP_PERSISTENT;
+#endif
+}
+
+static int __init gpupin_init(void)
+{
+	int ret;
+
+	BUILD_BUG_ON(sizeof(struct gpupin_info) != 144);
+	BUILD_BUG_ON(sizeof(struct gpupin_pin) != 112);
+	BUILD_BUG_ON(sizeof(struct gpupin_unpin) != 16);
+	BUILD_BUG_ON(sizeof(struct gpupin_query) != 96);
+	BUILD_BUG_ON(sizeof(struct gpupin_get_pages) != 48);
+	BUILD_BUG_ON(sizeof(struct gpupin_dma_map) != 48);
+	BUILD_BUG_ON(sizeof(struct gpupin_dma_addrs) != 48);
+	BUILD_BUG_ON(sizeof(struct gpupin_dma_unmap) != 32);
+	BUILD_BUG_ON(sizeof(struct gpupin_event) != 32);
+
+	gpupin_detect_provider();
+	ret = gpupin_file_init();
+	if (ret)
+		return ret;
+	pr_info("version %s ready, provider %s\n", GPUPIN_VERSION, gpupin_provider);
+	return 0;
+}
+
+static void __exit gpupin_exit(void)
+{
+	gpupin_file_exit();
+}
+
+module_init(gpupin_init);
+module_exit(gpupin_exit);
+
+MODULE_LICENSE("Dual MIT/GPL");
+MODULE_DESCRIPTION("Pin NVIDIA GPU memory for third-party PCIe devices (nv-p2p)");
+MODULE_AUTHOR("gpupin developers");
+MODULE_VERSION(GPUPIN_VERSION);

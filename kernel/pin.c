@@ -1,0 +1,509 @@
+// SPDX-License-Identifier: (GPL-2.0 OR MIT)
+/*
+ * gpupin: pin objects - PIN, UNPIN, QUERY and GET_PAGES, the nv-p2p free
+ * callback, and teardown.
+ *
+ * A pin's life: PINNING (get_pages called; the callback may already fire)
+ * -> PINNED (published in the handle table and the validity map) -> either
+ * RELEASING (unpin or close owns the pages and puts them) or INVALIDATING ->
+ * INVALIDATED (the free callback released them).  Whoever moves the pin out
+ * of PINNING/PINNED owns the release of the pages; the other side only
+ * waits, so unpin and the callback are safe in either order.
+ */
+#define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
+
+#include <linux/capability.h>
+#include <linux/mm.h>
+#include <linux/overflow.h>
+#include <linux/sched.h>
+#include <linux/slab.h>
+#include <linux/uaccess.h>
+#include "gpupin.h"
+
+bool gpupin_caller_owns(struct gpupin_file *f)
+{
+	return task_tgid(current) == f->owner;
+}
+
+static void gpupin_pin_free(struct kref *ref)
+{
+	struct gpupin_region *pin = container_of(ref, struct gpupin_region, ref);
+
+	kfree(pin->ev);
+	kfree(pin);
+}
+
+void gpupin_pin_put(struct gpupin_region *pin)
+{
+	kref_put(&pin->ref, gpupin_pin_free);
+}
+
+/* Look up @handle exactly and take a reference; NULL if it is not a pin. */
+struct gpupin_region *gpupin_pin_lookup(struct gpupin_file *f, u64 handle)
+{
+	struct gpupin_region *pin;
+
+	if (handle > ULONG_MAX)
+		return NULL;
+	mutex_lock(&f->lock);
+	pin = xa_load(&f->pins, handle);
+	if (pin)
+		kref_get(&pin->ref);
+	mutex_unlock(&f->lock);
+	return pin;
+}
+
+/*
+ * Mark the caller as an in-flight user of the pin's pages: the free callback
+ * waits for it.  Fails with -ENXIO once the pages are gone or going.
+ */
+int gpupin_pin_use(struct gpupin_region *pin)
+{
+	int ret = -ENXIO;
+
+	spin_lock(&pin->lock);
+	if (pin->state == GPUPIN_PIN_PINNED) {
+		pin->inflight++;
+		ret = 0;
+	}
+	spin_unlock(&pin->lock);
+	return ret;
+}
+
+void gpupin_pin_unuse(struct gpupin_region *pin)
+{
+	spin_lock(&pin->lock);
+	if (!--pin->inflight)
+		wake_up_all(&pin->wq);
+	spin_unlock(&pin->lock);
+}
+
+static void gpupin_set_state(struct gpupin_region *pin, enum gpupin_pin_state state)
+{
+	spin_lock(&pin->lock);
+	pin->state = state;
+	wake_up_all(&pin->wq);
+	spin_unlock(&pin->lock);
+}
+
+/*
+ * The nv-p2p free callback: the GPU memory under the pin is being freed.
+ * Runs with the GPU driver's locks held: takes only pin->lock and the file's
+ * ev_lock, waits only for in-flight users, and never calls put_pages or
+ * dma_unmap_pages.
+ */
+static void gpupin_free_callback(void *data)
+{
+	struct gpupin_region *pin = data;
+	struct gpupin_file *f = pin->file;
+	enum gpupin_pin_state prev;
+	struct gpupin_event_rec *rec;
+
+	spin_lock(&pin->lock);
+	prev = pin->state;
+	pin->state = GPUPIN_PIN_INVALIDATING;
+	spin_unlock(&pin->lock);
+
+	/* No new user can start now; those running are short. */
+	wait_event(pin->wq, READ_ONCE(pin->inflight) == 0);
+
+	gpupin_free_maps_invalidated(pin);
+	nvidia_p2p_free_page_table(pin->pt);
+
+	/* Unpin (RELEASING) and a failed PIN (PINNING) account for themselves. */
+	if (prev == GPUPIN_PIN_PINNED) {
+		WRITE_ONCE(f->vmap[pin->slot], 0);
+		atomic64_sub(pin->aligned_size, &gpupin_pinned_bytes);
+		rec = pin->ev;
+		pin->ev = NULL;
+		rec->ev.handle = pin->handle;
+		rec->ev.user_tag = pin->user_tag;
+		rec->ev.reason = GPUPIN_INVAL_FREED;
+		rec->ev.slot = pin->slot;
+		gpupin_queue_event(f, rec);
+	}
+	gpupin_dbg("pin %llu invalidated by the provider\n", pin->handle);
+	gpupin_set_state(pin, GPUPIN_PIN_INVALIDATED);
+}
+
+static bool gpupin_pin_settled(struct gpupin_region *pin)
+{
+	bool settled;
+
+	spin_lock(&pin->lock);
+	settled = pin->state != GPUPIN_PIN_INVALIDATING;
+	spin_unlock(&pin->lock);
+	return settled;
+}
+
+/* Put the pages of a pin whose release the caller claimed. */
+static void gpupin_put_pages(struct gpupin_region *pin)
+{
+	int ret;
+
+	if (pin->flags & GPUPIN_PIN_PERSISTENT)
+		ret = nvidia_p2p_put_pages_persistent(pin->aligned_va, pin->pt, 0);
+	else
+		ret = nvidia_p2p_put_pages(0, 0, pin->aligned_va, pin->pt);
+	if (ret)
+		pr_warn_ratelimited("put_pages failed: %d\n", ret);
+}
+
+/*
+ * Release the pages of @pin if the free callback has not, then wait for a
+ * callback that is still running.  Process context; no gpupin lock held.
+ * @from is the state that means "ours to release" (PINNED or PINNING).
+ */
+static void gpupin_pin_release_pages(struct gpupin_region *pin, enum gpupin_pin_state from)
+{
+	bool ours;
+
+	spin_lock(&pin->lock);
+	ours = pin->state == from;
+	if (ours)
+		pin->state = GPUPIN_PIN_RELEASING;
+	spin_unlock(&pin->lock);
+
+	if (ours) {
+		wait_event(pin->wq, READ_ONCE(pin->inflight) == 0);
+		gpupin_unmap_all(pin);
+		gpupin_put_pages(pin);
+		if (from == GPUPIN_PIN_PINNED)
+			atomic64_sub(pin->aligned_size, &gpupin_pinned_bytes);
+	}
+	/* put_pages returns only after a racing callback finished. */
+	wait_event(pin->wq, gpupin_pin_settled(pin));
+}
+
+/* Give back the slot and count of a pin that is out of the handle table. */
+static void gpupin_pin_unaccount(struct gpupin_file *f, struct gpupin_region *pin)
+{
+	WRITE_ONCE(f->vmap[pin->slot], 0);
+	ida_free(&f->slots, pin->slot);
+	mutex_lock(&f->lock);
+	f->nr_pins--;
+	mutex_unlock(&f->lock);
+}
+
+/* Tear down a pin already removed from the handle table; drops that ref. */
+static void gpupin_pin_destroy(struct gpupin_file *f, struct gpupin_region *pin)
+{
+	gpupin_pin_release_pages(pin, GPUPIN_PIN_PINNED);
+	gpupin_pin_unaccount(f, pin);
+	gpupin_dbg("pin %llu released\n", pin->handle);
+	gpupin_pin_put(pin);
+}
+
+void gpupin_file_release_pins(struct gpupin_file *f)
+{
+	struct gpupin_region *pin;
+	unsigned long idx;
+
+	xa_for_each(&f->pins, idx, pin) {
+		mutex_lock(&f->lock);
+		xa_erase(&f->pins, idx);
+		mutex_unlock(&f->lock);
+		gpupin_pin_destroy(f, pin);
+		cond_resched();
+	}
+}
+
+static int gpupin_check_table(struct gpupin_region *pin)
+{
+	struct nvidia_p2p_page_table *pt = pin->pt;
+
+	if (!NVIDIA_P2P_PAGE_TABLE_VERSION_COMPATIBLE(pt)) {
+		pr_warn_ratelimited("incompatible page table version 0x%08x\n", pt->version);
+		return -EPROTO;
+	}
+	if (pt->page_size != NVIDIA_P2P_PAGE_SIZE_64KB) {
+		pr_warn_ratelimited("unsupported GPU page size type %u\n", pt->page_size);
+		return -EOPNOTSUPP;
+	}
+	if (pt->entries != pin->aligned_size >> GPU_BOUND_SHIFT) {
+		pr_warn_ratelimited("page table has %u entries for %llu bytes\n",
+				    pt->entries, pin->aligned_size);
+		return -EPROTO;
+	}
+	return 0;
+}
+
+/* Reserve @size bytes of the module-wide budget; -ENOSPC past it. */
+static int gpupin_budget_get(u64 size)
+{
+	unsigned long max = READ_ONCE(gpupin_max_pinned_bytes);
+	s64 now = atomic64_add_return(size, &gpupin_pinned_bytes);
+
+	if (max && now > max) {
+		atomic64_sub(size, &gpupin_pinned_bytes);
+		return -ENOSPC;
+	}
+	return 0;
+}
+
+static int gpupin_pin_validate(struct gpupin_pin *arg)
+{
+	u64 end, aligned_end;
+
+	if ((arg->flags & ~GPUPIN_PIN_FLAGS_ALL) || arg->pad ||
+	    arg->reserved[0] || arg->reserved[1])
+		return -EINVAL;
+	if (!arg->size || check_add_overflow(arg->va, arg->size, &end) ||
+	    check_add_overflow(end, GPU_BOUND_SIZE - 1, &aligned_end))
+		return -EINVAL;
+	aligned_end &= GPU_BOUND_MASK;
+	arg->aligned_va = arg->va & GPU_BOUND_MASK;
+	arg->aligned_size = aligned_end - arg->aligned_va;
+	if ((arg->aligned_size >> GPU_BOUND_SHIFT) > U32_MAX)
+		return -EINVAL;
+	return 0;
+}
+
+static struct gpupin_region *gpupin_pin_alloc(struct gpupin_file *f, const struct gpupin_pin *arg)
+{
+	struct gpupin_region *pin;
+
+	pin = kzalloc(sizeof(*pin), GFP_KERNEL);
+	if (!pin)
+		return NULL;
+	pin->ev = kzalloc(sizeof(*pin->ev), GFP_KERNEL);
+	if (!pin->ev) {
+		kfree(pin);
+		return NULL;
+	}
+	kref_init(&pin->ref);
+	spin_lock_init(&pin->lock);
+	init_waitqueue_head(&pin->wq);
+	INIT_LIST_HEAD(&pin->maps);
+	pin->file = f;
+	pin->va = arg->va;
+	pin->size = arg->size;
+	pin->aligned_va = arg->aligned_va;
+	pin->aligned_size = arg->aligned_size;
+	pin->user_tag = arg->user_tag;
+	pin->state = GPUPIN_PIN_PINNING;
+	return pin;
+}
+
+/* Reserve a handle, a validity slot and a place in the per-file count. */
+static int gpupin_pin_account(struct gpupin_file *f, struct gpupin_region *pin)
+{
+	int slot, ret = 0;
+
+	mutex_lock(&f->lock);
+	if (f->nr_pins >= f->nr_slots) {
+		ret = -ENOSPC;
+		goto out;
+	}
+	slot = ida_alloc_max(&f->slots, f->nr_slots - 1, GFP_KERNEL);
+	if (slot < 0) {
+		ret = slot;
+		goto out;
+	}
+	pin->slot = slot;
+	pin->handle = ++f->next_handle;
+	f->nr_pins++;
+out:
+	mutex_unlock(&f->lock);
+	return ret;
+}
+
+/* PINNING -> PINNED and valid in the map, unless the callback came first. */
+static bool gpupin_pin_mark_pinned(struct gpupin_file *f, struct gpupin_region *pin)
+{
+	bool ok;
+
+	spin_lock(&pin->lock);
+	ok = pin->state == GPUPIN_PIN_PINNING;
+	if (ok) {
+		WRITE_ONCE(f->vmap[pin->slot], pin->handle);
+		pin->state = GPUPIN_PIN_PINNED;
+	}
+	spin_unlock(&pin->lock);
+	return ok;
+}
+
+static void gpupin_pin_fill(struct gpupin_pin *arg, const struct gpupin_region *pin)
+{
+	arg->handle = pin->handle;
+	arg->page_size = GPU_BOUND_SIZE;
+	arg->entries = pin->pt->entries;
+	if (pin->pt->gpu_uuid)
+		memcpy(arg->gpu_uuid, pin->pt->gpu_uuid, sizeof(arg->gpu_uuid));
+	else
+		memset(arg->gpu_uuid, 0, sizeof(arg->gpu_uuid));
+	arg->slot = pin->slot;
+	arg->pin_flags = pin->flags;
+	arg->valid_word = pin->handle;
+}
+
+long gpupin_ioctl_pin(struct gpupin_file *f, struct gpupin_pin __user *uarg)
+{
+	struct gpupin_pin arg;
+	struct gpupin_region *pin;
+	bool persistent;
+	int ret;
+
+	if (copy_from_user(&arg, uarg, sizeof(arg)))
+		return -EFAULT;
+	ret = gpupin_pin_validate(&arg);
+	if (ret)
+		return ret;
+	if (!gpupin_caller_owns(f))
+		return -EACCES;
+	persistent = (arg.flags & GPUPIN_PIN_PERSISTENT) || READ_ONCE(gpupin_default_persistent);
+	if (persistent && !(gpupin_caps & GPUPIN_CAP_PERSISTENT))
+		return -EOPNOTSUPP;
+
+	pin = gpupin_pin_alloc(f, &arg);
+	if (!pin)
+		return -ENOMEM;
+	pin->flags = persistent ? GPUPIN_PIN_PERSISTENT : 0;
+	ret = gpupin_budget_get(pin->aligned_size);
+	if (ret)
+		goto err_free;
+	ret = gpupin_pin_account(f, pin);
+	if (ret)
+		goto err_budget;
+
+#ifdef NVIDIA_P2P_CAP_GET_PAGES_PERSISTENT_API
+	if (persistent)
+		ret = nvidia_p2p_get_pages_persistent(pin->aligned_va, pin->aligned_size,
+						      &pin->pt, 0);
+	else
+#endif
+		ret = nvidia_p2p_get_pages(0, 0, pin->aligned_va, pin->aligned_size,
+					   &pin->pt, gpupin_free_callback, pin);
+	if (ret) {
+		gpupin_dbg("get_pages failed: %d\n", ret);
+		goto err_unaccount;
+	}
+	ret = gpupin_check_table(pin);
+	if (!ret && !gpupin_pin_mark_pinned(f, pin))
+		ret = -ENXIO;	/* the memory was freed while we pinned it */
+	if (ret) {
+		gpupin_pin_release_pages(pin, GPUPIN_PIN_PINNING);
+		goto err_unaccount;
+	}
+	mutex_lock(&f->lock);
+	ret = xa_insert(&f->pins, pin->handle, pin, GFP_KERNEL);
+	mutex_unlock(&f->lock);
+	if (ret) {
+		gpupin_pin_destroy(f, pin);
+		return ret;
+	}
+
+	gpupin_pin_fill(&arg, pin);
+	if (copy_to_user(uarg, &arg, sizeof(arg))) {
+		/* Nobody learnt the handle: undo the pin. */
+		mutex_lock(&f->lock);
+		xa_erase(&f->pins, pin->handle);
+		mutex_unlock(&f->lock);
+		gpupin_pin_destroy(f, pin);
+		return -EFAULT;
+	}
+	gpupin_dbg("pin %llu: %llu bytes\n", pin->handle, pin->aligned_size);
+	return 0;
+
+err_unaccount:
+	gpupin_pin_unaccount(f, pin);
+err_budget:
+	atomic64_sub(pin->aligned_size, &gpupin_pinned_bytes);
+err_free:
+	gpupin_pin_put(pin);
+	return ret;
+}
+
+long gpupin_ioctl_unpin(struct gpupin_file *f, struct gpupin_unpin __user *uarg)
+{
+	struct gpupin_unpin arg;
+	struct gpupin_region *pin = NULL;
+
+	if (copy_from_user(&arg, uarg, sizeof(arg)))
+		return -EFAULT;
+	if (arg.flags || arg.pad)
+		return -EINVAL;
+	if (!gpupin_caller_owns(f))
+		return -EACCES;
+	if (arg.handle <= ULONG_MAX) {
+		mutex_lock(&f->lock);
+		pin = xa_erase(&f->pins, arg.handle);
+		mutex_unlock(&f->lock);
+	}
+	if (!pin)
+		return -ENOENT;
+	gpupin_pin_destroy(f, pin);
+	return 0;
+}
+
+long gpupin_ioctl_query(struct gpupin_file *f, struct gpupin_query __user *uarg)
+{
+	struct gpupin_query arg;
+	struct gpupin_region *pin;
+
+	if (copy_from_user(&arg, uarg, sizeof(arg)))
+		return -EFAULT;
+	if (arg.flags || arg.pad || arg.reserved[0] || arg.reserved[1])
+		return -EINVAL;
+	pin = gpupin_pin_lookup(f, arg.handle);
+	if (!pin)
+		return -ENOENT;
+	arg.va = pin->va;
+	arg.size = pin->size;
+	arg.aligned_va = pin->aligned_va;
+	arg.aligned_size = pin->aligned_size;
+	arg.user_tag = pin->user_tag;
+	arg.pin_flags = pin->flags;
+	arg.slot = pin->slot;
+	arg.page_size = GPU_BOUND_SIZE;
+	arg.entries = pin->aligned_size >> GPU_BOUND_SHIFT;
+	spin_lock(&pin->lock);
+	arg.state = pin->state == GPUPIN_PIN_PINNED ? GPUPIN_STATE_PINNED :
+						      GPUPIN_STATE_INVALIDATED;
+	arg.dma_mappings = gpupin_map_count_locked(pin);
+	spin_unlock(&pin->lock);
+	gpupin_pin_put(pin);
+	return copy_to_user(uarg, &arg, sizeof(arg)) ? -EFAULT : 0;
+}
+
+long gpupin_ioctl_get_pages(struct gpupin_file *f, struct gpupin_get_pages __user *uarg)
+{
+	struct gpupin_get_pages arg;
+	struct gpupin_region *pin;
+	u64 *addrs;
+	u32 i;
+	int ret;
+
+	/* Physical addresses are for the administrator only. */
+	if (!capable(CAP_SYS_ADMIN))
+		return -EPERM;
+	if (copy_from_user(&arg, uarg, sizeof(arg)))
+		return -EFAULT;
+	if (arg.flags || arg.pad || arg.reserved[0] || arg.reserved[1] || !arg.count)
+		return -EINVAL;
+	pin = gpupin_pin_lookup(f, arg.handle);
+	if (!pin)
+		return -ENOENT;
+	ret = -EINVAL;
+	if (arg.first >= pin->aligned_size >> GPU_BOUND_SHIFT ||
+	    arg.count > (pin->aligned_size >> GPU_BOUND_SHIFT) - arg.first)
+		goto out_put;
+	ret = -ENOMEM;
+	addrs = kvmalloc_array(arg.count, sizeof(*addrs), GFP_KERNEL);
+	if (!addrs)
+		goto out_put;
+	/* Copy under "use" only: the callback must never wait for a fault. */
+	ret = gpupin_pin_use(pin);
+	if (!ret) {
+		for (i = 0; i < arg.count; i++)
+			addrs[i] = pin->pt->pages[arg.first + i]->physical_address;
+		gpupin_pin_unuse(pin);
+		if (copy_to_user(u64_to_user_ptr(arg.addrs), addrs,
+				 array_size(arg.count, sizeof(*addrs))))
+			ret = -EFAULT;
+	}
+	kvfree(addrs);
+out_put:
+	gpupin_pin_put(pin);
+	return ret;
+}

@@ -1,0 +1,121 @@
+/* SPDX-License-Identifier: (GPL-2.0 OR MIT) */
+/*
+ * nvp2p_sim internals: a simulated GPU whose memory is host pages, and an
+ * implementation of the nv-p2p API over it.
+ *
+ * Locking, outermost first:
+ *   sim_big_lock (mutex)  - stands for the GPU driver's own lock: held by
+ *                           get_pages/put_pages and while free callbacks run,
+ *                           so a client that holds one of its locks across
+ *                           those calls and takes it in its callback
+ *                           deadlocks here as it would on real hardware.
+ *   ctx->lock (mutex)     - one context's allocation list (alloc/free/rw).
+ *   sim_lock (spinlock)   - the context list, the pin registry, every pin's
+ *                           state and mapping list, and the counters.  Never
+ *                           held across a callback or a sleeping call.
+ */
+#ifndef _NVP2P_SIM_H
+#define _NVP2P_SIM_H
+
+#include <linux/completion.h>
+#include <linux/kref.h>
+#include <linux/list.h>
+#include <linux/mutex.h>
+#include <linux/pid.h>
+#include <linux/refcount.h>
+#include <linux/spinlock.h>
+#include <linux/types.h>
+#include <linux/workqueue.h>
+#include <nv-p2p.h>
+#include "../../include/uapi/nvp2p_sim.h"
+
+#define SIM_PAGE_SHIFT 16
+#define SIM_PAGE_SIZE (1ULL << SIM_PAGE_SHIFT)
+#define SIM_CHUNK_ORDER (SIM_PAGE_SHIFT - PAGE_SHIFT)
+
+extern struct mutex sim_big_lock;
+extern spinlock_t sim_lock;
+
+/* Module parameters (sim_main.c) */
+extern unsigned long sim_bar_size;
+extern unsigned int sim_pin_latency_us;
+extern int sim_fail_nth;
+extern int sim_fail_errno;
+extern bool sim_race_put_pages;
+extern unsigned int sim_page_table_version;
+extern u8 sim_gpu_uuid[NVIDIA_P2P_GPU_UUID_LEN];
+
+/* Counters, under sim_lock. */
+extern struct nvp2p_sim_stats sim_stats;
+
+/* One open of /dev/nvp2p_sim: a simulated CUDA context. */
+struct sim_ctx {
+	struct list_head node;		/* sim_ctxs, under sim_lock */
+	struct pid *owner;		/* thread group that opened it */
+	u64 va_base;
+	u64 va_limit;
+	struct mutex lock;		/* serialises alloc/free/rw */
+	struct list_head allocs;	/* sorted by va, under sim_lock */
+};
+
+/* One simulated device allocation, backed by 64 KiB host chunks. */
+struct sim_alloc {
+	struct kref ref;		/* context list + each pin on it */
+	struct list_head node;		/* ctx->allocs, under sim_lock */
+	u64 va;
+	u64 size;
+	u64 buffer_id;
+	unsigned long nchunks;
+	struct page **chunks;
+	struct list_head pins;		/* callback pins, under sim_lock */
+};
+
+enum sim_pin_state {
+	SIM_PIN_LIVE,		/* pinned, callback armed */
+	SIM_PIN_CALLBACK,	/* callback claimed: running or about to */
+	SIM_PIN_DONE,		/* released, no longer in the registry */
+};
+
+/* One get_pages: the page table handed to the client lives inside. */
+struct sim_pin {
+	struct nvidia_p2p_page_table pt;
+	struct nvidia_p2p_page *page_array;
+	struct nvidia_p2p_page **pages;
+	struct hlist_node hnode;	/* registry by &pt, under sim_lock */
+	struct list_head node;		/* alloc->pins, under sim_lock */
+	struct sim_alloc *alloc;	/* holds a reference */
+	u64 va;
+	u64 len;
+	bool persistent;
+	bool table_freed;		/* client called free_page_table */
+	enum sim_pin_state state;	/* under sim_lock */
+	void (*free_callback)(void *data);
+	void *data;
+	struct task_struct *cb_task;	/* running the callback */
+	struct completion cb_done;
+	struct work_struct race_work;	/* race_put_pages injection */
+	refcount_t refs;		/* registry + temporary users */
+	struct list_head maps;		/* sim_map, under sim_lock */
+};
+
+struct sim_map {
+	struct nvidia_p2p_dma_mapping m;
+	struct list_head node;		/* pin->maps */
+	struct sim_pin *pin;
+	struct device *dev;
+};
+
+const char *nvp2p_sim_provider(void);
+
+/* sim_p2p.c */
+struct sim_pin *sim_pin_lookup_locked(struct nvidia_p2p_page_table *pt);
+void sim_pin_put(struct sim_pin *pin);
+void sim_run_callbacks(struct list_head *claimed);
+
+/* sim_mem.c */
+void sim_alloc_put(struct sim_alloc *alloc);
+struct sim_alloc *sim_find_alloc_locked(u64 va, u64 len, int *err);
+int sim_chardev_init(void);
+void sim_chardev_exit(void);
+
+#endif /* _NVP2P_SIM_H */

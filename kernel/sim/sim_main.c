@@ -1,0 +1,80 @@
+// SPDX-License-Identifier: (GPL-2.0 OR MIT)
+/*
+ * nvp2p_sim: module parameters, counters, and module load/unload.
+ *
+ * The simulator implements NVIDIA's nv-p2p kernel API over host memory so
+ * gpupin.ko runs unchanged on machines without a GPU (see sim_p2p.c), and
+ * gives user space a simulated GPU to allocate from (see sim_mem.c).
+ */
+#define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
+
+#include <linux/module.h>
+#include <linux/moduleparam.h>
+#include <linux/random.h>
+#include "sim.h"
+
+DEFINE_MUTEX(sim_big_lock);
+DEFINE_SPINLOCK(sim_lock);
+struct nvp2p_sim_stats sim_stats;
+u8 sim_gpu_uuid[NVIDIA_P2P_GPU_UUID_LEN];
+
+unsigned long sim_bar_size = 256UL << 20;
+module_param_named(bar_size, sim_bar_size, ulong, 0644);
+MODULE_PARM_DESC(bar_size, "Simulated BAR1 size in bytes; pins beyond it fail with -ENOMEM (default 256 MiB)");
+
+unsigned int sim_pin_latency_us;
+module_param_named(pin_latency_us, sim_pin_latency_us, uint, 0644);
+MODULE_PARM_DESC(pin_latency_us, "Extra latency of each get_pages call in microseconds (default 0)");
+
+int sim_fail_nth;
+module_param_named(fail_nth, sim_fail_nth, int, 0644);
+MODULE_PARM_DESC(fail_nth, "Fail the Nth get_pages call from now with -fail_errno, then reset to 0 (0 = off)");
+
+int sim_fail_errno = ENOMEM;
+module_param_named(fail_errno, sim_fail_errno, int, 0644);
+MODULE_PARM_DESC(fail_errno, "Positive errno returned by the injected failure (default ENOMEM)");
+
+bool sim_race_put_pages;
+module_param_named(race_put_pages, sim_race_put_pages, bool, 0644);
+MODULE_PARM_DESC(race_put_pages, "Fire the free callback concurrently with every put_pages (default off)");
+
+unsigned int sim_page_table_version = NVIDIA_P2P_PAGE_TABLE_VERSION;
+module_param_named(page_table_version, sim_page_table_version, uint, 0644);
+MODULE_PARM_DESC(page_table_version, "Version reported in page tables, to test clients' version checks");
+
+/*
+ * gpupin looks this up with symbol_get() to tell the simulator from the real
+ * driver; it is not part of the nv-p2p API.
+ */
+const char *nvp2p_sim_provider(void)
+{
+	return "nvp2p_sim";
+}
+EXPORT_SYMBOL_GPL(nvp2p_sim_provider);
+
+static int __init nvp2p_sim_init(void)
+{
+	int ret;
+
+	get_random_bytes(sim_gpu_uuid, sizeof(sim_gpu_uuid));
+	ret = sim_chardev_init();
+	if (ret)
+		return ret;
+	pr_info("simulated GPU ready, BAR %lu MiB\n", sim_bar_size >> 20);
+	return 0;
+}
+
+static void __exit nvp2p_sim_exit(void)
+{
+	sim_chardev_exit();
+	/* Clients hold a module reference while they use our symbols. */
+	WARN_ON(sim_stats.page_tables || sim_stats.allocations);
+}
+
+module_init(nvp2p_sim_init);
+module_exit(nvp2p_sim_exit);
+
+MODULE_LICENSE("Dual MIT/GPL");
+MODULE_DESCRIPTION("Simulator of the NVIDIA nv-p2p kernel API over host memory");
+MODULE_AUTHOR("gpupin developers");
+MODULE_VERSION("0.1");
