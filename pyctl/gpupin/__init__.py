@@ -1,0 +1,33 @@
+"""gpupin: pin NVIDIA GPU memory for third-party devices.
+
+``Device`` wraps /dev/gpupin (gpupin.ko); ``SimMemory`` and ``CudaMemory``
+provide device memory; ``gpupin.kmod`` loads the modules.
+"""
+
+from __future__ import annotations
+
+from .device import ABI_VERSION, GPU_PAGE_SIZE, Device, DmaMapping, Event, Info, Pin, PinState
+from .errors import (
+    AbiMismatch,
+    BarExhausted,
+    BudgetExceeded,
+    DriverNotLoaded,
+    GpupinError,
+    InvalidArgument,
+    ModuleError,
+    NotGpuMemory,
+    PermissionDenied,
+    PinInvalidated,
+    UnknownHandle,
+)
+from .memory import AllocationRange, MemoryProvider
+from .sim import SimMemory, SimStats, sim_stats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ABI_VERSION", "GPU_PAGE_SIZE", "AbiMismatch", "AllocationRange", "BarExhausted",
+    "BudgetExceeded", "Device", "DmaMapping", "DriverNotLoaded", "Event", "GpupinError", "Info",
+    "InvalidArgument", "MemoryProvider", "ModuleError", "NotGpuMemory", "PermissionDenied", "Pin",
+    "PinInvalidated", "PinState", "SimMemory", "SimStats", "UnknownHandle", "sim_stats",
+]

@@ -1,0 +1,20 @@
+"""Access to the compiled cffi extension, with a clear error if it is missing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import GpupinError
+
+try:
+    from ._gpupin_cffi import ffi, lib  # type: ignore[import-not-found]
+except ImportError as exc:  # pragma: no cover - depends on the build
+    raise GpupinError(
+        "the gpupin C extension is not built: run 'make pyext' (or pip install .) "
+        f"in the gpupin source tree ({exc})"
+    ) from exc
+
+ffi: Any
+lib: Any
+
+__all__ = ["ffi", "lib"]

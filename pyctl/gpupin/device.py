@@ -1,0 +1,365 @@
+"""``/dev/gpupin``: one open file, its pins, its validity map and its events."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import select
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from ._native import ffi, lib
+from .errors import (
+    AbiMismatch,
+    DriverNotLoaded,
+    GpupinError,
+    InvalidArgument,
+    NotGpuMemory,
+    PermissionDenied,
+    from_errno,
+)
+
+DEFAULT_PATH = "/dev/gpupin"
+ABI_VERSION: int = lib.GPUPIN_ABI_VERSION
+GPU_PAGE_SIZE: int = lib.GPUPIN_GPU_PAGE_SIZE
+U64_MAX = (1 << 64) - 1
+
+STATE_NAMES = {lib.GPUPIN_STATE_PINNED: "pinned", lib.GPUPIN_STATE_INVALIDATED: "invalidated"}
+REASON_NAMES = {lib.GPUPIN_INVAL_FREED: "freed", lib.GPUPIN_INVAL_OVERFLOW: "overflow"}
+
+
+def _cstr(buf: Any) -> str:
+    return str(ffi.string(buf).decode(errors="replace"))
+
+
+def parse_pci(address: str) -> tuple[int, int, int]:
+    """``[domain:]bus:dev.fn`` (hex, as lspci prints) -> (domain, bus, devfn)."""
+    parts = address.strip().split(":")
+    try:
+        if len(parts) == 2:
+            parts = ["0", *parts]
+        if len(parts) != 3:
+            raise ValueError
+        dev, fn = parts[2].split(".")
+        domain, bus, d, f = int(parts[0], 16), int(parts[1], 16), int(dev, 16), int(fn, 16)
+    except ValueError:
+        raise InvalidArgument(
+            f"PCI address {address!r} is not [domain:]bus:device.function, e.g. 0000:00:03.0"
+        ) from None
+    if domain > 0xFFFF or bus > 0xFF or d > 0x1F or f > 7:
+        raise InvalidArgument(f"PCI address {address!r} is out of range")
+    return domain, bus, (d << 3) | f
+
+
+@dataclass(frozen=True)
+class Info:
+    abi_version: int
+    version: str
+    provider: str
+    caps: int
+    gpu_page_size: int
+    max_pinned_bytes: int
+    pinned_bytes: int
+    max_pins_per_file: int
+    file_pins: int
+    map_size: int
+
+    @property
+    def persistent(self) -> bool:
+        return bool(self.caps & lib.GPUPIN_CAP_PERSISTENT)
+
+    @property
+    def dma_map(self) -> bool:
+        return bool(self.caps & lib.GPUPIN_CAP_DMA_MAP)
+
+    @property
+    def simulator(self) -> bool:
+        return bool(self.caps & lib.GPUPIN_CAP_SIMULATOR)
+
+
+@dataclass(frozen=True)
+class PinState:
+    handle: int
+    state: str
+    va: int
+    size: int
+    aligned_va: int
+    aligned_size: int
+    user_tag: int
+    entries: int
+    dma_mappings: int
+    persistent: bool
+    slot: int
+
+
+@dataclass(frozen=True)
+class DmaMapping:
+    handle: int
+    mapping_id: int
+    entries: int
+    pci: str
+
+
+@dataclass(frozen=True)
+class Event:
+    """An invalidation record: the pin's memory was freed (or records were lost)."""
+
+    handle: int
+    user_tag: int
+    reason: str
+    slot: int
+
+
+class Pin:
+    """One pin of a :class:`Device`.  ``is_valid()`` is a single memory read."""
+
+    __slots__ = (
+        "device", "handle", "va", "size", "aligned_va", "aligned_size", "page_size",
+        "entries", "gpu_uuid", "slot", "valid_word", "persistent", "user_tag",
+    )
+
+    def __init__(self, device: Device, c: Any, va: int, size: int, user_tag: int) -> None:
+        self.device = device
+        self.handle: int = c.handle
+        self.va = va
+        self.size = size
+        self.user_tag = user_tag
+        self.aligned_va: int = c.aligned_va
+        self.aligned_size: int = c.aligned_size
+        self.page_size: int = c.page_size
+        self.entries: int = c.entries
+        self.gpu_uuid: bytes = bytes(ffi.buffer(c.gpu_uuid))
+        self.slot: int = c.slot
+        self.valid_word: int = c.valid_word
+        self.persistent = bool(c.pin_flags & lib.GPUPIN_PIN_PERSISTENT)
+
+    def is_valid(self) -> bool:
+        """True while the kernel has not invalidated or released the pin."""
+        return self.device._word(self.slot) == self.valid_word
+
+    def query(self) -> PinState:
+        return self.device.query(self.handle)
+
+    def unpin(self) -> None:
+        self.device.unpin(self.handle)
+
+    def __repr__(self) -> str:
+        return (f"Pin(handle={self.handle}, va={self.va:#x}, size={self.size}, "
+                f"aligned=[{self.aligned_va:#x}+{self.aligned_size:#x}], entries={self.entries})")
+
+
+class Device:
+    """An open ``/dev/gpupin``.  Each open file owns its pins; close releases them."""
+
+    def __init__(self, path: str = DEFAULT_PATH) -> None:
+        self.path = path
+        try:
+            self._fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise DriverNotLoaded(
+                f"{path} does not exist: load the module with 'gpupin load' "
+                "(or 'gpupin load --sim' without an NVIDIA GPU), or 'modprobe gpupin'"
+            ) from None
+        except PermissionError:
+            raise PermissionDenied(
+                f"cannot open {path}: add this user to the 'gpupin' group or run as root",
+                errno.EACCES,
+            ) from None
+        self._map: mmap.mmap | None = None
+        self._words: memoryview | None = None
+        self._lock = threading.Lock()
+        try:
+            info = self.info()
+        except BaseException:
+            os.close(self._fd)
+            self._fd = -1
+            raise
+        if info.abi_version != ABI_VERSION:
+            self.close()
+            raise AbiMismatch(
+                f"{path} speaks ABI {info.abi_version}, this package was built for "
+                f"{ABI_VERSION}: rebuild the package or load the matching module"
+            )
+
+    # -- plumbing -----------------------------------------------------------
+    def fileno(self) -> int:
+        if self._fd < 0:
+            raise GpupinError(f"{self.path} is closed")
+        return self._fd
+
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0
+
+    def close(self) -> None:
+        """Close the file: the kernel releases every pin it holds."""
+        if self._words is not None:
+            self._words.release()
+            self._words = None
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> Device:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: S110 - best effort at interpreter teardown
+            pass
+
+    def _call(self, cmd: int, arg: Any, name: str, desc: str = "", **kw: Any) -> None:
+        ret = lib.gpupin_call(self.fileno(), cmd, arg)
+        if ret < 0:
+            raise from_errno(-ret, name, desc, **kw)
+
+    def _word(self, slot: int) -> int:
+        words = self._words
+        if words is None:
+            words = self._map_words()
+        return int(words[slot])
+
+    def _map_words(self) -> memoryview:
+        with self._lock:
+            if self._words is None:
+                size = self.info().map_size
+                self._map = mmap.mmap(self.fileno(), size, mmap.MAP_SHARED, mmap.PROT_READ)
+                self._words = memoryview(self._map).cast("Q")
+            return self._words
+
+    # -- ioctls --------------------------------------------------------------
+    def info(self) -> Info:
+        c = ffi.new("struct gpupin_info *")
+        self._call(lib.GPUPIN_IOC_INFO, c, "INFO")
+        return Info(
+            abi_version=c.abi_version, version=_cstr(c.version), provider=_cstr(c.provider),
+            caps=c.caps, gpu_page_size=c.gpu_page_size, max_pinned_bytes=c.max_pinned_bytes,
+            pinned_bytes=c.pinned_bytes, max_pins_per_file=c.max_pins_per_file,
+            file_pins=c.file_pins, map_size=c.map_size,
+        )
+
+    def pin(self, va: int, size: int, *, persistent: bool = False, user_tag: int = 0) -> Pin:
+        """Pin [va, va + size), widened to 64 KiB GPU pages."""
+        if size <= 0:
+            raise InvalidArgument(f"PIN(va={va:#x}, size={size}): size must be > 0")
+        if va < 0 or va + size - 1 > U64_MAX or not 0 <= user_tag <= U64_MAX:
+            raise InvalidArgument(f"PIN(va={va:#x}, size={size}): range outside 64-bit space")
+        c = ffi.new("struct gpupin_pin *")
+        c.va, c.size, c.user_tag = va, size, user_tag
+        c.flags = lib.GPUPIN_PIN_PERSISTENT if persistent else 0
+        desc = f"va={va:#x}, size={size}"
+        ret = lib.gpupin_call(self.fileno(), lib.GPUPIN_IOC_PIN, c)
+        if ret == -errno.EINVAL:
+            # The arguments passed our checks, so the provider refused the range.
+            raise from_errno(errno.EINVAL, "PIN", desc, cls=NotGpuMemory, hint=(
+                "the range is not GPU memory allocated by this process (or spans allocations)"))
+        if ret < 0:
+            raise from_errno(-ret, "PIN", desc)
+        if self._words is None:
+            self._map_words()
+        return Pin(self, c, va, size, user_tag)
+
+    def unpin(self, handle: int | Pin) -> None:
+        h = handle.handle if isinstance(handle, Pin) else handle
+        c = ffi.new("struct gpupin_unpin *")
+        c.handle = _u64(h, "handle")
+        self._call(lib.GPUPIN_IOC_UNPIN, c, "UNPIN", f"handle={h}")
+
+    def query(self, handle: int | Pin) -> PinState:
+        h = handle.handle if isinstance(handle, Pin) else handle
+        c = ffi.new("struct gpupin_query *")
+        c.handle = _u64(h, "handle")
+        self._call(lib.GPUPIN_IOC_QUERY, c, "QUERY", f"handle={h}")
+        return PinState(
+            handle=h, state=STATE_NAMES.get(c.state, str(c.state)), va=c.va, size=c.size,
+            aligned_va=c.aligned_va, aligned_size=c.aligned_size, user_tag=c.user_tag,
+            entries=c.entries, dma_mappings=c.dma_mappings,
+            persistent=bool(c.pin_flags & lib.GPUPIN_PIN_PERSISTENT), slot=c.slot,
+        )
+
+    def get_pages(self, handle: int | Pin, first: int = 0, count: int | None = None) -> list[int]:
+        """Physical addresses of the pin's 64 KiB pages (needs CAP_SYS_ADMIN)."""
+        h = handle.handle if isinstance(handle, Pin) else handle
+        if count is None:
+            count = self.query(h).entries - first
+        if count <= 0 or first < 0:
+            raise InvalidArgument(f"GET_PAGES(handle={h}, first={first}, count={count}): empty range")
+        out = ffi.new("__u64[]", count)
+        c = ffi.new("struct gpupin_get_pages *")
+        c.handle, c.first, c.count = _u64(h, "handle"), first, count
+        c.addrs = int(ffi.cast("uintptr_t", out))
+        self._call(lib.GPUPIN_IOC_GET_PAGES, c, "GET_PAGES", f"handle={h}, first={first}, count={count}")
+        return list(out)
+
+    def dma_map(self, handle: int | Pin, pci: str) -> DmaMapping:
+        """Map the pin's pages for DMA by the PCI device ``pci`` (e.g. '0000:00:03.0')."""
+        h = handle.handle if isinstance(handle, Pin) else handle
+        domain, bus, devfn = parse_pci(pci)
+        c = ffi.new("struct gpupin_dma_map *")
+        c.handle, c.pci_domain, c.pci_bus, c.pci_devfn = _u64(h, "handle"), domain, bus, devfn
+        self._call(lib.GPUPIN_IOC_DMA_MAP, c, "DMA_MAP", f"handle={h}, pci={pci}")
+        return DmaMapping(handle=h, mapping_id=c.mapping_id, entries=c.entries, pci=pci)
+
+    def dma_addrs(self, mapping: DmaMapping, first: int = 0, count: int | None = None) -> list[int]:
+        """Bus addresses of a DMA mapping's entries (needs CAP_SYS_ADMIN)."""
+        if count is None:
+            count = mapping.entries - first
+        if count <= 0 or first < 0:
+            raise InvalidArgument(f"DMA_ADDRS(first={first}, count={count}): empty range")
+        out = ffi.new("__u64[]", count)
+        c = ffi.new("struct gpupin_dma_addrs *")
+        c.handle, c.mapping_id, c.first, c.count = mapping.handle, mapping.mapping_id, first, count
+        c.addrs = int(ffi.cast("uintptr_t", out))
+        self._call(lib.GPUPIN_IOC_DMA_ADDRS, c, "DMA_ADDRS",
+                   f"handle={mapping.handle}, mapping={mapping.mapping_id}")
+        return list(out)
+
+    def dma_unmap(self, mapping: DmaMapping) -> None:
+        c = ffi.new("struct gpupin_dma_unmap *")
+        c.handle, c.mapping_id = mapping.handle, mapping.mapping_id
+        self._call(lib.GPUPIN_IOC_DMA_UNMAP, c, "DMA_UNMAP",
+                   f"handle={mapping.handle}, mapping={mapping.mapping_id}")
+
+    # -- invalidation records ------------------------------------------------
+    def read_events(self) -> list[Event]:
+        """Invalidation records queued now (never blocks)."""
+        size = ffi.sizeof("struct gpupin_event")
+        out: list[Event] = []
+        os.set_blocking(self.fileno(), False)
+        try:
+            while True:
+                try:
+                    data = os.read(self.fileno(), size * 64)
+                except BlockingIOError:
+                    break
+                buf = ffi.from_buffer("struct gpupin_event[]", data)
+                for i in range(len(data) // size):
+                    e = buf[i]
+                    out.append(Event(e.handle, e.user_tag, REASON_NAMES.get(e.reason, str(e.reason)), e.slot))
+        finally:
+            os.set_blocking(self.fileno(), True)
+        return out
+
+    def wait_invalidations(self, timeout: float | None = None) -> list[Event]:
+        """Wait up to ``timeout`` seconds (None: forever) for invalidation records."""
+        poller = select.poll()
+        poller.register(self.fileno(), select.POLLIN)
+        ms = None if timeout is None else max(0, int(timeout * 1000))
+        if not poller.poll(ms):
+            return []
+        return self.read_events()
+
+
+def _u64(value: int, name: str) -> int:
+    if not 0 <= value <= U64_MAX:
+        raise InvalidArgument(f"{name}={value} is not a 64-bit unsigned value")
+    return value

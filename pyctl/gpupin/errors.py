@@ -1,0 +1,100 @@
+"""The gpupin exception hierarchy.
+
+Every error raised by the package derives from :class:`GpupinError`.  Errors
+from the kernel are chosen by errno and name the call and its argument, and
+say what to do about it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+
+class GpupinError(Exception):
+    """Base class of every gpupin error.  ``errno`` is set when the kernel said it."""
+
+    errno: int | None = None
+
+    def __init__(self, message: str, err: int | None = None) -> None:
+        super().__init__(message)
+        if err is not None:
+            self.errno = err
+
+
+class InvalidArgument(GpupinError):
+    """An argument was rejected (EINVAL): bad flags, sizes, alignment or reserved fields."""
+
+
+class NotGpuMemory(InvalidArgument):
+    """The address is not device memory that this process may pin."""
+
+
+class UnknownHandle(GpupinError):
+    """No pin (or DMA mapping) with that handle exists in this file (ENOENT)."""
+
+
+class PinInvalidated(GpupinError):
+    """The GPU memory under the pin was freed; unpin it and pin again (ENXIO)."""
+
+
+class BarExhausted(GpupinError):
+    """The GPU's BAR space is full (ENOMEM from the provider): unpin something."""
+
+
+class BudgetExceeded(GpupinError):
+    """gpupin's own limit (max_pinned_bytes or max_pins_per_file) was reached (ENOSPC)."""
+
+
+class PermissionDenied(GpupinError):
+    """EPERM/EACCES: the call needs CAP_SYS_ADMIN, or the file belongs to another process."""
+
+
+class DriverNotLoaded(GpupinError):
+    """The kernel module (or the CUDA driver) is not loaded."""
+
+
+class AbiMismatch(GpupinError):
+    """The loaded module speaks another ABI version than this package was built for."""
+
+
+class ModuleError(GpupinError):
+    """Loading or unloading a kernel module failed."""
+
+
+_HINTS = {
+    errno.EINVAL: "check the arguments (flags and reserved fields must be 0, size > 0)",
+    errno.ENOENT: "the handle is not (or no longer) a pin of this file",
+    errno.ENXIO: "the GPU memory was freed: unpin the handle and pin again",
+    errno.ENOMEM: "the GPU BAR is exhausted: unpin unused regions and retry",
+    errno.ENOSPC: "gpupin's budget is used up: unpin, or raise max_pinned_bytes/max_pins_per_file",
+    errno.EPERM: "this needs CAP_SYS_ADMIN (run as root)",
+    errno.EACCES: "this file was opened by another process: open /dev/gpupin in this one",
+    errno.ENODEV: "no such PCI device",
+    errno.ENOTTY: "the module does not know this command: is it the version this package expects?",
+    errno.EPROTO: "the provider returned a page table or mapping of an unsupported version",
+    errno.EOPNOTSUPP: "the provider does not support this (persistent pins need R535.43+)",
+}
+
+_CLASSES: dict[int, type[GpupinError]] = {
+    errno.EINVAL: InvalidArgument,
+    errno.ENOENT: UnknownHandle,
+    errno.ENXIO: PinInvalidated,
+    errno.ENOMEM: BarExhausted,
+    errno.ENOSPC: BudgetExceeded,
+    errno.EPERM: PermissionDenied,
+    errno.EACCES: PermissionDenied,
+}
+
+
+def from_errno(
+    err: int, call: str, arg: str = "", cls: type[GpupinError] | None = None, hint: str | None = None
+) -> GpupinError:
+    """Build the exception for a failed kernel call: ``err`` is a positive errno."""
+    klass = cls or _CLASSES.get(err, GpupinError)
+    what = f"{call}({arg})" if arg else call
+    hint = hint or _HINTS.get(err, "")
+    msg = f"{what} failed: {os.strerror(err)} [{errno.errorcode.get(err, err)}]"
+    if hint:
+        msg += f"; {hint}"
+    return klass(msg, err)

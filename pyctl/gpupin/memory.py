@@ -1,0 +1,56 @@
+"""Memory providers: where device memory comes from and what it is.
+
+A provider answers, for a device pointer, the allocation that holds it (base
+and size) and its buffer id, which changes whenever the allocation is freed
+and another takes its place.  The registration cache and the tests use only
+this interface; :class:`gpupin.sim.SimMemory` and
+:class:`gpupin.cuda.CudaMemory` implement it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class AllocationRange:
+    """The allocation holding a pointer: [base, base + size), with its buffer id."""
+
+    base: int
+    size: int
+    buffer_id: int
+
+
+@runtime_checkable
+class MemoryProvider(Protocol):
+    """What gpupin needs to know about device memory."""
+
+    name: str
+
+    def range_of(self, ptr: int) -> AllocationRange:
+        """The allocation containing ``ptr``; NotGpuMemory if there is none."""
+        ...
+
+    def buffer_id(self, ptr: int) -> int:
+        """The buffer id of the allocation containing ``ptr``; NotGpuMemory if none."""
+        ...
+
+    def is_device_memory(self, ptr: int) -> bool:
+        ...
+
+    def enable_sync_memops(self, ptr: int) -> None:
+        """Make DMA through a pin coherent with the GPU's own writes (SYNC_MEMOPS)."""
+        ...
+
+    def alloc(self, size: int) -> int:
+        ...
+
+    def free(self, ptr: int) -> None:
+        ...
+
+    def write(self, ptr: int, data: bytes) -> None:
+        ...
+
+    def read(self, ptr: int, size: int) -> bytes:
+        ...

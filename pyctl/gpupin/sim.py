@@ -1,0 +1,182 @@
+"""``SimMemory``: simulated GPU memory from ``/dev/nvp2p_sim`` (the nvp2p_sim module)."""
+
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ._native import ffi, lib
+from .errors import DriverNotLoaded, InvalidArgument, NotGpuMemory, from_errno
+from .memory import AllocationRange
+
+SIM_PATH = "/dev/nvp2p_sim"
+SIM_PARAMS = "/sys/module/nvp2p_sim/parameters"
+
+
+@dataclass(frozen=True)
+class SimStats:
+    """The simulator's counters: all zero when nothing is pinned or allocated."""
+
+    pinned_pages: int
+    bar_bytes: int
+    live_callbacks: int
+    page_tables: int
+    dma_mappings: int
+    allocations: int
+    alloc_bytes: int
+    get_pages_calls: int
+    callbacks_run: int
+    tables_not_freed: int
+    mappings_not_freed: int
+
+    def leaks(self) -> dict[str, int]:
+        """Counters that must be 0 once everything is released, and are not."""
+        keys = ("pinned_pages", "bar_bytes", "live_callbacks", "page_tables", "dma_mappings",
+                "tables_not_freed", "mappings_not_freed")
+        return {k: getattr(self, k) for k in keys if getattr(self, k)}
+
+
+class SimMemory:
+    """A simulated CUDA context: allocate, read, write, query and free device memory.
+
+    Each instance is one open of /dev/nvp2p_sim; closing it frees its memory and
+    runs the free callbacks of every pin on it, as a CUDA context teardown does.
+    """
+
+    name = "nvp2p_sim"
+
+    def __init__(self, path: str = SIM_PATH) -> None:
+        try:
+            self._fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise DriverNotLoaded(
+                f"{path} does not exist: load the simulator with 'gpupin load --sim'"
+            ) from None
+        self.sync_memops_calls = 0
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> SimMemory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: S110 - best effort at interpreter teardown
+            pass
+
+    def _call(self, cmd: int, arg: Any, name: str, desc: str) -> None:
+        if self._fd < 0:
+            raise InvalidArgument(f"{name}: the simulator context is closed")
+        ret = lib.gpupin_call(self._fd, cmd, arg)
+        if ret < 0:
+            raise from_errno(-ret, name, desc)
+
+    def alloc(self, size: int) -> int:
+        """Allocate ``size`` bytes (rounded up to 64 KiB); returns the device address."""
+        if size <= 0:
+            raise InvalidArgument(f"sim alloc(size={size}): size must be > 0")
+        c = ffi.new("struct nvp2p_sim_alloc *")
+        c.size = size
+        self._call(lib.NVP2P_SIM_IOC_ALLOC, c, "sim alloc", f"size={size}")
+        return int(c.va)
+
+    def free(self, ptr: int) -> None:
+        """Free the allocation starting at ``ptr``; runs the free callbacks of its pins."""
+        c = ffi.new("struct nvp2p_sim_free *")
+        c.va = ptr
+        try:
+            self._call(lib.NVP2P_SIM_IOC_FREE, c, "sim free", f"{ptr:#x}")
+        except InvalidArgument:
+            raise NotGpuMemory(f"sim free({ptr:#x}): not the start of a live allocation",
+                               errno.EINVAL) from None
+
+    def range_of(self, ptr: int) -> AllocationRange:
+        c = ffi.new("struct nvp2p_sim_query *")
+        c.va = ptr
+        ret = lib.gpupin_call(self._fd, lib.NVP2P_SIM_IOC_QUERY, c)
+        if ret == -errno.ENOENT:
+            raise NotGpuMemory(f"{ptr:#x} is not simulated device memory of this context "
+                               "(freed, or never allocated)", errno.ENOENT)
+        if ret < 0:
+            raise from_errno(-ret, "sim query", f"{ptr:#x}")
+        return AllocationRange(int(c.base), int(c.size), int(c.buffer_id))
+
+    def buffer_id(self, ptr: int) -> int:
+        return self.range_of(ptr).buffer_id
+
+    def is_device_memory(self, ptr: int) -> bool:
+        try:
+            self.range_of(ptr)
+        except NotGpuMemory:
+            return False
+        return True
+
+    def enable_sync_memops(self, ptr: int) -> None:
+        """Nothing to do for simulated memory (host pages are coherent); counted."""
+        self.range_of(ptr)
+        self.sync_memops_calls += 1
+
+    def write(self, ptr: int, data: bytes) -> None:
+        if not data:
+            return
+        buf = ffi.from_buffer(data)
+        c = ffi.new("struct nvp2p_sim_rw *")
+        c.va, c.len, c.buf = ptr, len(data), int(ffi.cast("uintptr_t", buf))
+        c.flags = lib.NVP2P_SIM_RW_WRITE
+        self._call(lib.NVP2P_SIM_IOC_RW, c, "sim write", f"{ptr:#x}, {len(data)} bytes")
+
+    def read(self, ptr: int, size: int) -> bytes:
+        out = bytearray(size)
+        if not size:
+            return bytes(out)
+        buf = ffi.from_buffer(out)
+        c = ffi.new("struct nvp2p_sim_rw *")
+        c.va, c.len, c.buf = ptr, size, int(ffi.cast("uintptr_t", buf))
+        self._call(lib.NVP2P_SIM_IOC_RW, c, "sim read", f"{ptr:#x}, {size} bytes")
+        return bytes(out)
+
+    def stats(self) -> SimStats:
+        return sim_stats(self._fd)
+
+
+def sim_stats(fd: int | None = None) -> SimStats:
+    """The simulator's global counters (opens /dev/nvp2p_sim if no fd is given)."""
+    own = fd is None
+    if fd is None:
+        try:
+            fd = os.open(SIM_PATH, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise DriverNotLoaded(f"{SIM_PATH} does not exist: the simulator is not loaded") from None
+    try:
+        c = ffi.new("struct nvp2p_sim_stats *")
+        ret = lib.gpupin_call(fd, lib.NVP2P_SIM_IOC_STATS, c)
+        if ret < 0:
+            raise from_errno(-ret, "sim stats")
+        return SimStats(**{f.name: int(getattr(c, f.name)) for f in fields(SimStats)})
+    finally:
+        if own:
+            os.close(fd)
+
+
+def set_sim_param(name: str, value: object) -> None:
+    """Set a simulator parameter at run time (bar_size, pin_latency_us, fail_nth, ...)."""
+    path = os.path.join(SIM_PARAMS, name)
+    if not os.path.exists(path):
+        raise DriverNotLoaded(f"{path} does not exist: is nvp2p_sim loaded, and is '{name}' a parameter?")
+    text = ("Y" if value else "N") if isinstance(value, bool) else str(value)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def get_sim_param(name: str) -> str:
+    with open(os.path.join(SIM_PARAMS, name)) as f:
+        return f.read().strip()

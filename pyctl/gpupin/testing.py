@@ -1,0 +1,139 @@
+"""pytest plugin for gpupin suites: fixtures and markers.
+
+Fixtures: ``gpupin_loaded`` (modules loaded: the simulator in the VM, or the
+real driver with GPUPIN_NATIVE=1), ``device`` (an open Device), ``memory``
+(SimMemory, or CudaMemory in native mode), ``sim`` (SimMemory only),
+``leakcheck`` (fails a test that leaves simulator pages, BAR bytes,
+callbacks or mappings behind) and ``sim_params`` (set simulator/gpupin
+parameters for one test, restored afterwards).
+
+Where the modules cannot be loaded the tests skip with the reason, unless
+GPUPIN_REQUIRE_VM=1 (set by the VM harness), where that is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from . import kmod
+from .device import Device
+from .memory import MemoryProvider
+from .sim import SimMemory, set_sim_param, sim_stats
+
+NATIVE = os.environ.get("GPUPIN_NATIVE") == "1"
+REQUIRED = os.environ.get("GPUPIN_REQUIRE_VM") == "1"
+
+
+def ko_dir() -> Path:
+    env = os.environ.get("GPUPIN_KO_DIR")
+    return Path(env) if env else Path(__file__).resolve().parent.parent.parent
+
+
+def ensure_loaded(sim: bool = True, **params: object) -> None:
+    """Load nvp2p_sim (if ``sim``) and gpupin from the build tree unless loaded."""
+    if sim and not kmod.is_loaded("nvp2p_sim"):
+        kmod.load(str(ko_dir() / "nvp2p_sim.ko"))
+    if not kmod.is_loaded("gpupin"):
+        kmod.load(str(ko_dir() / "gpupin.ko"), params)
+
+
+def _unavailable(reason: str) -> None:
+    if REQUIRED:
+        pytest.fail(f"GPUPIN_REQUIRE_VM=1 but {reason}")
+    pytest.skip(reason)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for line in (
+        "vm: needs gpupin.ko and the simulator loaded (runs in the VM)",
+        "gpu: needs an NVIDIA GPU with the CUDA driver",
+        "native: needs gpupin.ko over a real nvidia.ko",
+        "simonly: needs the simulator (skipped in native mode)",
+    ):
+        config.addinivalue_line("markers", line)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if NATIVE and item.get_closest_marker("simonly"):
+        pytest.skip("needs the nvp2p_sim simulator; this run uses the real nvidia.ko (GPUPIN_NATIVE=1)")
+
+
+@pytest.fixture(scope="session")
+def gpupin_loaded() -> None:
+    if NATIVE:
+        if not os.path.exists("/dev/gpupin"):
+            _unavailable("GPUPIN_NATIVE=1 but /dev/gpupin is missing: load nvidia and gpupin first")
+        return
+    if os.geteuid() != 0:
+        _unavailable("loading the modules needs root (run 'make test-vm')")
+    if not os.path.exists("/proc/modules") or not os.access("/proc/modules", os.R_OK):
+        _unavailable("this kernel has no module support")
+    try:
+        ensure_loaded()
+    except kmod.ModuleError as exc:
+        _unavailable(f"cannot load the modules here: {exc} (run 'make test-vm')")
+
+
+@pytest.fixture
+def leakcheck(gpupin_loaded: None) -> Iterator[None]:
+    yield
+    if NATIVE:
+        return
+    leaks = sim_stats().leaks()
+    assert not leaks, f"simulator counters not back to zero after the test: {leaks}"
+
+
+@pytest.fixture
+def device(leakcheck: None) -> Iterator[Device]:
+    dev = Device()
+    yield dev
+    dev.close()
+
+
+@pytest.fixture
+def sim(leakcheck: None) -> Iterator[SimMemory]:
+    if NATIVE:
+        pytest.skip("needs the nvp2p_sim simulator (native mode)")
+    mem = SimMemory()
+    yield mem
+    mem.close()
+
+
+@pytest.fixture
+def memory(leakcheck: None) -> Iterator[MemoryProvider]:
+    mem: Any
+    if NATIVE:
+        from .cuda import CudaMemory
+
+        mem = CudaMemory()
+    else:
+        mem = SimMemory()
+    yield mem
+    mem.close()
+
+
+@pytest.fixture
+def sim_params(gpupin_loaded: None) -> Iterator[Any]:
+    """``sim_params(module, name=value, ...)`` for this test; old values come back after."""
+    saved: list[tuple[str, str, str]] = []
+
+    def setter(module: str = "nvp2p_sim", **values: object) -> None:
+        for name, value in values.items():
+            path = f"/sys/module/{module}/parameters/{name}"
+            with open(path) as f:
+                saved.append((module, name, f.read().strip()))
+            if module == "nvp2p_sim":
+                set_sim_param(name, value)
+            else:
+                with open(path, "w") as f:
+                    f.write(str(int(value) if isinstance(value, bool) else value))
+
+    yield setter
+    for module, name, old in reversed(saved):
+        with open(f"/sys/module/{module}/parameters/{name}", "w") as f:
+            f.write(old)

@@ -1,0 +1,43 @@
+#!/bin/bash
+# Runs inside the VM (see vm-run.sh).  Loads the modules, runs MODE, and
+# leaves the kernel log and taint in RESULTS.
+MODE=$1
+RESULTS=$2
+shift 2
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+VENV=${VENV:-$ROOT/.venv}
+export PATH="$VENV/bin:$PATH" GPUPIN_KO_DIR="$ROOT" GPUPIN_REQUIRE_VM=1 PYTHONDONTWRITEBYTECODE=1
+cd "$ROOT" || exit 1
+rc=0
+case "$MODE" in
+test)
+	python -m pytest -q -p no:cacheprovider -o junit_family=xunit2 \
+		--junitxml="$RESULTS/junit.xml" tests/vm "$@" 2>&1 | tee "$RESULTS/pytest.txt"
+	rc=${PIPESTATUS[0]}
+	;;
+bench)
+	python -m gpupin.cli load --sim && python -m gpupin.cli bench --vm --json "$RESULTS/bench-vm.json" "$@"
+	rc=$?
+	;;
+demo)
+	python -m gpupin.demo "$@"
+	rc=$?
+	;;
+shell)
+	python -m gpupin.cli load --sim && bash -i
+	;;
+*)
+	echo "vm-guest: unknown mode $MODE" >&2
+	rc=2
+	;;
+esac
+# Unload what is still loaded: catches leaks and unload bugs too.
+for m in gpupin nvp2p_sim; do
+	if [ -d "/sys/module/$m" ] && ! rmmod "$m"; then
+		echo "vm-guest: rmmod $m failed" >&2
+		rc=1
+	fi
+done
+dmesg > "$RESULTS/dmesg.txt"
+cat /proc/sys/kernel/tainted > "$RESULTS/taint.txt"
+exit "$rc"

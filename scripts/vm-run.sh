@@ -1,0 +1,44 @@
+#!/bin/bash
+# Boot Debian's kernel under QEMU (virtme-ng, software emulation), load the
+# modules and run MODE inside: test | bench | demo | shell.  The guest's
+# kernel log comes back in results/ and fails the run on any BUG, WARNING,
+# Oops, list or refcount corruption, or taint beyond O|E.
+set -euo pipefail
+MODE=${1:-test}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+VENV=${VENV:-$ROOT/.venv}
+RESULTS=${RESULTS:-$ROOT/results}
+VM_KVER=${VM_KVER:-$("$ROOT/scripts/vm-kver.sh")}
+[ -n "$VM_KVER" ] || { echo "vm-run: no Debian kernel with headers installed: run 'make setup'" >&2; exit 1; }
+VM_MEM=${VM_MEM:-2560M}   # q35 keeps all RAM below 4 GiB up to 2.75 GiB: no bounce buffers
+
+echo "vm-run: building modules for $VM_KVER"
+make -s -C "$ROOT" modules KDIR="/usr/src/linux-headers-$VM_KVER" >/dev/null
+
+rm -rf "$RESULTS"
+mkdir -p "$RESULTS"
+start=$(date +%s)
+set +e
+PATH="$VENV/bin:$PATH" timeout "${VM_TIMEOUT:-3000}" vng -r "/boot/vmlinuz-$VM_KVER" --disable-kvm \
+	--cpus 2 --memory "$VM_MEM" --append "slub_debug=FZPU panic_on_warn=0" \
+	--rwdir "$RESULTS" --cwd "$ROOT" \
+	--exec "$ROOT/scripts/vm-guest.sh $MODE $RESULTS ${*:2}" </dev/null
+rc=$?
+set -e
+echo "vm-run: guest finished with status $rc after $(( $(date +%s) - start )) s"
+
+if [ ! -f "$RESULTS/dmesg.txt" ]; then
+	echo "vm-run: the guest left no kernel log (did it boot?)" >&2
+	exit 1
+fi
+if grep -nE 'BUG:|WARNING:|Oops|general protection|list_add corruption|list_del corruption|refcount_t:|kernel BUG|Call Trace:|INFO: task .* blocked|slab error|Redzone|Poison overwritten' "$RESULTS/dmesg.txt"; then
+	echo "vm-run: the kernel log shows a problem (above); whole log in $RESULTS/dmesg.txt" >&2
+	exit 1
+fi
+taint=$(cat "$RESULTS/taint.txt" 2>/dev/null || echo missing)
+if [ "$taint" = missing ] || [ $(( taint & ~12288 )) -ne 0 ]; then
+	echo "vm-run: kernel taint $taint has bits beyond O|E (12288)" >&2
+	exit 1
+fi
+echo "vm-run: kernel log clean, taint $taint"
+exit "$rc"

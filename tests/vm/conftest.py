@@ -1,0 +1,42 @@
+"""VM suites: run inside the guest by scripts/vm-run.sh (make test-vm)."""
+
+from __future__ import annotations
+
+import errno
+from typing import Any
+
+import pytest
+
+from gpupin._native import ffi, lib
+
+MiB = 1 << 20
+KiB = 1 << 10
+GPU_PAGE = 64 * KiB
+
+
+def raw(fd: int, cmd: int, ctype: str, **fields: Any) -> tuple[int, Any]:
+    """Issue an ioctl with exactly the given field values; returns (-errno or 0, struct)."""
+    c = ffi.new(f"{ctype} *")
+    for name, value in fields.items():
+        if isinstance(value, list):
+            for i, v in enumerate(value):
+                getattr(c, name)[i] = v
+        else:
+            setattr(c, name, value)
+    return lib.gpupin_call(fd, cmd, c), c
+
+
+def first_pci_device() -> str:
+    import os
+
+    devs = sorted(os.listdir("/sys/bus/pci/devices"))
+    assert devs, "the guest has no PCI device to map for"
+    return devs[-1]
+
+
+@pytest.fixture
+def pci() -> str:
+    return first_pci_device()
+
+
+EINVAL = -errno.EINVAL

@@ -1,0 +1,221 @@
+"""gpupin.ko over the simulator: pinning, rounding, invalidation, DMA, persistence."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+
+import pytest
+from conftest import GPU_PAGE, KiB, MiB
+
+import gpupin
+from gpupin import Device, SimMemory, sim_stats
+
+pytestmark = pytest.mark.vm
+
+
+def test_info(device: Device) -> None:
+    info = device.info()
+    assert info.abi_version == gpupin.ABI_VERSION
+    assert info.provider == "nvp2p_sim" and info.simulator
+    assert info.persistent and info.dma_map
+    assert info.gpu_page_size == GPU_PAGE
+    assert info.file_pins == 0
+    assert info.map_size >= info.max_pins_per_file * 8
+
+
+def test_pin_unpin_and_query(device: Device, sim: SimMemory) -> None:
+    va = sim.alloc(1 * MiB)
+    pin = device.pin(va, 1 * MiB, user_tag=77)
+    assert (pin.aligned_va, pin.aligned_size, pin.entries) == (va, 1 * MiB, 16)
+    assert pin.page_size == GPU_PAGE and pin.handle > 0 and pin.is_valid()
+    assert len(pin.gpu_uuid) == 16 and any(pin.gpu_uuid)
+    st = device.query(pin)
+    assert st.state == "pinned" and st.user_tag == 77 and st.entries == 16 and not st.persistent
+    s = sim_stats()
+    assert s.pinned_pages == 16 and s.bar_bytes == 1 * MiB and s.live_callbacks == 1
+    assert device.info().file_pins == 1 and device.info().pinned_bytes >= 1 * MiB
+    pin.unpin()
+    assert not pin.is_valid()
+    with pytest.raises(gpupin.UnknownHandle):
+        device.query(pin)
+    with pytest.raises(gpupin.UnknownHandle):
+        device.unpin(pin)
+    assert sim_stats().pinned_pages == 0
+    sim.free(va)
+
+
+def test_rounding_to_gpu_pages(device: Device, sim: SimMemory) -> None:
+    va = sim.alloc(4 * GPU_PAGE)
+    pin = device.pin(va + GPU_PAGE + 100, GPU_PAGE)  # straddles two GPU pages
+    assert pin.aligned_va == va + GPU_PAGE and pin.aligned_size == 2 * GPU_PAGE and pin.entries == 2
+    one = device.pin(va + 3 * GPU_PAGE + GPU_PAGE - 1, 1)  # last byte
+    assert one.aligned_va == va + 3 * GPU_PAGE and one.aligned_size == GPU_PAGE
+    device.unpin(pin)
+    device.unpin(one)
+    sim.free(va)
+
+
+def test_two_buffers_in_one_gpu_page(device: Device, sim: SimMemory) -> None:
+    va = sim.alloc(GPU_PAGE)
+    a = device.pin(va, 4 * KiB, user_tag=1)
+    b = device.pin(va + 8 * KiB, 4 * KiB, user_tag=2)
+    assert a.handle != b.handle and a.slot != b.slot
+    assert a.aligned_va == b.aligned_va == va
+    assert sim_stats().page_tables == 2
+    device.unpin(a)
+    assert b.is_valid() and device.query(b).state == "pinned"
+    assert device.get_pages(b) == device.get_pages(b.handle, 0, 1)
+    with pytest.raises(gpupin.UnknownHandle):
+        device.query(a)
+    device.unpin(b)
+    assert sim_stats().page_tables == 0
+    sim.free(va)
+
+
+def test_handles_are_never_reused(device: Device, sim: SimMemory) -> None:
+    va = sim.alloc(GPU_PAGE)
+    seen = set()
+    for _ in range(50):
+        p = device.pin(va, GPU_PAGE)
+        assert p.handle not in seen
+        seen.add(p.handle)
+        device.unpin(p)
+    sim.free(va)
+
+
+def test_free_invalidates(device: Device, sim: SimMemory) -> None:
+    va = sim.alloc(256 * KiB)
+    sim.write(va, b"x" * 100)
+    pin = device.pin(va, 256 * KiB, user_tag=0xABC)
+    other = sim.alloc(GPU_PAGE)
+    keep = device.pin(other, GPU_PAGE, user_tag=5)
+    assert device.wait_invalidations(0) == []
+    sim.free(va)  # runs the free callback synchronously
+    assert not pin.is_valid() and keep.is_valid()
+    events = device.wait_invalidations(5)
+    assert [(e.handle, e.user_tag, e.reason) for e in events] == [(pin.handle, 0xABC, "freed")]
+    assert device.query(pin).state == "invalidated"
+    with pytest.raises(gpupin.PinInvalidated):
+        device.get_pages(pin)
+    s = sim_stats()
+    assert s.pinned_pages == 1 and s.tables_not_freed == 0 and s.callbacks_run >= 1
+    device.unpin(pin)
+    device.unpin(keep)
+    sim.free(other)
+
+
+def test_persistent_pin_survives_free(device: Device, sim: SimMemory) -> None:
+    va = sim.alloc(128 * KiB)
+    sim.write(va, b"persist")
+    pin = device.pin(va, 128 * KiB, persistent=True)
+    assert pin.persistent and device.query(pin).persistent
+    assert sim_stats().live_callbacks == 0
+    sim.free(va)
+    assert pin.is_valid() and device.query(pin).state == "pinned"
+    assert device.wait_invalidations(0) == []
+    assert sim_stats().pinned_pages == 2  # pages stay until unpin
+    device.unpin(pin)
+    assert sim_stats().alloc_bytes == 0
+
+
+def test_dma_map_unmap(device: Device, sim: SimMemory, pci: str) -> None:
+    va = sim.alloc(512 * KiB)
+    pin = device.pin(va, 512 * KiB)
+    m = device.dma_map(pin, pci)
+    assert m.entries == 8 and m.mapping_id > 0
+    addrs = device.dma_addrs(m)
+    assert len(addrs) == 8 and all(a % GPU_PAGE == 0 for a in addrs)
+    assert device.query(pin).dma_mappings == 1
+    assert sim_stats().dma_mappings == 1
+    m2 = device.dma_map(pin, pci)
+    device.dma_unmap(m)
+    with pytest.raises(gpupin.UnknownHandle):
+        device.dma_unmap(m)
+    assert device.query(pin).dma_mappings == 1
+    device.unpin(pin)  # m2 goes with the pin
+    assert sim_stats().dma_mappings == 0 and sim_stats().mappings_not_freed == 0
+    with pytest.raises(gpupin.UnknownHandle):
+        device.dma_unmap(m2)
+    sim.free(va)
+
+
+def test_dma_mappings_go_on_invalidation(device: Device, sim: SimMemory, pci: str) -> None:
+    va = sim.alloc(GPU_PAGE)
+    pin = device.pin(va, GPU_PAGE)
+    m = device.dma_map(pin, pci)
+    sim.free(va)
+    s = sim_stats()
+    assert s.dma_mappings == 0 and s.mappings_not_freed == 0
+    with pytest.raises(gpupin.PinInvalidated):
+        device.dma_unmap(m)
+    with pytest.raises(gpupin.PinInvalidated):
+        device.dma_map(pin, pci)
+    device.unpin(pin)
+
+
+def test_dma_map_unknown_pci_device(device: Device, sim: SimMemory) -> None:
+    va = sim.alloc(GPU_PAGE)
+    pin = device.pin(va, GPU_PAGE)
+    with pytest.raises(gpupin.GpupinError) as ei:
+        device.dma_map(pin, "00fe:ff:1f.7")
+    assert ei.value.errno == errno.ENODEV
+    device.unpin(pin)
+    sim.free(va)
+
+
+def test_get_pages_are_the_simulated_pages(device: Device, sim: SimMemory) -> None:
+    va = sim.alloc(3 * GPU_PAGE)
+    pin = device.pin(va, 3 * GPU_PAGE)
+    pages = device.get_pages(pin)
+    assert len(pages) == 3 and len(set(pages)) == 3 and all(p % GPU_PAGE == 0 for p in pages)
+    assert device.get_pages(pin, 1, 2) == pages[1:]
+    device.unpin(pin)
+    sim.free(va)
+
+
+def test_close_releases_everything(gpupin_loaded: None, leakcheck: None) -> None:
+    with SimMemory() as sim:
+        va = sim.alloc(8 * MiB)
+        dev = Device()
+        for i in range(1000):
+            dev.pin(va + (i % 128) * GPU_PAGE, GPU_PAGE, user_tag=i)
+        assert sim_stats().page_tables == 1000
+        dev.close()
+        assert sim_stats().page_tables == 0 and sim_stats().bar_bytes == 0
+        sim.free(va)
+
+
+def test_pin_foreign_or_host_memory(device: Device, sim: SimMemory) -> None:
+    buf = mmap.mmap(-1, GPU_PAGE)
+    import ctypes
+
+    host = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    with pytest.raises(gpupin.NotGpuMemory):
+        device.pin(host, 4096)
+    del host
+    buf.close()
+    va = sim.alloc(GPU_PAGE)
+    with pytest.raises(gpupin.NotGpuMemory):  # runs past the allocation
+        device.pin(va, 2 * GPU_PAGE)
+    sim.free(va)
+    with pytest.raises(gpupin.NotGpuMemory):  # freed
+        device.pin(va, GPU_PAGE)
+
+
+def test_validity_map_is_read_only(device: Device) -> None:
+    size = device.info().map_size
+    with pytest.raises(PermissionError):
+        mmap.mmap(device.fileno(), size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    with pytest.raises(OSError):
+        mmap.mmap(device.fileno(), size + 4096, mmap.MAP_SHARED, mmap.PROT_READ)
+    m = mmap.mmap(device.fileno(), size, mmap.MAP_SHARED, mmap.PROT_READ)
+    assert m[:8] == b"\0" * 8
+    m.close()
+
+
+def test_read_needs_a_whole_record(device: Device) -> None:
+    with pytest.raises(OSError) as ei:
+        os.read(device.fileno(), 8)
+    assert ei.value.errno == errno.EINVAL
