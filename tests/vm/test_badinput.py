@@ -1,0 +1,172 @@
+"""Every ioctl rejects bad input with the documented errno and leaves nothing behind."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+
+import pytest
+from conftest import GPU_PAGE, raw
+
+from gpupin import Device, SimMemory, sim_stats
+from gpupin._native import lib
+
+pytestmark = pytest.mark.vm
+
+U64 = (1 << 64) - 1
+EINVAL, ENOENT, ENOTTY = -errno.EINVAL, -errno.ENOENT, -errno.ENOTTY
+
+
+@pytest.fixture
+def pinned(device: Device, sim: SimMemory):  # type: ignore[no-untyped-def]
+    va = sim.alloc(2 * GPU_PAGE)
+    pin = device.pin(va, 2 * GPU_PAGE)
+    yield device, pin
+    device.unpin(pin)
+    sim.free(va)
+
+
+def test_unknown_command(device: Device) -> None:
+    with pytest.raises(OSError) as ei:
+        fcntl.ioctl(device.fileno(), 0xC008C7FF, bytearray(8))
+    assert ei.value.errno == errno.ENOTTY
+    with pytest.raises(OSError) as ei:  # right number, wrong size encoded
+        fcntl.ioctl(device.fileno(), lib.GPUPIN_IOC_PIN ^ (1 << 16), bytearray(128))
+    assert ei.value.errno == errno.ENOTTY
+
+
+@pytest.mark.parametrize("field,value", [("flags", 1), ("reserved", [0, 0, 0, 1])])
+def test_info_rejects(device: Device, field: str, value: object) -> None:
+    rc, _ = raw(device.fileno(), lib.GPUPIN_IOC_INFO, "struct gpupin_info", **{field: value})
+    assert rc == EINVAL
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"size": 0},
+        {"flags": 0x2},
+        {"flags": 0x80000000},
+        {"pad": 1},
+        {"reserved": [1, 0]},
+        {"reserved": [0, 1]},
+        {"va": U64 - 10, "size": 100},  # wraps
+        {"va": U64 - GPU_PAGE + 2, "size": 1},  # rounding up wraps
+        {"va": 0, "size": U64},
+    ],
+    ids=["size0", "flag2", "flaghigh", "pad", "res0", "res1", "wrap", "roundwrap", "huge"],
+)
+def test_pin_rejects(device: Device, sim: SimMemory, fields: dict[str, int]) -> None:
+    va = sim.alloc(GPU_PAGE)
+    args = {"va": va, "size": GPU_PAGE, **fields}
+    rc, _ = raw(device.fileno(), lib.GPUPIN_IOC_PIN, "struct gpupin_pin", **args)
+    assert rc == EINVAL
+    assert device.info().file_pins == 0 and sim_stats().page_tables == 0
+    sim.free(va)
+
+
+def test_unpin_rejects(pinned) -> None:  # type: ignore[no-untyped-def]
+    dev, pin = pinned
+    fd = dev.fileno()
+    assert raw(fd, lib.GPUPIN_IOC_UNPIN, "struct gpupin_unpin", handle=pin.handle, flags=1)[0] == EINVAL
+    assert raw(fd, lib.GPUPIN_IOC_UNPIN, "struct gpupin_unpin", handle=pin.handle, pad=1)[0] == EINVAL
+    for h in (0, pin.handle + 1, U64, 1 << 40):
+        assert raw(fd, lib.GPUPIN_IOC_UNPIN, "struct gpupin_unpin", handle=h)[0] == ENOENT
+    assert dev.query(pin).state == "pinned"
+
+
+def test_query_rejects(pinned) -> None:  # type: ignore[no-untyped-def]
+    dev, pin = pinned
+    fd = dev.fileno()
+    for f in ({"flags": 1}, {"pad": 1}, {"reserved": [0, 1]}):
+        assert raw(fd, lib.GPUPIN_IOC_QUERY, "struct gpupin_query", handle=pin.handle, **f)[0] == EINVAL
+    assert raw(fd, lib.GPUPIN_IOC_QUERY, "struct gpupin_query", handle=0)[0] == ENOENT
+
+
+def test_get_pages_rejects(pinned) -> None:  # type: ignore[no-untyped-def]
+    dev, pin = pinned
+    fd = dev.fileno()
+    from gpupin._native import ffi
+
+    out = ffi.new("__u64[4]")
+    addr = int(ffi.cast("uintptr_t", out))
+    base = {"handle": pin.handle, "addrs": addr}
+    cases = [
+        ({"count": 0}, EINVAL),
+        ({"count": 1, "flags": 1}, EINVAL),
+        ({"count": 1, "pad": 1}, EINVAL),
+        ({"count": 1, "reserved": [1, 0]}, EINVAL),
+        ({"count": 3}, EINVAL),
+        ({"first": 2, "count": 1}, EINVAL),
+        ({"first": 1, "count": 0xFFFFFFFF}, EINVAL),
+        ({"count": 1, "handle": 9999}, ENOENT),
+        ({"count": 2, "addrs": 8}, -errno.EFAULT),
+    ]
+    for f, want in cases:
+        rc, _ = raw(fd, lib.GPUPIN_IOC_GET_PAGES, "struct gpupin_get_pages", **{**base, **f})
+        assert rc == want, f
+    assert raw(fd, lib.GPUPIN_IOC_GET_PAGES, "struct gpupin_get_pages", **base, count=2)[0] == 0
+    assert out[0] and out[1] and not out[2]
+
+
+def test_dma_rejects(pinned, pci: str) -> None:  # type: ignore[no-untyped-def]
+    dev, pin = pinned
+    fd = dev.fileno()
+    m = dev.dma_map(pin, pci)
+    base = {"handle": pin.handle}
+    for f, want in [
+        ({"flags": 1}, EINVAL),
+        ({"reserved": [0, 1]}, EINVAL),
+        ({"pci_bus": 256}, EINVAL),
+        ({"pci_devfn": 256}, EINVAL),
+        ({"pci_domain": 0x10000}, EINVAL),
+        ({"handle": 12345}, ENOENT),
+        ({"pci_bus": 0xFE, "pci_devfn": 0xF8}, -errno.ENODEV),
+    ]:
+        rc, _ = raw(fd, lib.GPUPIN_IOC_DMA_MAP, "struct gpupin_dma_map", **{**base, **f})
+        assert rc == want, f
+    for f, want in [
+        ({"mapping_id": m.mapping_id, "flags": 1}, EINVAL),
+        ({"mapping_id": m.mapping_id, "reserved": [1, 0]}, EINVAL),
+        ({"mapping_id": m.mapping_id + 1}, ENOENT),
+        ({"mapping_id": m.mapping_id, "handle": 777}, ENOENT),
+    ]:
+        rc, _ = raw(fd, lib.GPUPIN_IOC_DMA_UNMAP, "struct gpupin_dma_unmap", **{**base, **f})
+        assert rc == want, f
+    from gpupin._native import ffi
+
+    out = ffi.new("__u64[2]")
+    addr = int(ffi.cast("uintptr_t", out))
+    for f, want in [
+        ({"count": 0}, EINVAL),
+        ({"count": 1, "flags": 1}, EINVAL),
+        ({"count": 3}, EINVAL),
+        ({"count": 1, "mapping_id": m.mapping_id + 5}, ENOENT),
+    ]:
+        args = {**base, "addrs": addr, "mapping_id": m.mapping_id, **f}
+        rc, _ = raw(fd, lib.GPUPIN_IOC_DMA_ADDRS, "struct gpupin_dma_addrs", **args)
+        assert rc == want, f
+    assert dev.query(pin).dma_mappings == 1
+    dev.dma_unmap(m)
+
+
+def test_dma_map_limit_per_pin(pinned, pci: str) -> None:  # type: ignore[no-untyped-def]
+    dev, pin = pinned
+    maps = [dev.dma_map(pin, pci) for _ in range(16)]
+    with pytest.raises(Exception) as ei:
+        dev.dma_map(pin, pci)
+    assert getattr(ei.value, "errno", None) == errno.ENOSPC
+    for m in maps:
+        dev.dma_unmap(m)
+
+
+def test_sim_rejects(sim: SimMemory) -> None:
+    fd = sim._fd
+    assert raw(fd, lib.NVP2P_SIM_IOC_ALLOC, "struct nvp2p_sim_alloc", size=0)[0] == EINVAL
+    assert raw(fd, lib.NVP2P_SIM_IOC_ALLOC, "struct nvp2p_sim_alloc", size=1, flags=1)[0] == EINVAL
+    assert raw(fd, lib.NVP2P_SIM_IOC_ALLOC, "struct nvp2p_sim_alloc", size=1 << 40)[0] == EINVAL
+    assert raw(fd, lib.NVP2P_SIM_IOC_FREE, "struct nvp2p_sim_free", va=12345)[0] == EINVAL
+    assert raw(fd, lib.NVP2P_SIM_IOC_QUERY, "struct nvp2p_sim_query", va=12345)[0] == ENOENT
+    with pytest.raises(OSError) as ei:
+        fcntl.ioctl(fd, 0xC008C8FF, bytearray(8))
+    assert ei.value.errno == errno.ENOTTY

@@ -1,0 +1,122 @@
+"""Budgets, BAR exhaustion, page-table version checks and injected provider faults."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+from conftest import GPU_PAGE, MiB
+
+import gpupin
+from gpupin import Device, SimMemory, sim_stats
+
+pytestmark = [pytest.mark.vm, pytest.mark.simonly]
+
+
+def test_bar_exhaustion_is_enomem(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
+    sim_params(bar_size=4 * MiB)
+    va = sim.alloc(8 * MiB)
+    a = device.pin(va, 3 * MiB)
+    with pytest.raises(gpupin.BarExhausted) as ei:
+        device.pin(va + 3 * MiB, 2 * MiB)
+    assert ei.value.errno == errno.ENOMEM and "BAR" in str(ei.value)
+    assert device.info().file_pins == 1 and sim_stats().bar_bytes == 3 * MiB
+    b = device.pin(va + 3 * MiB, 1 * MiB)  # exactly fills it
+    device.unpin(a)
+    device.unpin(b)
+    sim.free(va)
+
+
+def test_byte_budget_is_enospc(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
+    sim_params("gpupin", max_pinned_bytes=2 * MiB)
+    va = sim.alloc(4 * MiB)
+    a = device.pin(va, 2 * MiB)
+    before = device.info().pinned_bytes
+    with pytest.raises(gpupin.BudgetExceeded) as ei:
+        device.pin(va + 2 * MiB, GPU_PAGE)
+    assert ei.value.errno == errno.ENOSPC
+    assert device.info().pinned_bytes == before and sim_stats().page_tables == 1
+    device.unpin(a)
+    b = device.pin(va + 2 * MiB, GPU_PAGE)
+    device.unpin(b)
+    sim.free(va)
+    assert device.info().pinned_bytes == 0
+
+
+def test_pins_per_file_is_enospc(gpupin_loaded: None, leakcheck: None, sim_params) -> None:  # type: ignore[no-untyped-def]
+    sim_params("gpupin", max_pins_per_file=4)
+    with SimMemory() as sim, Device() as dev:
+        assert dev.info().max_pins_per_file == 4
+        va = sim.alloc(GPU_PAGE)
+        pins = [dev.pin(va, GPU_PAGE) for _ in range(4)]
+        with pytest.raises(gpupin.BudgetExceeded):
+            dev.pin(va, GPU_PAGE)
+        dev.unpin(pins.pop())
+        pins.append(dev.pin(va, GPU_PAGE))
+        assert len({p.slot for p in pins}) == 4
+
+
+def test_budget_released_by_invalidation(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
+    sim_params("gpupin", max_pinned_bytes=1 * MiB)
+    va = sim.alloc(1 * MiB)
+    pin = device.pin(va, 1 * MiB)
+    sim.free(va)
+    assert device.info().pinned_bytes == 0
+    vb = sim.alloc(1 * MiB)
+    pin2 = device.pin(vb, 1 * MiB)
+    device.unpin(pin)
+    assert device.info().pinned_bytes == 1 * MiB
+    device.unpin(pin2)
+    sim.free(vb)
+
+
+@pytest.mark.parametrize("err,exc", [(errno.ENOMEM, gpupin.BarExhausted), (errno.EIO, gpupin.GpupinError),
+                                     (errno.EINVAL, gpupin.NotGpuMemory), (errno.EBUSY, gpupin.GpupinError)])
+def test_injected_provider_failure(device: Device, sim: SimMemory, sim_params, err: int, exc: type) -> None:  # type: ignore[no-untyped-def]
+    va = sim.alloc(4 * GPU_PAGE)
+    sim_params(fail_errno=err, fail_nth=3)
+    a = device.pin(va, GPU_PAGE)
+    b = device.pin(va, GPU_PAGE)
+    with pytest.raises(exc) as ei:
+        device.pin(va, GPU_PAGE)
+    assert ei.value.errno == err
+    c = device.pin(va, GPU_PAGE)  # one failure only
+    assert device.info().file_pins == 3 and device.info().pinned_bytes == 3 * GPU_PAGE
+    for p in (a, b, c):
+        device.unpin(p)
+    sim.free(va)
+
+
+def test_incompatible_page_table_version(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
+    va = sim.alloc(GPU_PAGE)
+    for version in (0x00010002, 0x00030000):
+        sim_params(page_table_version=version)
+        with pytest.raises(gpupin.GpupinError) as ei:
+            device.pin(va, GPU_PAGE)
+        assert ei.value.errno == errno.EPROTO
+        assert sim_stats().page_tables == 0 and device.info().pinned_bytes == 0
+    sim_params(page_table_version=0x00020001)  # newer minor: compatible
+    device.unpin(device.pin(va, GPU_PAGE))
+    sim.free(va)
+
+
+def test_default_persistent_parameter(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
+    sim_params("gpupin", default_persistent=True)
+    va = sim.alloc(GPU_PAGE)
+    pin = device.pin(va, GPU_PAGE)
+    assert pin.persistent
+    sim.free(va)
+    assert pin.is_valid()
+    device.unpin(pin)
+
+
+def test_pin_latency_parameter(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    sim_params(pin_latency_us=20000)
+    va = sim.alloc(GPU_PAGE)
+    t = time.monotonic()
+    pin = device.pin(va, GPU_PAGE)
+    assert time.monotonic() - t >= 0.02
+    device.unpin(pin)
+    sim.free(va)

@@ -1,0 +1,125 @@
+"""Races between the free callback and unpin/close/dma_unmap, and put_pages racing the callback.
+
+Counts default to CI size; GPUPIN_LONG=1 (make test-long) runs the full ones.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+from conftest import GPU_PAGE
+
+from gpupin import Device, SimMemory, sim_stats
+
+pytestmark = [pytest.mark.vm, pytest.mark.simonly]
+LONG = os.environ.get("GPUPIN_LONG") == "1"
+ITER = 10_000
+BATCH = 500
+
+
+def run_pair(a, b) -> None:  # type: ignore[no-untyped-def]
+    """Run two callables at once on two threads; re-raise the first error."""
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def wrap(fn):  # type: ignore[no-untyped-def]
+        def body() -> None:
+            try:
+                start.wait()
+                fn()
+            except BaseException as exc:  # noqa: B036 - handed to the main thread
+                errors.append(exc)
+        return body
+
+    threads = [threading.Thread(target=wrap(a)), threading.Thread(target=wrap(b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def test_unpin_races_free(device: Device, sim: SimMemory) -> None:
+    invalidated = 0
+    for _ in range(ITER // BATCH):
+        vas = [sim.alloc(GPU_PAGE) for _ in range(BATCH)]
+        pins = [device.pin(va, GPU_PAGE) for va in vas]
+        run_pair(lambda: [sim.free(va) for va in vas], lambda: [device.unpin(p) for p in pins])
+        invalidated += len(device.read_events())
+        assert device.info().file_pins == 0
+        s = sim_stats()
+        assert s.page_tables == 0 and s.tables_not_freed == 0 and s.allocations == 0
+    print(f"{ITER} unpin/free races: the callback came first {invalidated} times")
+
+
+def test_put_pages_races_callback(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
+    sim_params(race_put_pages=True)
+    va = sim.alloc(4 * GPU_PAGE)
+    before = sim_stats().callbacks_run
+    n = ITER if LONG else 2000
+    for i in range(n):
+        pin = device.pin(va + (i % 4) * GPU_PAGE, GPU_PAGE)
+        device.unpin(pin)
+    s = sim_stats()
+    assert s.callbacks_run - before == n  # every put_pages met a callback
+    assert s.page_tables == 0 and s.tables_not_freed == 0
+    assert device.read_events() == []  # unpin owned those pins: no invalidation records
+    sim.free(va)
+
+
+def test_close_races_free(gpupin_loaded: None, leakcheck: None) -> None:
+    rounds = 100 if LONG else 20
+    for _ in range(rounds):
+        with SimMemory() as sim:
+            dev = Device()
+            vas = [sim.alloc(GPU_PAGE) for _ in range(100)]
+            for va in vas:
+                dev.pin(va, GPU_PAGE)
+            run_pair(lambda: [sim.free(va) for va in vas], dev.close)
+        assert sim_stats().page_tables == 0
+
+
+def test_dma_unmap_races_free(device: Device, sim: SimMemory, pci: str) -> None:
+    n = ITER if LONG else 2000
+    for _ in range(n // 200):
+        vas = [sim.alloc(GPU_PAGE) for _ in range(200)]
+        pins = [device.pin(va, GPU_PAGE) for va in vas]
+        maps = [device.dma_map(p, pci) for p in pins]
+
+        def unmap_all() -> None:
+            for m in maps:
+                try:
+                    device.dma_unmap(m)
+                except Exception as exc:  # invalidated first: the mapping went with it
+                    assert type(exc).__name__ == "PinInvalidated"
+
+        run_pair(lambda: [sim.free(va) for va in vas], unmap_all)
+        for p in pins:
+            device.unpin(p)
+        device.read_events()
+        s = sim_stats()
+        assert s.dma_mappings == 0 and s.mappings_not_freed == 0 and s.page_tables == 0
+
+
+def test_queries_race_free(device: Device, sim: SimMemory) -> None:
+    """GET_PAGES/QUERY users in flight while the callback waits for them."""
+    n = 2000 if LONG else 400
+    vas = [sim.alloc(GPU_PAGE) for _ in range(n)]
+    pins = [device.pin(va, GPU_PAGE) for va in vas]
+
+    def readers() -> None:
+        for p in pins:
+            try:
+                device.get_pages(p, 0, 1)
+            except Exception as exc:
+                assert type(exc).__name__ == "PinInvalidated"
+            assert device.query(p).state in ("pinned", "invalidated")
+
+    run_pair(lambda: [sim.free(va) for va in vas], readers)
+    assert all(device.query(p).state == "invalidated" for p in pins)
+    for p in pins:
+        device.unpin(p)
+    device.read_events()
