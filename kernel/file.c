@@ -154,7 +154,8 @@ static int gpupin_open(struct inode *inode, struct file *file)
 	f = kzalloc(sizeof(*f), GFP_KERNEL);
 	if (!f)
 		return -ENOMEM;
-	f->nr_slots = clamp(READ_ONCE(gpupin_max_pins_per_file), 1U, GPUPIN_MAX_SLOTS);
+	f->nr_slots = clamp_t(unsigned int, READ_ONCE(gpupin_max_pins_per_file),
+			      1, GPUPIN_MAX_SLOTS);
 	f->vmap_size = PAGE_ALIGN(f->nr_slots * sizeof(u64));
 	f->vmap = vmalloc_user(f->vmap_size);
 	if (!f->vmap) {

@@ -20,6 +20,7 @@
 #ifndef _GPUPIN_INTERNAL_H
 #define _GPUPIN_INTERNAL_H
 
+#include <linux/bits.h>
 #include <linux/idr.h>
 #include <linux/kref.h>
 #include <linux/list.h>
@@ -34,9 +35,9 @@
 
 #define GPUPIN_VERSION "0.1.0"
 #define GPU_BOUND_SHIFT 16
-#define GPU_BOUND_SIZE (1ULL << GPU_BOUND_SHIFT)
+#define GPU_BOUND_SIZE BIT_ULL(GPU_BOUND_SHIFT)
 #define GPU_BOUND_MASK (~(GPU_BOUND_SIZE - 1))
-#define GPUPIN_MAX_SLOTS (1U << 20)
+#define GPUPIN_MAX_SLOTS BIT(20)
 
 /* Module parameters (main.c) */
 extern unsigned long gpupin_max_pinned_bytes;

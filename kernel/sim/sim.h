@@ -17,6 +17,7 @@
 #ifndef _NVP2P_SIM_H
 #define _NVP2P_SIM_H
 
+#include <linux/bits.h>
 #include <linux/completion.h>
 #include <linux/kref.h>
 #include <linux/list.h>
@@ -30,8 +31,9 @@
 #include "../../include/uapi/nvp2p_sim.h"
 
 #define SIM_PAGE_SHIFT 16
-#define SIM_PAGE_SIZE (1ULL << SIM_PAGE_SHIFT)
+#define SIM_PAGE_SIZE BIT_ULL(SIM_PAGE_SHIFT)
 #define SIM_CHUNK_ORDER (SIM_PAGE_SHIFT - PAGE_SHIFT)
+#define SIM_CTX_SHIFT 36	/* 64 GiB of address space per context */
 
 extern struct mutex sim_big_lock;
 extern spinlock_t sim_lock;

@@ -13,6 +13,7 @@
 #include <linux/random.h>
 #include "sim.h"
 
+/* Lock roles and order: see sim.h. */
 DEFINE_MUTEX(sim_big_lock);
 DEFINE_SPINLOCK(sim_lock);
 struct nvp2p_sim_stats sim_stats;

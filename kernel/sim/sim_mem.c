@@ -22,8 +22,7 @@
 #include <linux/vmalloc.h>
 #include "sim.h"
 
-#define SIM_CTX_SHIFT 36		/* 64 GiB of address space per context */
-#define SIM_VA_BASE (1ULL << 44)
+#define SIM_VA_BASE BIT_ULL(44)
 #define SIM_MAX_CTX 4096
 
 static LIST_HEAD(sim_ctxs);		/* under sim_lock */
@@ -105,7 +104,7 @@ static int sim_ioctl_alloc(struct sim_ctx *ctx, struct nvp2p_sim_alloc __user *u
 	if (arg.flags || arg.pad || arg.va || arg.alloc_size || arg.buffer_id ||
 	    arg.reserved[0] || arg.reserved[1])
 		return -EINVAL;
-	if (!arg.size || arg.size > (1ULL << SIM_CTX_SHIFT))
+	if (!arg.size || arg.size > BIT_ULL(SIM_CTX_SHIFT))
 		return -EINVAL;
 	size = round_up(arg.size, SIM_PAGE_SIZE);
 
@@ -328,7 +327,7 @@ static int sim_open(struct inode *inode, struct file *file)
 		return id == -ENOSPC ? -EMFILE : id;
 	}
 	ctx->va_base = SIM_VA_BASE + ((u64)id << SIM_CTX_SHIFT);
-	ctx->va_limit = ctx->va_base + (1ULL << SIM_CTX_SHIFT);
+	ctx->va_limit = ctx->va_base + BIT_ULL(SIM_CTX_SHIFT);
 	ctx->owner = get_pid(task_tgid(current));
 	mutex_init(&ctx->lock);
 	INIT_LIST_HEAD(&ctx->allocs);

@@ -148,7 +148,8 @@ static int sim_injected_error_locked(void)
 	WRITE_ONCE(sim_fail_nth, nth - 1);
 	if (nth > 1)
 		return 0;
-	return -clamp(abs(READ_ONCE(sim_fail_errno)), 1, MAX_ERRNO);
+	nth = abs(READ_ONCE(sim_fail_errno));
+	return nth >= 1 && nth <= MAX_ERRNO ? -nth : -EIO;
 }
 
 static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_table,
@@ -162,7 +163,7 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 	if (!page_table || (!persistent && !free_callback))
 		return -EINVAL;
 	if (!len || ((va | len) & (SIM_PAGE_SIZE - 1)) || va + len < va ||
-	    len > (1ULL << 36))
+	    len > BIT_ULL(SIM_CTX_SHIFT))
 		return -EINVAL;
 	if (READ_ONCE(sim_pin_latency_us))
 		fsleep(READ_ONCE(sim_pin_latency_us));
@@ -341,7 +342,7 @@ int nvidia_p2p_free_page_table(struct nvidia_p2p_page_table *page_table)
 		ret = 0;
 	}
 	spin_unlock(&sim_lock);
-	WARN_ONCE(ret, "nvidia_p2p_free_page_table outside the free callback or twice\n");
+	WARN_ONCE(ret, "%s outside the free callback or twice\n", __func__);
 	return ret;
 }
 EXPORT_SYMBOL_GPL(nvidia_p2p_free_page_table);
@@ -463,7 +464,7 @@ int nvidia_p2p_free_dma_mapping(struct nvidia_p2p_dma_mapping *dma_mapping)
 	if (map->pin->state == SIM_PIN_CALLBACK && map->pin->cb_task == current)
 		found = sim_map_take_locked(map->pin, dma_mapping);
 	spin_unlock(&sim_lock);
-	if (WARN_ONCE(!found, "nvidia_p2p_free_dma_mapping outside the free callback\n"))
+	if (WARN_ONCE(!found, "%s outside the free callback\n", __func__))
 		return -EINVAL;
 	sim_map_release(map);
 	return 0;

@@ -7,14 +7,14 @@ from typing import Any
 from .errors import GpupinError
 
 try:
-    from ._gpupin_cffi import ffi, lib  # type: ignore[import-not-found]
+    from . import _gpupin_cffi as _ext  # type: ignore[attr-defined]
 except ImportError as exc:  # pragma: no cover - depends on the build
     raise GpupinError(
         "the gpupin C extension is not built: run 'make pyext' (or pip install .) "
         f"in the gpupin source tree ({exc})"
     ) from exc
 
-ffi: Any
-lib: Any
+ffi: Any = _ext.ffi
+lib: Any = _ext.lib
 
 __all__ = ["ffi", "lib"]

@@ -22,6 +22,7 @@ import pytest
 
 from . import kmod
 from .device import Device
+from .errors import ModuleError
 from .memory import MemoryProvider
 from .sim import SimMemory, set_sim_param, sim_stats
 
@@ -75,7 +76,7 @@ def gpupin_loaded() -> None:
         _unavailable("this kernel has no module support")
     try:
         ensure_loaded()
-    except kmod.ModuleError as exc:
+    except ModuleError as exc:
         _unavailable(f"cannot load the modules here: {exc} (run 'make test-vm')")
 
 

@@ -6,8 +6,8 @@ import errno
 import fcntl
 
 import pytest
-from conftest import GPU_PAGE, raw
 
+from conftest import GPU_PAGE, raw
 from gpupin import Device, SimMemory, sim_stats
 from gpupin._native import lib
 

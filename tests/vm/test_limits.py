@@ -5,9 +5,9 @@ from __future__ import annotations
 import errno
 
 import pytest
-from conftest import GPU_PAGE, MiB
 
 import gpupin
+from conftest import GPU_PAGE, MiB
 from gpupin import Device, SimMemory, sim_stats
 
 pytestmark = [pytest.mark.vm, pytest.mark.simonly]

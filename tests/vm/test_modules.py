@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 
 import pytest
-from conftest import GPU_PAGE
 
 import gpupin
+from conftest import GPU_PAGE
 from gpupin import Device, SimMemory, kmod, sim_stats
 from gpupin.testing import ensure_loaded, ko_dir
 

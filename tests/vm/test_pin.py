@@ -7,9 +7,9 @@ import mmap
 import os
 
 import pytest
-from conftest import GPU_PAGE, KiB, MiB
 
 import gpupin
+from conftest import GPU_PAGE, KiB, MiB
 from gpupin import Device, SimMemory, sim_stats
 
 pytestmark = pytest.mark.vm

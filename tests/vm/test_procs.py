@@ -12,9 +12,9 @@ import textwrap
 from collections.abc import Callable
 
 import pytest
-from conftest import GPU_PAGE, MiB
 
 import gpupin
+from conftest import GPU_PAGE, MiB
 from gpupin import Device, SimMemory, sim_stats
 
 pytestmark = [pytest.mark.vm, pytest.mark.simonly]

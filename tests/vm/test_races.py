@@ -9,8 +9,8 @@ import os
 import threading
 
 import pytest
-from conftest import GPU_PAGE
 
+from conftest import GPU_PAGE
 from gpupin import Device, SimMemory, sim_stats
 
 pytestmark = [pytest.mark.vm, pytest.mark.simonly]

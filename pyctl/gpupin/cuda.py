@@ -1,0 +1,128 @@
+"""``CudaMemory``: device memory from the CUDA driver through cuda-python.
+
+cuda-python is imported only when a CudaMemory is made, so hosts without CUDA
+can use the rest of gpupin.  Managed and host memory are refused: nv-p2p pins
+device memory only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import DriverNotLoaded, GpupinError, NotGpuMemory
+from .memory import AllocationRange
+
+
+def _driver() -> Any:
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        try:
+            from cuda import cuda as driver  # cuda-python < 12.6 layout
+        except ImportError:
+            raise DriverNotLoaded(
+                "cuda-python is not installed: pip install 'gpupin[cuda]' (or cuda-python)"
+            ) from None
+    return driver
+
+
+class CudaMemory:
+    """CUDA device memory of one GPU's primary context."""
+
+    name = "cuda"
+
+    def __init__(self, device: int = 0) -> None:
+        cu = _driver()
+        self._cu = cu
+        self._ok = cu.CUresult.CUDA_SUCCESS
+        try:
+            (err,) = cu.cuInit(0)
+        except RuntimeError as exc:  # libcuda.so missing
+            raise DriverNotLoaded(f"the CUDA driver library is not available: {exc}") from None
+        if err != self._ok:
+            raise DriverNotLoaded(f"the CUDA driver is not usable here: cuInit returned {err.name}")
+        dev = self._check(cu.cuDeviceGet(device), f"cuDeviceGet({device})")
+        self._dev = dev
+        self._ctx = self._check(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+        self._check(cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+        P = cu.CUpointer_attribute
+        self._attrs = [
+            P.CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            P.CU_POINTER_ATTRIBUTE_IS_MANAGED,
+            P.CU_POINTER_ATTRIBUTE_BUFFER_ID,
+            P.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+            P.CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+        ]
+        self._buffer_id_attr = P.CU_POINTER_ATTRIBUTE_BUFFER_ID
+        self._sync_attr = P.CU_POINTER_ATTRIBUTE_SYNC_MEMOPS
+        self._device_type = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        self._synced: set[tuple[int, int]] = set()
+        self.sync_memops_calls = 0
+        self.device = device
+
+    def _check(self, result: Any, call: str) -> Any:
+        err = result[0] if isinstance(result, tuple) else result
+        if err != self._ok:
+            raise GpupinError(f"{call} failed: {getattr(err, 'name', err)}")
+        if isinstance(result, tuple):
+            return result[1] if len(result) == 2 else result[1:]
+        return None
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None) is not None:
+            self._cu.cuDevicePrimaryCtxRelease(self._dev)
+            self._ctx = None
+
+    def range_of(self, ptr: int) -> AllocationRange:
+        err, vals = self._cu.cuPointerGetAttributes(len(self._attrs), self._attrs, ptr)
+        if err != self._ok:
+            raise NotGpuMemory(f"{ptr:#x} is not CUDA memory ({err.name}): freed, or never allocated")
+        mtype, managed, buf_id, start, size = vals
+        if int(mtype) != int(self._device_type):
+            raise NotGpuMemory(f"{ptr:#x} is not device memory (memory type {int(mtype)}): "
+                               "only cuMemAlloc/VMM device memory can be pinned")
+        if int(managed):
+            raise NotGpuMemory(f"{ptr:#x} is managed (unified) memory, which GPUDirect RDMA "
+                               "cannot pin: use cuMemAlloc")
+        return AllocationRange(int(start), int(size), int(buf_id))
+
+    def buffer_id(self, ptr: int) -> int:
+        err, val = self._cu.cuPointerGetAttribute(self._buffer_id_attr, ptr)
+        if err != self._ok:
+            raise NotGpuMemory(f"{ptr:#x} is not CUDA memory ({err.name}): freed, or never allocated")
+        return int(val)
+
+    def is_device_memory(self, ptr: int) -> bool:
+        try:
+            self.range_of(ptr)
+        except NotGpuMemory:
+            return False
+        return True
+
+    def enable_sync_memops(self, ptr: int) -> None:
+        """Set SYNC_MEMOPS once per allocation (keyed by base and buffer id)."""
+        r = self.range_of(ptr)
+        key = (r.base, r.buffer_id)
+        if key in self._synced:
+            return
+        import ctypes
+
+        flag = ctypes.c_uint(1)
+        self._check(self._cu.cuPointerSetAttribute(ctypes.addressof(flag), self._sync_attr, r.base),
+                    "cuPointerSetAttribute(SYNC_MEMOPS)")
+        self.sync_memops_calls += 1
+        self._synced.add(key)
+
+    def alloc(self, size: int) -> int:
+        return int(self._check(self._cu.cuMemAlloc(size), f"cuMemAlloc({size})"))
+
+    def free(self, ptr: int) -> None:
+        self._check(self._cu.cuMemFree(ptr), f"cuMemFree({ptr:#x})")
+
+    def write(self, ptr: int, data: bytes) -> None:
+        self._check(self._cu.cuMemcpyHtoD(ptr, data, len(data)), "cuMemcpyHtoD")
+
+    def read(self, ptr: int, size: int) -> bytes:
+        out = bytearray(size)
+        self._check(self._cu.cuMemcpyDtoH(out, ptr, size), "cuMemcpyDtoH")
+        return bytes(out)

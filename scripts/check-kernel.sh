@@ -1,0 +1,47 @@
+#!/bin/bash
+# Kernel-side checks: a W=1 build with no warnings, sparse (C=2) clean, and
+# checkpatch --strict with no errors.  Usage: check-kernel.sh KDIR
+set -uo pipefail
+KDIR=$1
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+CP="$ROOT/.cache/checkpatch/checkpatch.pl"
+LOG=$(mktemp -d)
+fail=0
+
+make -s -C "$KDIR" M="$ROOT" clean >/dev/null
+make -C "$KDIR" M="$ROOT" W=1 modules >"$LOG/w1.txt" 2>&1 || fail=1
+if grep -E "warning:|error:" "$LOG/w1.txt"; then
+	echo "check: W=1 build has warnings or errors" >&2
+	fail=1
+else
+	echo "check: W=1 build clean"
+fi
+
+make -C "$KDIR" M="$ROOT" C=2 CHECK=sparse \
+	modules >"$LOG/sparse.txt" 2>&1 || fail=1
+if ! grep -q "CHECK.*kernel/pin.c" "$LOG/sparse.txt"; then
+	echo "check: sparse did not run (is it installed?)" >&2
+	fail=1
+elif grep -E "^$ROOT/.*: (warning|error):" "$LOG/sparse.txt"; then
+	echo "check: sparse reports problems" >&2
+	fail=1
+else
+	echo "check: sparse clean"
+fi
+
+files=$(cd "$ROOT" && git ls-files 'kernel/*.c' 'kernel/*.h' 'include/*.h' 'tests/kmod/*.c' 2>/dev/null)
+[ -n "$files" ] || files=$(cd "$ROOT" && find kernel include -name '*.[ch]')
+(cd "$ROOT" && "$CP" --strict --no-tree --terse --show-types \
+	--ignore FILE_PATH_CHANGES,SPDX_LICENSE_TAG,LINUX_VERSION_CODE -f $files) >"$LOG/checkpatch.txt" 2>&1
+errors=$(grep -c ": ERROR:" "$LOG/checkpatch.txt")
+warnings=$(grep -c ": WARNING:\|: CHECK:" "$LOG/checkpatch.txt")
+if [ "$errors" -ne 0 ]; then
+	grep ": ERROR:" "$LOG/checkpatch.txt"
+	echo "check: checkpatch --strict found $errors errors" >&2
+	fail=1
+else
+	echo "check: checkpatch --strict: 0 errors, $warnings warnings/checks"
+	grep ": WARNING:\|: CHECK:" "$LOG/checkpatch.txt" | head -n 40
+fi
+rm -rf "$LOG"
+exit $fail
