@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -88,7 +88,7 @@ def _load_error(target: str, err: int) -> ModuleError:
     return ModuleError(f"loading {target} failed: {os.strerror(err)}", err)
 
 
-def load(name_or_path: str, params: dict[str, object] | None = None) -> None:
+def load(name_or_path: str, params: Mapping[str, object] | None = None) -> None:
     """Insert a module from a .ko path or by name, with parameters."""
     opts = " ".join(f"{k}={_param(v)}" for k, v in (params or {}).items())
     with _context() as ctx, _module(ctx, name_or_path) as mod:

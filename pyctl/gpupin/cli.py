@@ -1,0 +1,451 @@
+"""The ``gpupin`` command and its debugging shell.
+
+Every subcommand works once from the command line (``gpupin query 3``) and
+inside ``gpupin shell``, where the open device, simulator context, pins and
+mappings persist between commands.  Every subcommand takes ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from . import doctor as doctor_mod
+from . import kmod
+from .device import Device, DmaMapping, Pin
+from .errors import GpupinError, InvalidArgument, ModuleError
+from .sim import SimMemory, set_sim_param, sim_stats
+
+Result = Any
+
+
+class UsageError(GpupinError):
+    """Bad command-line arguments."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # never exit: the shell keeps going
+        raise UsageError(f"{self.prog}: {message}")
+
+    def exit(self, status: int = 0, message: str | None = None) -> Any:
+        if message:
+            print(message, file=sys.stderr, end="")
+        raise _HelpShown(status)
+
+
+class _HelpShown(Exception):
+    def __init__(self, status: int) -> None:
+        self.status = status
+
+
+def parse_size(text: str) -> int:
+    """'4096', '64K', '1M', '2G', '0x10000' -> bytes."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = 1
+    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
+        if t.endswith(suffix):
+            t, mult = t[:-1], m
+            break
+    try:
+        value = int(t, 0) * mult
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 4096, 64K, 1M, 0x10000)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: size must not be negative")
+    return value
+
+
+def parse_int(text: str) -> int:
+    try:
+        return int(text, 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def ko_dir() -> Path:
+    env = os.environ.get("GPUPIN_KO_DIR")
+    return Path(env) if env else Path(__file__).resolve().parent.parent.parent
+
+
+class Session:
+    """What a shell keeps between commands: device, simulator context, pins, mappings."""
+
+    def __init__(self) -> None:
+        self._device: Device | None = None
+        self._sim: SimMemory | None = None
+        self.pins: dict[int, Pin] = {}
+        self.maps: dict[tuple[int, int], DmaMapping] = {}
+        self.allocs: dict[int, int] = {}
+        self.watcher: threading.Thread | None = None
+        self.out: Callable[[str], None] = print
+
+    @property
+    def device(self) -> Device:
+        if self._device is None or self._device.closed:
+            self._device = Device()
+        return self._device
+
+    @property
+    def sim(self) -> SimMemory:
+        if self._sim is None:
+            self._sim = SimMemory()
+        return self._sim
+
+    def close(self) -> None:
+        if self._device is not None:
+            self._device.close()
+        if self._sim is not None:
+            self._sim.close()
+        self._device = self._sim = None
+        self.pins.clear()
+        self.maps.clear()
+        self.allocs.clear()
+
+    def pin_of(self, handle: int) -> Pin:
+        pin = self.pins.get(handle)
+        if pin is None:
+            raise InvalidArgument(f"no pin with handle {handle} in this session (see 'ls')")
+        return pin
+
+
+# -- commands ----------------------------------------------------------------
+def cmd_status(s: Session, a: argparse.Namespace) -> Result:
+    out: dict[str, Any] = {}
+    for m in ("gpupin", "nvp2p_sim", "nvidia"):
+        out[m] = kmod.info(m).state if os.path.isdir(f"/sys/module/{m}") else "absent"
+    if os.path.exists("/dev/gpupin"):
+        info = s.device.info()
+        out.update(abi=info.abi_version, version=info.version, provider=info.provider,
+                   persistent=info.persistent, dma_map=info.dma_map, simulator=info.simulator,
+                   max_pins_per_file=info.max_pins_per_file, pins_here=info.file_pins,
+                   pinned_bytes=info.pinned_bytes, max_pinned_bytes=info.max_pinned_bytes or "unlimited")
+    else:
+        out["device"] = "/dev/gpupin missing: run 'gpupin load' (add --sim without a GPU)"
+    return out
+
+
+def cmd_load(s: Session, a: argparse.Namespace) -> Result:
+    params: dict[str, str] = {}
+    sim_params: dict[str, str] = {}
+    for p in a.params:
+        key, sep, value = p.partition("=")
+        if not sep or not key:
+            raise UsageError(f"parameter {p!r} is not name=value")
+        if key.startswith("sim."):
+            sim_params[key[4:]] = value
+        else:
+            params[key] = value
+    use_sim = a.sim or not os.path.isdir("/sys/module/nvidia")
+    loaded = []
+    if use_sim and not kmod.is_loaded("nvp2p_sim"):
+        kmod.load(_module_file("nvp2p_sim"), sim_params)
+        loaded.append("nvp2p_sim")
+    elif sim_params:
+        for k, v in sim_params.items():
+            set_sim_param(k, v)
+    if not kmod.is_loaded("gpupin"):
+        kmod.load(_module_file("gpupin"), params)
+        loaded.append("gpupin")
+    return {"loaded": loaded, "provider": "nvp2p_sim" if use_sim else "nvidia"}
+
+
+def _module_file(name: str) -> str:
+    ko = ko_dir() / f"{name}.ko"
+    return str(ko) if ko.exists() else name
+
+
+def cmd_unload(s: Session, a: argparse.Namespace) -> Result:
+    s.close()
+    done = []
+    for m in ("gpupin", "nvp2p_sim"):
+        if kmod.is_loaded(m):
+            kmod.unload(m)
+            done.append(m)
+    if not done:
+        raise ModuleError("neither gpupin nor nvp2p_sim is loaded")
+    return {"unloaded": done}
+
+
+def _pin_row(p: Pin) -> dict[str, Any]:
+    return {"handle": p.handle, "va": hex(p.va), "size": p.size, "aligned_va": hex(p.aligned_va),
+            "aligned_size": p.aligned_size, "entries": p.entries, "valid": p.is_valid(),
+            "persistent": p.persistent, "tag": p.user_tag}
+
+
+def cmd_pin(s: Session, a: argparse.Namespace) -> Result:
+    va = a.va
+    if a.sim_alloc:
+        va = s.sim.alloc(a.sim_alloc)
+        s.allocs[va] = a.sim_alloc
+    if va is None:
+        raise UsageError("pin: give VA and SIZE, or --sim-alloc SIZE")
+    size = a.size if a.size is not None else (a.sim_alloc or 0)
+    p = s.device.pin(va, size, persistent=a.persistent, user_tag=a.tag)
+    s.pins[p.handle] = p
+    return _pin_row(p)
+
+
+def cmd_unpin(s: Session, a: argparse.Namespace) -> Result:
+    s.device.unpin(a.handle)
+    s.pins.pop(a.handle, None)
+    for key in [k for k in s.maps if k[0] == a.handle]:
+        del s.maps[key]
+    return {"unpinned": a.handle}
+
+
+def cmd_ls(s: Session, a: argparse.Namespace) -> Result:
+    if a.all:
+        from . import netlink
+
+        return [asdict(p) for p in netlink.list_pins()]
+    return [_pin_row(p) for p in s.pins.values()]
+
+
+def cmd_query(s: Session, a: argparse.Namespace) -> Result:
+    return asdict(s.device.query(a.handle))
+
+
+def cmd_pages(s: Session, a: argparse.Namespace) -> Result:
+    pages = s.device.get_pages(a.handle, a.first, a.count)
+    return [{"index": a.first + i, "physical_address": hex(x)} for i, x in enumerate(pages)]
+
+
+def cmd_dma_map(s: Session, a: argparse.Namespace) -> Result:
+    m = s.device.dma_map(a.handle, a.pci)
+    s.maps[(m.handle, m.mapping_id)] = m
+    return asdict(m)
+
+
+def cmd_dma_unmap(s: Session, a: argparse.Namespace) -> Result:
+    m = s.maps.pop((a.handle, a.mapping), None) or DmaMapping(a.handle, a.mapping, 0, "")
+    s.device.dma_unmap(m)
+    return {"unmapped": [a.handle, a.mapping]}
+
+
+def cmd_watch(s: Session, a: argparse.Namespace) -> Result:
+    if a.all:
+        from . import netlink
+
+        events = []
+        for ev in netlink.events(timeout=a.timeout, count=a.count):
+            if a.json:
+                events.append(ev)
+            else:
+                s.out(f"{ev['event']}: {ev}")
+        return events if a.json else None
+    if a.background:
+        def loop() -> None:
+            dev = s.device
+            while not dev.closed:
+                for ev in dev.wait_invalidations(0.2):
+                    s.out(f"[watch] pin {ev.handle} (tag {ev.user_tag}) invalidated: {ev.reason}")
+        s.watcher = threading.Thread(target=loop, daemon=True, name="gpupin-watch")
+        s.watcher.start()
+        return {"watching": "in the background"}
+    evs = s.device.wait_invalidations(a.timeout)
+    return [asdict(e) for e in evs]
+
+
+def cmd_doctor(s: Session, a: argparse.Namespace) -> Result:
+    return [asdict(c) for c in doctor_mod.run_all()]
+
+
+def cmd_sim(s: Session, a: argparse.Namespace) -> Result:
+    sim = s.sim
+    if a.op == "alloc":
+        va = sim.alloc(a.size)
+        s.allocs[va] = a.size
+        return {"va": hex(va), "size": a.size, "buffer_id": sim.buffer_id(va)}
+    if a.op == "free":
+        sim.free(a.va)
+        s.allocs.pop(a.va, None)
+        return {"freed": hex(a.va)}
+    if a.op == "write":
+        data = bytes.fromhex(a.data) if a.hex else a.data.encode()
+        sim.write(a.va, data)
+        return {"written": len(data)}
+    if a.op == "read":
+        data = sim.read(a.va, a.size)
+        return {"hex": data.hex(), "text": data.decode(errors="replace")}
+    if a.op == "query":
+        return asdict(sim.range_of(a.va))
+    if a.op == "stats":
+        return asdict(sim_stats())
+    if a.op == "set":
+        set_sim_param(a.name, a.value)
+        return {a.name: a.value}
+    raise UsageError(f"sim: unknown operation {a.op}")
+
+
+def cmd_bench(s: Session, a: argparse.Namespace) -> Result:
+    from . import bench
+
+    return bench.main_args(a)
+
+
+def build_parser() -> _Parser:
+    p = _Parser(prog="gpupin", description="Pin NVIDIA GPU memory for third-party devices.")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser)
+
+    def add(name: str, fn: Callable[[Session, argparse.Namespace], Result], help: str) -> _Parser:
+        sp: _Parser = sub.add_parser(name, help=help, description=help)
+        sp.add_argument("--json", action="store_true", help="print JSON")
+        sp.set_defaults(fn=fn)
+        return sp
+
+    add("status", cmd_status, "module state, ABI, provider, capabilities and limits")
+    sp = add("load", cmd_load, "load nvp2p_sim (with --sim, or when nvidia is absent) and gpupin")
+    sp.add_argument("--sim", action="store_true", help="use the simulator even if nvidia is loaded")
+    sp.add_argument("params", nargs="*", help="gpupin parameters name=value; sim.name=value for the simulator")
+    add("unload", cmd_unload, "unload gpupin and the simulator")
+    sp = add("pin", cmd_pin, "pin [VA, VA+SIZE) (released when this process exits)")
+    sp.add_argument("va", nargs="?", type=parse_int)
+    sp.add_argument("size", nargs="?", type=parse_size)
+    sp.add_argument("--persistent", action="store_true")
+    sp.add_argument("--tag", type=parse_int, default=0, help="user tag reported with invalidations")
+    sp.add_argument("--sim-alloc", type=parse_size, metavar="SIZE", help="allocate simulated memory and pin it")
+    sp = add("unpin", cmd_unpin, "unpin a handle")
+    sp.add_argument("handle", type=parse_int)
+    sp = add("ls", cmd_ls, "list this session's pins (--all: every process's, through netlink)")
+    sp.add_argument("--all", action="store_true")
+    sp = add("query", cmd_query, "state of a pin")
+    sp.add_argument("handle", type=parse_int)
+    sp = add("pages", cmd_pages, "physical addresses of a pin's pages (CAP_SYS_ADMIN)")
+    sp.add_argument("handle", type=parse_int)
+    sp.add_argument("--first", type=parse_int, default=0)
+    sp.add_argument("--count", type=parse_int, default=None)
+    sp = add("dma-map", cmd_dma_map, "map a pin for DMA by a PCI device ([domain:]bus:dev.fn)")
+    sp.add_argument("handle", type=parse_int)
+    sp.add_argument("pci")
+    sp = add("dma-unmap", cmd_dma_unmap, "remove a DMA mapping")
+    sp.add_argument("handle", type=parse_int)
+    sp.add_argument("mapping", type=parse_int)
+    sp = add("watch", cmd_watch, "show invalidations (this session's; --all: every process's, via netlink)")
+    sp.add_argument("--timeout", type=float, default=None, help="seconds to wait")
+    sp.add_argument("--count", type=int, default=None, help="stop after this many events (--all)")
+    sp.add_argument("--all", action="store_true")
+    sp.add_argument("--background", action="store_true", help="shell: keep watching while you type")
+    add("doctor", cmd_doctor, "check IOMMU, ACS, PCIe topology, drivers and BAR1 for GPUDirect RDMA")
+    sp = add("sim", cmd_sim, "simulated GPU memory: alloc SIZE | free VA | write VA DATA | read VA SIZE | "
+                             "query VA | stats | set NAME VALUE")
+    sp.add_argument("op", choices=["alloc", "free", "write", "read", "query", "stats", "set"])
+    sp.add_argument("rest", nargs="*")
+    sp.add_argument("--hex", action="store_true", help="write: DATA is hex")
+    sp = add("bench", cmd_bench, "benchmarks: registration cache hit cost, reuse trace, scale, pressure")
+    from . import bench
+
+    bench.add_arguments(sp)
+    sub.add_parser("shell", help="interactive debugging shell (also -c 'cmd; cmd' or a script on stdin)",
+                   description="interactive debugging shell").add_argument(
+        "-c", dest="commands", help="run these ';'-separated commands and exit")
+    return p
+
+
+def _fix_sim_args(a: argparse.Namespace) -> None:
+    rest = list(a.rest)
+    need = {"alloc": ["size"], "free": ["va"], "write": ["va", "data"], "read": ["va", "size"],
+            "query": ["va"], "stats": [], "set": ["name", "value"]}[a.op]
+    if len(rest) != len(need):
+        raise UsageError(f"sim {a.op} takes {' '.join(n.upper() for n in need) or 'no arguments'}")
+    for name, text in zip(need, rest, strict=True):
+        try:
+            value: Any = {"size": parse_size, "va": parse_int}.get(name, str)(text)
+        except argparse.ArgumentTypeError as exc:
+            raise UsageError(f"sim {a.op}: {exc}") from None
+        setattr(a, name, value)
+
+
+# -- output ------------------------------------------------------------------
+def _plain(v: Any) -> Any:
+    if is_dataclass(v) and not isinstance(v, type):
+        return asdict(v)
+    if isinstance(v, bytes):
+        return v.hex()
+    return v
+
+
+def render(result: Result, as_json: bool, out: Callable[[str], None] = print) -> None:
+    if result is None:
+        return
+    if as_json:
+        out(json.dumps(result, default=_plain, indent=2, sort_keys=False))
+        return
+    if isinstance(result, dict):
+        width = max((len(str(k)) for k in result), default=0)
+        for k, v in result.items():
+            out(f"{str(k):<{width}}  {v}")
+    elif isinstance(result, list):
+        if not result:
+            out("(none)")
+        elif isinstance(result[0], dict):
+            out(table(result))
+        else:
+            for r in result:
+                out(str(r))
+    else:
+        out(str(result))
+
+
+def table(rows: Sequence[dict[str, Any]]) -> str:
+    cols = list(rows[0])
+    cells = [[str(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths, strict=True)).rstrip()  # noqa: E731
+    return "\n".join([line(cols), line(["-" * w for w in widths]), *(line(r) for r in cells)])
+
+
+def run_command(s: Session, argv: list[str], parser: _Parser | None = None) -> int:
+    """Run one command; print its result or its error.  Returns an exit status."""
+    parser = parser or build_parser()
+    try:
+        a = parser.parse_args(argv)
+        if a.cmd is None or a.cmd == "shell":
+            raise UsageError("give a command (see 'help')")
+        if a.cmd == "sim":
+            _fix_sim_args(a)
+        render(a.fn(s, a), getattr(a, "json", False), s.out)
+        return 0
+    except _HelpShown as h:
+        return h.status
+    except GpupinError as exc:
+        s.out(f"error: {exc}")
+        return 1
+    except OSError as exc:
+        s.out(f"error: {exc}")
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv and argv[0] == "shell":
+        try:
+            a = parser.parse_args(argv)
+        except (UsageError, _HelpShown) as exc:
+            print(exc, file=sys.stderr)
+            return 2
+        from .shell import Shell
+
+        return Shell().run(a.commands)
+    if not argv:
+        parser.print_help()
+        return 2
+    s = Session()
+    s.out = lambda text: print(text, flush=True)
+    try:
+        rc = run_command(s, argv, parser)
+    finally:
+        s.close()
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

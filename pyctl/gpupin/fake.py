@@ -1,0 +1,229 @@
+"""In-process stand-ins for Device and a memory provider, for host tests and benchmarks.
+
+``FakeDevice`` keeps its validity map in an anonymous shared mapping read the
+same way as the kernel's page, so a cache hit costs what it costs against
+gpupin.ko; ``FakeMemory`` hands out addresses first-fit (a freed address comes
+back) with a new buffer id per allocation, and invalidates the fake pins on
+free like the nv-p2p free callback.  Nothing here touches a kernel.
+"""
+
+from __future__ import annotations
+
+import bisect
+import errno
+import itertools
+import mmap
+import threading
+import time
+from dataclasses import dataclass
+
+from .errors import BarExhausted, InvalidArgument, NotGpuMemory, PinInvalidated, UnknownHandle
+from .memory import AllocationRange
+
+GPU_PAGE = 1 << 16
+
+
+@dataclass(frozen=True)
+class FakeEvent:
+    handle: int
+    user_tag: int
+    reason: str
+    slot: int
+
+
+@dataclass(frozen=True)
+class FakeMapping:
+    handle: int
+    mapping_id: int
+    entries: int
+    pci: str
+
+
+class FakePin:
+    __slots__ = ("device", "handle", "va", "size", "aligned_va", "aligned_size", "entries", "slot",
+                 "valid_word", "user_tag", "persistent")
+
+    def __init__(self, device: FakeDevice, handle: int, va: int, size: int, slot: int, tag: int) -> None:
+        self.device = device
+        self.handle = handle
+        self.va = va
+        self.size = size
+        self.aligned_va = va & ~(GPU_PAGE - 1)
+        self.aligned_size = -(-(va + size) // GPU_PAGE) * GPU_PAGE - self.aligned_va
+        self.entries = self.aligned_size // GPU_PAGE
+        self.slot = slot
+        self.valid_word = handle
+        self.user_tag = tag
+        self.persistent = False
+
+    def is_valid(self) -> bool:
+        return self.device._words[self.slot] == self.valid_word
+
+
+class FakeDevice:
+    """Pins against a FakeMemory; ``bar_size`` bytes of fake BAR, ``pin_latency`` seconds per pin."""
+
+    def __init__(self, memory: FakeMemory, *, bar_size: int = 0, pin_latency: float = 0.0,
+                 slots: int = 1 << 18) -> None:
+        self.memory = memory
+        memory.devices.append(self)
+        self.bar_size = bar_size
+        self.pin_latency = pin_latency
+        self._map = mmap.mmap(-1, slots * 8, mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+        self._words = memoryview(self._map).cast("Q")
+        self._free_slots = list(range(slots - 1, -1, -1))
+        self._handles = itertools.count(1)
+        self.pins: dict[int, FakePin] = {}
+        self._live: dict[int, bool] = {}
+        self.events: list[FakeEvent] = []
+        self.bar_used = 0
+        self.pin_calls = 0
+        self.unpin_calls = 0
+        self._lock = threading.Lock()
+
+    def pin(self, va: int, size: int, *, persistent: bool = False, user_tag: int = 0) -> FakePin:
+        if size <= 0:
+            raise InvalidArgument(f"PIN(va={va:#x}, size={size}): size must be > 0", errno.EINVAL)
+        if self.pin_latency:
+            deadline = time.perf_counter() + self.pin_latency
+            while time.perf_counter() < deadline:
+                pass
+        with self._lock:
+            self.pin_calls += 1
+            r = self.memory._range(va)
+            if r is None or va + size > r.base + r.size:
+                raise NotGpuMemory(f"PIN(va={va:#x}, size={size}): not fake device memory", errno.EINVAL)
+            p = FakePin(self, next(self._handles), va, size, self._free_slots.pop(), user_tag)
+            if self.bar_size and self.bar_used + p.aligned_size > self.bar_size:
+                self._free_slots.append(p.slot)
+                raise BarExhausted(f"PIN(va={va:#x}, size={size}): fake BAR exhausted", errno.ENOMEM)
+            self.bar_used += p.aligned_size
+            self._words[p.slot] = p.handle
+            self.pins[p.handle] = p
+            self._live[p.handle] = True
+            return p
+
+    def unpin(self, handle: int | FakePin) -> None:
+        h = handle.handle if isinstance(handle, FakePin) else handle
+        with self._lock:
+            p = self.pins.pop(h, None)
+            if p is None:
+                raise UnknownHandle(f"UNPIN(handle={h}): no such pin", errno.ENOENT)
+            self.unpin_calls += 1
+            if self._live.pop(h):
+                self.bar_used -= p.aligned_size
+            self._words[p.slot] = 0
+            self._free_slots.append(p.slot)
+
+    def _invalidate_range(self, base: int, end: int) -> None:
+        with self._lock:
+            for p in self.pins.values():
+                if self._live.get(p.handle) and p.aligned_va < end and base < p.aligned_va + p.aligned_size:
+                    self._live[p.handle] = False
+                    self.bar_used -= p.aligned_size
+                    self._words[p.slot] = 0
+                    self.events.append(FakeEvent(p.handle, p.user_tag, "freed", p.slot))
+
+    def read_events(self) -> list[FakeEvent]:
+        with self._lock:
+            out, self.events = self.events, []
+        return out
+
+    def dma_map(self, handle: int | FakePin, pci: str) -> FakeMapping:
+        h = handle.handle if isinstance(handle, FakePin) else handle
+        p = self.pins.get(h)
+        if p is None:
+            raise UnknownHandle(f"DMA_MAP(handle={h}): no such pin", errno.ENOENT)
+        if not self._live[h]:
+            raise PinInvalidated(f"DMA_MAP(handle={h}): invalidated", errno.ENXIO)
+        return FakeMapping(h, 1, p.entries, pci)
+
+    def dma_unmap(self, mapping: FakeMapping) -> None:
+        if mapping.handle not in self.pins:
+            raise UnknownHandle("DMA_UNMAP: no such pin", errno.ENOENT)
+
+    @property
+    def live_pins(self) -> int:
+        return sum(1 for v in self._live.values() if v)
+
+
+class FakeMemory:
+    """Fake device memory: first-fit addresses, a new buffer id per allocation."""
+
+    name = "fake"
+    BASE = 1 << 40
+
+    def __init__(self) -> None:
+        self._bases: list[int] = []
+        self._allocs: dict[int, AllocationRange] = {}
+        self._ids = itertools.count(1)
+        self.devices: list[FakeDevice] = []
+        self.sync_memops_calls = 0
+        self._synced: set[tuple[int, int]] = set()
+        self.data: dict[int, bytearray] = {}
+        self._lock = threading.Lock()
+
+    def alloc(self, size: int, *, at: int | None = None) -> int:
+        if size <= 0:
+            raise InvalidArgument(f"alloc(size={size}): size must be > 0")
+        size = -(-size // GPU_PAGE) * GPU_PAGE
+        with self._lock:
+            va = self.BASE if at is None else at
+            if at is None:
+                for b in self._bases:
+                    if b - va >= size:
+                        break
+                    va = self._allocs[b].base + self._allocs[b].size
+            elif self._range(at) is not None:
+                raise InvalidArgument(f"alloc(at={at:#x}): address in use")
+            r = AllocationRange(va, size, next(self._ids))
+            bisect.insort(self._bases, va)
+            self._allocs[va] = r
+            self.data[va] = bytearray(size)
+            return va
+
+    def free(self, ptr: int) -> None:
+        with self._lock:
+            r = self._allocs.pop(ptr, None)
+            if r is None:
+                raise NotGpuMemory(f"free({ptr:#x}): not the start of an allocation")
+            self._bases.remove(ptr)
+            del self.data[ptr]
+        for d in self.devices:
+            d._invalidate_range(r.base, r.base + r.size)
+
+    def _range(self, ptr: int) -> AllocationRange | None:
+        i = bisect.bisect_right(self._bases, ptr) - 1
+        if i < 0:
+            return None
+        r = self._allocs[self._bases[i]]
+        return r if ptr < r.base + r.size else None
+
+    def range_of(self, ptr: int) -> AllocationRange:
+        r = self._range(ptr)
+        if r is None:
+            raise NotGpuMemory(f"{ptr:#x} is not fake device memory (freed, or never allocated)")
+        return r
+
+    def buffer_id(self, ptr: int) -> int:
+        return self.range_of(ptr).buffer_id
+
+    def is_device_memory(self, ptr: int) -> bool:
+        return self._range(ptr) is not None
+
+    def enable_sync_memops(self, ptr: int) -> None:
+        r = self.range_of(ptr)
+        if (r.base, r.buffer_id) not in self._synced:
+            self._synced.add((r.base, r.buffer_id))
+            self.sync_memops_calls += 1
+
+    def write(self, ptr: int, data: bytes) -> None:
+        r = self.range_of(ptr)
+        self.data[r.base][ptr - r.base:ptr - r.base + len(data)] = data
+
+    def read(self, ptr: int, size: int) -> bytes:
+        r = self.range_of(ptr)
+        return bytes(self.data[r.base][ptr - r.base:ptr - r.base + size])
+
+    def close(self) -> None:
+        pass
