@@ -5,10 +5,11 @@ SHELL := /bin/bash
 KVER ?= $(shell uname -r)
 # Running kernel's build dir, else the newest installed Debian headers.
 KDIR ?= $(or $(wildcard /lib/modules/$(KVER)/build),$(shell scripts/kdir.sh))
-NVIDIA_SRC ?= $(patsubst %/nvidia/nv-p2p.h,%,$(firstword $(wildcard /usr/src/nvidia-*/nvidia/nv-p2p.h)))
+# NVIDIA driver sources (dir with nvidia/nv-p2p.h): found under /usr/src by Kbuild; 'none' = simulator.
+NVIDIA_SRC ?=
 VENV ?= $(CURDIR)/.venv
 PY := $(VENV)/bin/python
-KMAKE = $(MAKE) -C $(KDIR) M=$(CURDIR) $(if $(NVIDIA_SRC),NVIDIA_SRC=$(NVIDIA_SRC) KBUILD_EXTRA_SYMBOLS=$(NVIDIA_SRC)/Module.symvers)
+KMAKE = $(MAKE) -C $(KDIR) M=$(CURDIR) $(if $(NVIDIA_SRC),NVIDIA_SRC=$(NVIDIA_SRC))
 
 .PHONY: all modules clean setup pyext check check-kernel check-py test test-host test-vm \
 	test-gpu test-native test-long test-debug bench demo install help

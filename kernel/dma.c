@@ -136,6 +136,7 @@ long gpupin_ioctl_dma_map(struct gpupin_file *f, struct gpupin_dma_map __user *u
 	map->id = ++pin->next_map_id;
 	list_add_tail(&map->node, &pin->maps);
 	spin_unlock(&pin->lock);
+	atomic64_inc(&gpupin_stats.dma_maps);
 	gpupin_pin_unuse(pin);
 
 	arg.mapping_id = map->id;

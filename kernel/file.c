@@ -15,6 +15,12 @@
 #include <linux/version.h>
 #include <linux/vmalloc.h>
 #include "gpupin.h"
+#include "../include/uapi/gpupin_netlink.h"
+
+/* Lock order and purpose: see gpupin.h. */
+DEFINE_MUTEX(gpupin_files_lock);
+LIST_HEAD(gpupin_files);
+static u64 gpupin_next_file_id;		/* under gpupin_files_lock */
 
 /* Queue an invalidation record; called from the free callback. */
 void gpupin_queue_event(struct gpupin_file *f, struct gpupin_event_rec *rec)
@@ -169,6 +175,10 @@ static int gpupin_open(struct inode *inode, struct file *file)
 	INIT_LIST_HEAD(&f->events);
 	init_waitqueue_head(&f->ev_wait);
 	f->owner = get_pid(task_tgid(current));
+	mutex_lock(&gpupin_files_lock);
+	f->id = ++gpupin_next_file_id;
+	list_add_tail(&f->node, &gpupin_files);
+	mutex_unlock(&gpupin_files_lock);
 	file->private_data = f;
 	return 0;
 }
@@ -179,7 +189,11 @@ static int gpupin_release(struct inode *inode, struct file *file)
 	struct gpupin_file *f = file->private_data;
 	struct gpupin_event ev;
 
-	gpupin_file_release_pins(f);
+	mutex_lock(&gpupin_files_lock);
+	list_del(&f->node);
+	mutex_unlock(&gpupin_files_lock);
+	gpupin_file_release_pins(f, (current->flags & PF_EXITING) ? GPUPIN_NL_REASON_PROCESS_EXIT :
+								   GPUPIN_NL_REASON_CLOSE);
 	while (gpupin_event_pop(f, &ev))
 		;
 	xa_destroy(&f->pins);

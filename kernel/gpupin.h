@@ -3,6 +3,7 @@
  * gpupin internals.
  *
  * Locking, outermost first:
+ *   gpupin_files_lock (mutex) - the list of open files, for netlink dumps.
  *   gpupin_file.lock (mutex) - the file's handle table, pin count and
  *       handle counter.  Never held across an nv-p2p call, never taken by the
  *       free callback.
@@ -46,6 +47,25 @@ extern bool gpupin_default_persistent;
 extern bool gpupin_debug;
 
 extern atomic64_t gpupin_pinned_bytes;
+
+/* Global counters for netlink GET_STATS (main.c). */
+struct gpupin_stats {
+	atomic64_t pins;
+	atomic64_t unpins;
+	atomic64_t inval_freed;
+	atomic64_t inval_process_exit;
+	atomic64_t dma_maps;
+	atomic64_t bytes_peak;
+	atomic64_t fail_enomem;
+	atomic64_t fail_enospc;
+	atomic64_t fail_einval;
+	atomic64_t fail_other;
+	atomic64_t callback_max_ns;
+};
+
+extern struct gpupin_stats gpupin_stats;
+extern struct mutex gpupin_files_lock;
+extern struct list_head gpupin_files;
 extern char gpupin_provider[GPUPIN_NAME_LEN];
 extern u32 gpupin_caps;
 
@@ -56,6 +76,8 @@ extern u32 gpupin_caps;
 	} while (0)
 
 struct gpupin_file {
+	struct list_head node;		/* gpupin_files, under gpupin_files_lock */
+	u64 id;				/* unique per open, for netlink */
 	struct mutex lock;		/* see top of file */
 	struct xarray pins;		/* handle -> pin, under lock */
 	u64 next_handle;		/* last handle given, under lock */
@@ -98,6 +120,7 @@ struct gpupin_region {
 	u64 aligned_va;
 	u64 aligned_size;
 	u64 user_tag;
+	u64 created_ns;
 	struct nvidia_p2p_page_table *pt;
 
 	spinlock_t lock;		/* see top of file */
@@ -125,7 +148,7 @@ struct gpupin_region *gpupin_pin_lookup(struct gpupin_file *f, u64 handle);
 void gpupin_pin_put(struct gpupin_region *pin);
 int gpupin_pin_use(struct gpupin_region *pin);
 void gpupin_pin_unuse(struct gpupin_region *pin);
-void gpupin_file_release_pins(struct gpupin_file *f);
+void gpupin_file_release_pins(struct gpupin_file *f, u32 reason);
 bool gpupin_caller_owns(struct gpupin_file *f);
 
 /* dma.c */
@@ -135,6 +158,13 @@ long gpupin_ioctl_dma_unmap(struct gpupin_file *f, struct gpupin_dma_unmap __use
 void gpupin_unmap_all(struct gpupin_region *pin);
 void gpupin_free_maps_invalidated(struct gpupin_region *pin);
 u32 gpupin_map_count_locked(struct gpupin_region *pin);
+
+/* netlink.c */
+int gpupin_nl_init(void);
+void gpupin_nl_exit(void);
+void gpupin_nl_pin_event(struct gpupin_region *pin, u8 cmd, u32 reason);
+void gpupin_nl_budget_event(struct gpupin_file *f, u64 size);
+void gpupin_stat_max(atomic64_t *v, s64 now);
 
 /* main.c */
 long gpupin_ioctl_info(struct gpupin_file *f, struct gpupin_info __user *uarg);

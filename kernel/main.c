@@ -31,8 +31,18 @@ module_param_named(debug, gpupin_debug, bool, 0644);
 MODULE_PARM_DESC(debug, "Log pins, unpins and invalidations (rate-limited; default off)");
 
 atomic64_t gpupin_pinned_bytes = ATOMIC64_INIT(0);
+struct gpupin_stats gpupin_stats;
 char gpupin_provider[GPUPIN_NAME_LEN] = "nvidia";
 u32 gpupin_caps = GPUPIN_CAP_DMA_MAP;
+
+/* Raise *v to @now if it is larger (a lock-free running maximum). */
+void gpupin_stat_max(atomic64_t *v, s64 now)
+{
+	s64 old = atomic64_read(v);
+
+	while (now > old && !atomic64_try_cmpxchg(v, &old, now))
+		;
+}
 
 long gpupin_ioctl_info(struct gpupin_file *f, struct gpupin_info __user *uarg)
 {
@@ -98,9 +108,14 @@ static int __init gpupin_init(void)
 	BUILD_BUG_ON(sizeof(struct gpupin_event) != 32);
 
 	gpupin_detect_provider();
-	ret = gpupin_file_init();
+	ret = gpupin_nl_init();
 	if (ret)
 		return ret;
+	ret = gpupin_file_init();
+	if (ret) {
+		gpupin_nl_exit();
+		return ret;
+	}
 	pr_info("version %s ready, provider %s\n", GPUPIN_VERSION, gpupin_provider);
 	return 0;
 }
@@ -108,6 +123,7 @@ static int __init gpupin_init(void)
 static void __exit gpupin_exit(void)
 {
 	gpupin_file_exit();
+	gpupin_nl_exit();
 }
 
 module_init(gpupin_init);

@@ -19,6 +19,7 @@
 #include <linux/slab.h>
 #include <linux/uaccess.h>
 #include "gpupin.h"
+#include "../include/uapi/gpupin_netlink.h"
 
 bool gpupin_caller_owns(struct gpupin_file *f)
 {
@@ -98,6 +99,7 @@ static void gpupin_free_callback(void *data)
 	struct gpupin_file *f = pin->file;
 	enum gpupin_pin_state prev;
 	struct gpupin_event_rec *rec;
+	u64 start = ktime_get_ns();
 
 	spin_lock(&pin->lock);
 	prev = pin->state;
@@ -124,6 +126,11 @@ static void gpupin_free_callback(void *data)
 	}
 	gpupin_dbg("pin %llu invalidated by the provider\n", pin->handle);
 	gpupin_set_state(pin, GPUPIN_PIN_INVALIDATED);
+	if (prev == GPUPIN_PIN_PINNED) {
+		atomic64_inc(&gpupin_stats.inval_freed);
+		gpupin_nl_pin_event(pin, GPUPIN_NL_CMD_INVALIDATED, GPUPIN_NL_REASON_FREED);
+	}
+	gpupin_stat_max(&gpupin_stats.callback_max_ns, ktime_get_ns() - start);
 }
 
 static bool gpupin_pin_settled(struct gpupin_region *pin)
@@ -185,16 +192,23 @@ static void gpupin_pin_unaccount(struct gpupin_file *f, struct gpupin_region *pi
 	mutex_unlock(&f->lock);
 }
 
-/* Tear down a pin already removed from the handle table; drops that ref. */
-static void gpupin_pin_destroy(struct gpupin_file *f, struct gpupin_region *pin)
+/*
+ * Tear down a pin already removed from the handle table; drops that ref.
+ * @reason: GPUPIN_NL_REASON_* for the UNPINNED event.
+ */
+static void gpupin_pin_destroy(struct gpupin_file *f, struct gpupin_region *pin, u32 reason)
 {
 	gpupin_pin_release_pages(pin, GPUPIN_PIN_PINNED);
 	gpupin_pin_unaccount(f, pin);
+	atomic64_inc(&gpupin_stats.unpins);
+	if (reason == GPUPIN_NL_REASON_PROCESS_EXIT)
+		atomic64_inc(&gpupin_stats.inval_process_exit);
+	gpupin_nl_pin_event(pin, GPUPIN_NL_CMD_UNPINNED, reason);
 	gpupin_dbg("pin %llu released\n", pin->handle);
 	gpupin_pin_put(pin);
 }
 
-void gpupin_file_release_pins(struct gpupin_file *f)
+void gpupin_file_release_pins(struct gpupin_file *f, u32 reason)
 {
 	struct gpupin_region *pin;
 	unsigned long idx;
@@ -203,7 +217,7 @@ void gpupin_file_release_pins(struct gpupin_file *f)
 		mutex_lock(&f->lock);
 		xa_erase(&f->pins, idx);
 		mutex_unlock(&f->lock);
-		gpupin_pin_destroy(f, pin);
+		gpupin_pin_destroy(f, pin, reason);
 		cond_resched();
 	}
 }
@@ -281,6 +295,7 @@ static struct gpupin_region *gpupin_pin_alloc(struct gpupin_file *f, const struc
 	pin->aligned_va = arg->aligned_va;
 	pin->aligned_size = arg->aligned_size;
 	pin->user_tag = arg->user_tag;
+	pin->created_ns = ktime_get_real_ns();
 	pin->state = GPUPIN_PIN_PINNING;
 	return pin;
 }
@@ -337,6 +352,23 @@ static void gpupin_pin_fill(struct gpupin_pin *arg, const struct gpupin_region *
 	arg->valid_word = pin->handle;
 }
 
+static void gpupin_count_failure(int err)
+{
+	switch (err) {
+	case -ENOMEM:
+		atomic64_inc(&gpupin_stats.fail_enomem);
+		break;
+	case -ENOSPC:
+		atomic64_inc(&gpupin_stats.fail_enospc);
+		break;
+	case -EINVAL:
+		atomic64_inc(&gpupin_stats.fail_einval);
+		break;
+	default:
+		atomic64_inc(&gpupin_stats.fail_other);
+	}
+}
+
 long gpupin_ioctl_pin(struct gpupin_file *f, struct gpupin_pin __user *uarg)
 {
 	struct gpupin_pin arg;
@@ -389,7 +421,7 @@ long gpupin_ioctl_pin(struct gpupin_file *f, struct gpupin_pin __user *uarg)
 	ret = xa_insert(&f->pins, pin->handle, pin, GFP_KERNEL);
 	mutex_unlock(&f->lock);
 	if (ret) {
-		gpupin_pin_destroy(f, pin);
+		gpupin_pin_destroy(f, pin, GPUPIN_NL_REASON_UNPIN);
 		return ret;
 	}
 
@@ -399,10 +431,13 @@ long gpupin_ioctl_pin(struct gpupin_file *f, struct gpupin_pin __user *uarg)
 		mutex_lock(&f->lock);
 		xa_erase(&f->pins, pin->handle);
 		mutex_unlock(&f->lock);
-		gpupin_pin_destroy(f, pin);
+		gpupin_pin_destroy(f, pin, GPUPIN_NL_REASON_UNPIN);
 		return -EFAULT;
 	}
 	gpupin_dbg("pin %llu: %llu bytes\n", pin->handle, pin->aligned_size);
+	atomic64_inc(&gpupin_stats.pins);
+	gpupin_stat_max(&gpupin_stats.bytes_peak, atomic64_read(&gpupin_pinned_bytes));
+	gpupin_nl_pin_event(pin, GPUPIN_NL_CMD_PINNED, 0);
 	return 0;
 
 err_unaccount:
@@ -410,6 +445,9 @@ err_unaccount:
 err_budget:
 	atomic64_sub(pin->aligned_size, &gpupin_pinned_bytes);
 err_free:
+	if (ret == -ENOSPC)
+		gpupin_nl_budget_event(f, pin->aligned_size);
+	gpupin_count_failure(ret);
 	gpupin_pin_put(pin);
 	return ret;
 }
@@ -432,7 +470,7 @@ long gpupin_ioctl_unpin(struct gpupin_file *f, struct gpupin_unpin __user *uarg)
 	}
 	if (!pin)
 		return -ENOENT;
-	gpupin_pin_destroy(f, pin);
+	gpupin_pin_destroy(f, pin, GPUPIN_NL_REASON_UNPIN);
 	return 0;
 }
 

@@ -11,7 +11,7 @@ cd "$ROOT" || exit 1
 rc=0
 case "$MODE" in
 test)
-	python -m pytest -q -p no:cacheprovider -o junit_family=xunit2 \
+	python -m pytest -q -p no:cacheprovider -o junit_family=xunit2 --timeout="${GPUPIN_TEST_TIMEOUT:-600}" \
 		--junitxml="$RESULTS/junit.xml" tests/vm "$@" 2>&1 | tee "$RESULTS/pytest.txt"
 	rc=${PIPESTATUS[0]}
 	;;

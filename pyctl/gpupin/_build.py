@@ -15,10 +15,10 @@ from cffi import FFI
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 UAPI = ROOT / "include" / "uapi"
-HEADERS = ("gpupin.h", "nvp2p_sim.h")
+HEADERS = ("gpupin.h", "nvp2p_sim.h", "gpupin_netlink.h")
 
 _STRUCT = re.compile(r"^struct (\w+) \{\n(.*?)^\};", re.M | re.S)
-_DEFINE = re.compile(r"^#define ((?:GPUPIN|NVP2P_SIM)_\w+)\s+\S", re.M)
+_DEFINE = re.compile(r"^#define ((?:GPUPIN|NVP2P_SIM)_\w+)\s+[^\s\"]", re.M)
 
 LIBKMOD_CDEF = """
 struct kmod_ctx;
@@ -67,6 +67,7 @@ HELPERS_SRC = r"""
 #include <libkmod.h>
 #include "gpupin.h"
 #include "nvp2p_sim.h"
+#include "gpupin_netlink.h"
 
 /* 0 or -errno, so Python needs no errno bookkeeping. */
 static int gpupin_call(int fd, unsigned long cmd, void *arg)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -84,7 +83,9 @@ class Session:
         self.pins: dict[int, Pin] = {}
         self.maps: dict[tuple[int, int], DmaMapping] = {}
         self.allocs: dict[int, int] = {}
+        self.vars: dict[str, str] = {}   # $va, $handle, $mapping: the last of each, for scripts
         self.watcher: threading.Thread | None = None
+        self.stop_watch = threading.Event()
         self.out: Callable[[str], None] = print
 
     @property
@@ -100,6 +101,10 @@ class Session:
         return self._sim
 
     def close(self) -> None:
+        self.stop_watch.set()
+        if self.watcher is not None:
+            self.watcher.join()
+            self.watcher = None
         if self._device is not None:
             self._device.close()
         if self._sim is not None:
@@ -185,11 +190,13 @@ def cmd_pin(s: Session, a: argparse.Namespace) -> Result:
     if a.sim_alloc:
         va = s.sim.alloc(a.sim_alloc)
         s.allocs[va] = a.sim_alloc
+        s.vars["va"] = hex(va)
     if va is None:
         raise UsageError("pin: give VA and SIZE, or --sim-alloc SIZE")
     size = a.size if a.size is not None else (a.sim_alloc or 0)
     p = s.device.pin(va, size, persistent=a.persistent, user_tag=a.tag)
     s.pins[p.handle] = p
+    s.vars["handle"] = str(p.handle)
     return _pin_row(p)
 
 
@@ -205,8 +212,14 @@ def cmd_ls(s: Session, a: argparse.Namespace) -> Result:
     if a.all:
         from . import netlink
 
-        return [asdict(p) for p in netlink.list_pins()]
+        return [_nl_row(p) for p in netlink.list_pins()]
     return [_pin_row(p) for p in s.pins.values()]
+
+
+def _nl_row(p: Any) -> dict[str, Any]:
+    return {"pid": p.pid, "file": p.file_id, "handle": p.handle, "va": hex(p.va), "size": p.size,
+            "aligned_size": p.aligned_size, "state": p.state, "persistent": p.persistent,
+            "dma": ",".join(p.dma_peers) or "-", "tag": p.user_tag}
 
 
 def cmd_query(s: Session, a: argparse.Namespace) -> Result:
@@ -221,6 +234,7 @@ def cmd_pages(s: Session, a: argparse.Namespace) -> Result:
 def cmd_dma_map(s: Session, a: argparse.Namespace) -> Result:
     m = s.device.dma_map(a.handle, a.pci)
     s.maps[(m.handle, m.mapping_id)] = m
+    s.vars["mapping"] = str(m.mapping_id)
     return asdict(m)
 
 
@@ -242,16 +256,31 @@ def cmd_watch(s: Session, a: argparse.Namespace) -> Result:
                 s.out(f"{ev['event']}: {ev}")
         return events if a.json else None
     if a.background:
+        if s.watcher is not None:
+            return {"watching": "already, in the background"}
+        dev = s.device
+
         def loop() -> None:
-            dev = s.device
-            while not dev.closed:
-                for ev in dev.wait_invalidations(0.2):
+            while not s.stop_watch.is_set():
+                try:
+                    events = dev.wait_invalidations(0.2)
+                except (GpupinError, OSError, ValueError):
+                    return   # the device was closed under us
+                for ev in events:
                     s.out(f"[watch] pin {ev.handle} (tag {ev.user_tag}) invalidated: {ev.reason}")
+
+        s.stop_watch.clear()
         s.watcher = threading.Thread(target=loop, daemon=True, name="gpupin-watch")
         s.watcher.start()
         return {"watching": "in the background"}
     evs = s.device.wait_invalidations(a.timeout)
     return [asdict(e) for e in evs]
+
+
+def cmd_stats(s: Session, a: argparse.Namespace) -> Result:
+    from . import netlink
+
+    return netlink.stats()
 
 
 def cmd_doctor(s: Session, a: argparse.Namespace) -> Result:
@@ -263,6 +292,7 @@ def cmd_sim(s: Session, a: argparse.Namespace) -> Result:
     if a.op == "alloc":
         va = sim.alloc(a.size)
         s.allocs[va] = a.size
+        s.vars["va"] = hex(va)
         return {"va": hex(va), "size": a.size, "buffer_id": sim.buffer_id(va)}
     if a.op == "free":
         sim.free(a.va)
@@ -333,6 +363,7 @@ def build_parser() -> _Parser:
     sp.add_argument("--count", type=int, default=None, help="stop after this many events (--all)")
     sp.add_argument("--all", action="store_true")
     sp.add_argument("--background", action="store_true", help="shell: keep watching while you type")
+    add("stats", cmd_stats, "global counters of gpupin.ko (through netlink)")
     add("doctor", cmd_doctor, "check IOMMU, ACS, PCIe topology, drivers and BAR1 for GPUDirect RDMA")
     sp = add("sim", cmd_sim, "simulated GPU memory: alloc SIZE | free VA | write VA DATA | read VA SIZE | "
                              "query VA | stats | set NAME VALUE")
@@ -398,7 +429,10 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     cols = list(rows[0])
     cells = [[str(r.get(c, "")) for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths, strict=True)).rstrip()  # noqa: E731
+
+    def line(vals: list[str]) -> str:
+        return "  ".join(v.ljust(w) for v, w in zip(vals, widths, strict=True)).rstrip()
+
     return "\n".join([line(cols), line(["-" * w for w in widths]), *(line(r) for r in cells)])
 
 
@@ -406,6 +440,7 @@ def run_command(s: Session, argv: list[str], parser: _Parser | None = None) -> i
     """Run one command; print its result or its error.  Returns an exit status."""
     parser = parser or build_parser()
     try:
+        argv = [_expand(s, w) for w in argv]
         a = parser.parse_args(argv)
         if a.cmd is None or a.cmd == "shell":
             raise UsageError("give a command (see 'help')")
@@ -421,6 +456,14 @@ def run_command(s: Session, argv: list[str], parser: _Parser | None = None) -> i
     except OSError as exc:
         s.out(f"error: {exc}")
         return 1
+
+
+def _expand(s: Session, word: str) -> str:
+    if word.startswith("$"):
+        if word[1:] not in s.vars:
+            raise UsageError(f"{word} is not set yet (set by sim alloc / pin / dma-map: $va, $handle, $mapping)")
+        return s.vars[word[1:]]
+    return word
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,358 @@
+// SPDX-License-Identifier: (GPL-2.0 OR MIT)
+/*
+ * gpupin: the generic-netlink family "gpupin" - GET_INFO, GET_PINS (a
+ * resumable dump), GET_PIN, GET_STATS, and events on the "events" multicast
+ * group.  One fill function per object serves both the dump and the events.
+ *
+ * Locking: the dump takes gpupin_files_lock, then each file's lock, then
+ * each pin's lock (the order written in gpupin.h).  Events are built with
+ * GFP_ATOMIC and sent without any gpupin lock held, so the free callback
+ * never waits for a listener.
+ */
+#define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
+
+#include <linux/capability.h>
+#include <linux/pci.h>
+#include <linux/sched.h>
+#include <net/genetlink.h>
+#include <net/netlink.h>
+#include "gpupin.h"
+#include "../include/uapi/gpupin_netlink.h"
+
+static const struct nla_policy gpupin_nl_policy[GPUPIN_NL_A_MAX + 1] = {
+	[GPUPIN_NL_A_PID] = { .type = NLA_U32 },
+	[GPUPIN_NL_A_HANDLE] = { .type = NLA_U64 },
+};
+
+enum { GPUPIN_NL_MCGRP_EVENTS_IDX };
+
+static const struct genl_multicast_group gpupin_nl_mcgrps[] = {
+	[GPUPIN_NL_MCGRP_EVENTS_IDX] = {
+		.name = GPUPIN_NL_MCGRP_EVENTS,
+#ifdef GENL_MCAST_CAP_NET_ADMIN
+		/* Events name other processes' addresses. */
+		.flags = GENL_MCAST_CAP_NET_ADMIN,
+#endif
+	},
+};
+
+static struct genl_family gpupin_nl_family;
+
+static bool gpupin_nl_privileged(const struct sk_buff *skb)
+{
+	return netlink_capable(skb, CAP_NET_ADMIN) || netlink_capable(skb, CAP_SYS_ADMIN);
+}
+
+/* The family lives in the initial namespaces: report global pids. */
+static u32 gpupin_nl_pid(struct pid *pid)
+{
+	return pid_nr(pid);
+}
+
+/* One pin's attributes, nested in GPUPIN_NL_A_PIN; shared by dump and events. */
+static int gpupin_nl_fill_pin(struct sk_buff *skb, struct gpupin_region *pin, u32 reason)
+{
+	struct gpupin_file *f = pin->file;
+	struct gpupin_map *map;
+	struct nlattr *nest;
+	u32 state;
+	int ret = -EMSGSIZE;
+
+	nest = nla_nest_start(skb, GPUPIN_NL_A_PIN);
+	if (!nest)
+		return -EMSGSIZE;
+	if (nla_put_u32(skb, GPUPIN_NL_PIN_A_PID, gpupin_nl_pid(f->owner)) ||
+	    nla_put_u64_64bit(skb, GPUPIN_NL_PIN_A_FILE_ID, f->id, GPUPIN_NL_PIN_A_PAD) ||
+	    nla_put_u64_64bit(skb, GPUPIN_NL_PIN_A_HANDLE, pin->handle, GPUPIN_NL_PIN_A_PAD) ||
+	    nla_put_u64_64bit(skb, GPUPIN_NL_PIN_A_VA, pin->va, GPUPIN_NL_PIN_A_PAD) ||
+	    nla_put_u64_64bit(skb, GPUPIN_NL_PIN_A_SIZE, pin->size, GPUPIN_NL_PIN_A_PAD) ||
+	    nla_put_u64_64bit(skb, GPUPIN_NL_PIN_A_ALIGNED_VA, pin->aligned_va,
+			      GPUPIN_NL_PIN_A_PAD) ||
+	    nla_put_u64_64bit(skb, GPUPIN_NL_PIN_A_ALIGNED_SIZE, pin->aligned_size,
+			      GPUPIN_NL_PIN_A_PAD) ||
+	    nla_put_u32(skb, GPUPIN_NL_PIN_A_ENTRIES, pin->aligned_size >> GPU_BOUND_SHIFT) ||
+	    nla_put_u32(skb, GPUPIN_NL_PIN_A_PAGE_SIZE, GPU_BOUND_SIZE) ||
+	    nla_put_u64_64bit(skb, GPUPIN_NL_PIN_A_CREATED_NS, pin->created_ns,
+			      GPUPIN_NL_PIN_A_PAD) ||
+	    nla_put_u64_64bit(skb, GPUPIN_NL_PIN_A_USER_TAG, pin->user_tag, GPUPIN_NL_PIN_A_PAD))
+		goto cancel;
+	if ((pin->flags & GPUPIN_PIN_PERSISTENT) && nla_put_flag(skb, GPUPIN_NL_PIN_A_PERSISTENT))
+		goto cancel;
+	if (reason && nla_put_u32(skb, GPUPIN_NL_PIN_A_REASON, reason))
+		goto cancel;
+
+	spin_lock(&pin->lock);
+	state = pin->state == GPUPIN_PIN_PINNED ? GPUPIN_STATE_PINNED : GPUPIN_STATE_INVALIDATED;
+	ret = nla_put_u32(skb, GPUPIN_NL_PIN_A_STATE, state);
+	list_for_each_entry(map, &pin->maps, node) {
+		if (ret)
+			break;
+		ret = nla_put_string(skb, GPUPIN_NL_PIN_A_DMA_PEER, pci_name(map->pdev));
+	}
+	spin_unlock(&pin->lock);
+	if (ret)
+		goto cancel;
+	nla_nest_end(skb, nest);
+	return 0;
+cancel:
+	nla_nest_cancel(skb, nest);
+	return -EMSGSIZE;
+}
+
+/* Send an event about @pin to the "events" group, if anyone listens. */
+void gpupin_nl_pin_event(struct gpupin_region *pin, u8 cmd, u32 reason)
+{
+	struct sk_buff *skb;
+	void *hdr;
+
+	if (!genl_has_listeners(&gpupin_nl_family, &init_net, GPUPIN_NL_MCGRP_EVENTS_IDX))
+		return;
+	skb = genlmsg_new(NLMSG_GOODSIZE, GFP_ATOMIC);
+	if (!skb)
+		return;
+	hdr = genlmsg_put(skb, 0, 0, &gpupin_nl_family, 0, cmd);
+	if (!hdr || gpupin_nl_fill_pin(skb, pin, reason)) {
+		nlmsg_free(skb);
+		return;
+	}
+	genlmsg_end(skb, hdr);
+	genlmsg_multicast(&gpupin_nl_family, skb, 0, GPUPIN_NL_MCGRP_EVENTS_IDX, GFP_ATOMIC);
+}
+
+void gpupin_nl_budget_event(struct gpupin_file *f, u64 size)
+{
+	struct sk_buff *skb;
+	void *hdr;
+
+	if (!genl_has_listeners(&gpupin_nl_family, &init_net, GPUPIN_NL_MCGRP_EVENTS_IDX))
+		return;
+	skb = genlmsg_new(NLMSG_DEFAULT_SIZE, GFP_KERNEL);
+	if (!skb)
+		return;
+	hdr = genlmsg_put(skb, 0, 0, &gpupin_nl_family, 0, GPUPIN_NL_CMD_BUDGET_EXHAUSTED);
+	if (!hdr ||
+	    nla_put_u32(skb, GPUPIN_NL_A_PID, gpupin_nl_pid(f->owner)) ||
+	    nla_put_u64_64bit(skb, GPUPIN_NL_A_SIZE, size, GPUPIN_NL_A_PAD) ||
+	    nla_put_u64_64bit(skb, GPUPIN_NL_A_PINNED_BYTES,
+			      atomic64_read(&gpupin_pinned_bytes), GPUPIN_NL_A_PAD) ||
+	    nla_put_u64_64bit(skb, GPUPIN_NL_A_MAX_PINNED_BYTES,
+			      READ_ONCE(gpupin_max_pinned_bytes), GPUPIN_NL_A_PAD)) {
+		nlmsg_free(skb);
+		return;
+	}
+	genlmsg_end(skb, hdr);
+	genlmsg_multicast(&gpupin_nl_family, skb, 0, GPUPIN_NL_MCGRP_EVENTS_IDX, GFP_KERNEL);
+}
+
+static int gpupin_nl_get_info(struct sk_buff *skb, struct genl_info *info)
+{
+	struct sk_buff *msg;
+	void *hdr;
+
+	msg = genlmsg_new(NLMSG_DEFAULT_SIZE, GFP_KERNEL);
+	if (!msg)
+		return -ENOMEM;
+	hdr = genlmsg_put_reply(msg, info, &gpupin_nl_family, 0, GPUPIN_NL_CMD_GET_INFO);
+	if (!hdr ||
+	    nla_put_u32(msg, GPUPIN_NL_A_ABI_VERSION, GPUPIN_ABI_VERSION) ||
+	    nla_put_string(msg, GPUPIN_NL_A_VERSION, GPUPIN_VERSION) ||
+	    nla_put_string(msg, GPUPIN_NL_A_PROVIDER, gpupin_provider) ||
+	    nla_put_u32(msg, GPUPIN_NL_A_CAPS, gpupin_caps) ||
+	    nla_put_u64_64bit(msg, GPUPIN_NL_A_MAX_PINNED_BYTES,
+			      READ_ONCE(gpupin_max_pinned_bytes), GPUPIN_NL_A_PAD) ||
+	    nla_put_u64_64bit(msg, GPUPIN_NL_A_PINNED_BYTES,
+			      atomic64_read(&gpupin_pinned_bytes), GPUPIN_NL_A_PAD) ||
+	    nla_put_u32(msg, GPUPIN_NL_A_MAX_PINS_PER_FILE, READ_ONCE(gpupin_max_pins_per_file))) {
+		nlmsg_free(msg);
+		return -EMSGSIZE;
+	}
+	genlmsg_end(msg, hdr);
+	return genlmsg_reply(msg, info);
+}
+
+static int gpupin_nl_get_stats(struct sk_buff *skb, struct genl_info *info)
+{
+	static const struct {
+		int attr;
+		atomic64_t *v;
+	} rows[] = {
+		{ GPUPIN_NL_STAT_A_PINS, &gpupin_stats.pins },
+		{ GPUPIN_NL_STAT_A_UNPINS, &gpupin_stats.unpins },
+		{ GPUPIN_NL_STAT_A_INVAL_FREED, &gpupin_stats.inval_freed },
+		{ GPUPIN_NL_STAT_A_INVAL_PROCESS_EXIT, &gpupin_stats.inval_process_exit },
+		{ GPUPIN_NL_STAT_A_DMA_MAPS, &gpupin_stats.dma_maps },
+		{ GPUPIN_NL_STAT_A_BYTES_NOW, &gpupin_pinned_bytes },
+		{ GPUPIN_NL_STAT_A_BYTES_PEAK, &gpupin_stats.bytes_peak },
+		{ GPUPIN_NL_STAT_A_FAIL_ENOMEM, &gpupin_stats.fail_enomem },
+		{ GPUPIN_NL_STAT_A_FAIL_ENOSPC, &gpupin_stats.fail_enospc },
+		{ GPUPIN_NL_STAT_A_FAIL_EINVAL, &gpupin_stats.fail_einval },
+		{ GPUPIN_NL_STAT_A_FAIL_OTHER, &gpupin_stats.fail_other },
+		{ GPUPIN_NL_STAT_A_CALLBACK_MAX_NS, &gpupin_stats.callback_max_ns },
+	};
+	struct nlattr *nest;
+	struct sk_buff *msg;
+	void *hdr;
+	int i;
+
+	msg = genlmsg_new(NLMSG_DEFAULT_SIZE, GFP_KERNEL);
+	if (!msg)
+		return -ENOMEM;
+	hdr = genlmsg_put_reply(msg, info, &gpupin_nl_family, 0, GPUPIN_NL_CMD_GET_STATS);
+	if (!hdr)
+		goto err;
+	nest = nla_nest_start(msg, GPUPIN_NL_A_STATS);
+	if (!nest)
+		goto err;
+	for (i = 0; i < ARRAY_SIZE(rows); i++)
+		if (nla_put_u64_64bit(msg, rows[i].attr, atomic64_read(rows[i].v),
+				      GPUPIN_NL_STAT_A_PAD))
+			goto err;
+	nla_nest_end(msg, nest);
+	genlmsg_end(msg, hdr);
+	return genlmsg_reply(msg, info);
+err:
+	nlmsg_free(msg);
+	return -EMSGSIZE;
+}
+
+/* May the requester see pins of @f? */
+static bool gpupin_nl_may_see(const struct sk_buff *skb, struct gpupin_file *f)
+{
+	return f->owner == task_tgid(current) || gpupin_nl_privileged(skb);
+}
+
+static int gpupin_nl_get_pin(struct sk_buff *skb, struct genl_info *info)
+{
+	struct gpupin_region *pin = NULL;
+	struct gpupin_file *f;
+	struct sk_buff *msg;
+	struct pid *pid;
+	u64 handle;
+	void *hdr;
+	int ret;
+
+	if (!info->attrs[GPUPIN_NL_A_PID] || !info->attrs[GPUPIN_NL_A_HANDLE]) {
+		NL_SET_ERR_MSG(info->extack, "GET_PIN needs the PID and HANDLE attributes");
+		return -EINVAL;
+	}
+	pid = find_get_pid(nla_get_u32(info->attrs[GPUPIN_NL_A_PID]));
+	handle = nla_get_u64(info->attrs[GPUPIN_NL_A_HANDLE]);
+
+	mutex_lock(&gpupin_files_lock);
+	list_for_each_entry(f, &gpupin_files, node) {
+		if (!pid || f->owner != pid || !gpupin_nl_may_see(skb, f))
+			continue;
+		pin = gpupin_pin_lookup(f, handle);
+		if (pin)
+			break;
+	}
+	mutex_unlock(&gpupin_files_lock);
+	put_pid(pid);
+	if (!pin) {
+		NL_SET_ERR_MSG(info->extack, "no pin with that handle visible to you in that process");
+		return -ENOENT;
+	}
+
+	ret = -ENOMEM;
+	msg = genlmsg_new(NLMSG_DEFAULT_SIZE, GFP_KERNEL);
+	if (!msg)
+		goto out;
+	ret = -EMSGSIZE;
+	hdr = genlmsg_put_reply(msg, info, &gpupin_nl_family, 0, GPUPIN_NL_CMD_GET_PIN);
+	if (!hdr || gpupin_nl_fill_pin(msg, pin, 0)) {
+		nlmsg_free(msg);
+		goto out;
+	}
+	genlmsg_end(msg, hdr);
+	ret = genlmsg_reply(msg, info);
+out:
+	gpupin_pin_put(pin);
+	return ret;
+}
+
+/*
+ * Dump every visible pin, in (file id, handle) order.  The cursor lives in
+ * cb->args: [0] the file id being dumped, [1] the last handle sent from it.
+ */
+static int gpupin_nl_get_pins(struct sk_buff *skb, struct netlink_callback *cb)
+{
+	unsigned long idx;
+	struct gpupin_region *pin;
+	struct gpupin_file *f;
+	void *hdr;
+	int err = 0;
+
+	mutex_lock(&gpupin_files_lock);
+	list_for_each_entry(f, &gpupin_files, node) {
+		if (f->id < cb->args[0] || !gpupin_nl_may_see(cb->skb, f))
+			continue;
+		if (f->id != cb->args[0]) {
+			cb->args[0] = f->id;
+			cb->args[1] = 0;
+		}
+		mutex_lock(&f->lock);
+		xa_for_each_start(&f->pins, idx, pin, cb->args[1] + 1) {
+			hdr = genlmsg_put(skb, NETLINK_CB(cb->skb).portid, cb->nlh->nlmsg_seq,
+					  &gpupin_nl_family, NLM_F_MULTI, GPUPIN_NL_CMD_GET_PINS);
+			if (!hdr) {
+				err = -EMSGSIZE;
+				break;
+			}
+			if (gpupin_nl_fill_pin(skb, pin, 0)) {
+				genlmsg_cancel(skb, hdr);
+				err = -EMSGSIZE;
+				break;
+			}
+			genlmsg_end(skb, hdr);
+			cb->args[1] = idx;
+		}
+		mutex_unlock(&f->lock);
+		if (err)
+			break;
+	}
+	mutex_unlock(&gpupin_files_lock);
+	/* A full skb is resumed on the next call; an empty one ends the dump. */
+	return err == -EMSGSIZE && skb->len == 0 ? -EMSGSIZE : skb->len;
+}
+
+static const struct genl_ops gpupin_nl_ops[] = {
+	{
+		.cmd = GPUPIN_NL_CMD_GET_INFO,
+		.doit = gpupin_nl_get_info,
+	},
+	{
+		.cmd = GPUPIN_NL_CMD_GET_PINS,
+		.dumpit = gpupin_nl_get_pins,
+	},
+	{
+		.cmd = GPUPIN_NL_CMD_GET_STATS,
+		.doit = gpupin_nl_get_stats,
+	},
+	{
+		.cmd = GPUPIN_NL_CMD_GET_PIN,
+		.doit = gpupin_nl_get_pin,
+	},
+};
+
+static struct genl_family gpupin_nl_family __ro_after_init = {
+	.name = GPUPIN_NL_FAMILY_NAME,
+	.version = GPUPIN_NL_VERSION,
+	.maxattr = GPUPIN_NL_A_MAX,
+	.policy = gpupin_nl_policy,
+	.module = THIS_MODULE,
+	.ops = gpupin_nl_ops,
+	.n_ops = ARRAY_SIZE(gpupin_nl_ops),
+	.resv_start_op = GPUPIN_NL_CMD_GET_INFO,
+	.mcgrps = gpupin_nl_mcgrps,
+	.n_mcgrps = ARRAY_SIZE(gpupin_nl_mcgrps),
+};
+
+int gpupin_nl_init(void)
+{
+	return genl_register_family(&gpupin_nl_family);
+}
+
+void gpupin_nl_exit(void)
+{
+	genl_unregister_family(&gpupin_nl_family);
+}

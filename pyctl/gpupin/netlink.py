@@ -1,0 +1,236 @@
+"""The generic-netlink family "gpupin", read with pyroute2.
+
+``info()``, ``stats()``, ``list_pins()``, ``get_pin()`` and ``events()``.  Listing
+another process's pins and receiving events need CAP_NET_ADMIN (or
+CAP_SYS_ADMIN for listing); without them a process sees only its own pins.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import select
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pyroute2.netlink import NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, genlmsg, nla
+from pyroute2.netlink.exceptions import NetlinkError
+from pyroute2.netlink.generic import GenericNetlinkSocket
+
+from ._native import lib
+from .errors import DriverNotLoaded, GpupinError, InvalidArgument, PermissionDenied, UnknownHandle
+
+FAMILY = "gpupin"
+EVENT_NAMES = {
+    lib.GPUPIN_NL_CMD_PINNED: "pinned",
+    lib.GPUPIN_NL_CMD_UNPINNED: "unpinned",
+    lib.GPUPIN_NL_CMD_INVALIDATED: "invalidated",
+    lib.GPUPIN_NL_CMD_BUDGET_EXHAUSTED: "budget_exhausted",
+}
+REASON_NAMES = {
+    lib.GPUPIN_NL_REASON_FREED: "freed",
+    lib.GPUPIN_NL_REASON_UNPIN: "unpin",
+    lib.GPUPIN_NL_REASON_CLOSE: "close",
+    lib.GPUPIN_NL_REASON_PROCESS_EXIT: "process_exit",
+}
+STATE_NAMES = {lib.GPUPIN_STATE_PINNED: "pinned", lib.GPUPIN_STATE_INVALIDATED: "invalidated"}
+
+
+def _names(prefix: str, last: int, types: dict[str, str]) -> tuple[tuple[int, str, str], ...]:
+    """An nla_map from the UAPI defines: (number, NAME, type) for 0..last."""
+    by_num = {getattr(lib, n): n for n in dir(lib) if n.startswith(prefix) and not n.endswith("_MAX")}
+    return tuple((i, by_num[i], types.get(by_num[i].removeprefix(prefix), "none")) for i in range(last + 1))
+
+
+class gpupinmsg(genlmsg):  # type: ignore[misc]  # noqa: N801 - pyroute2 naming
+    """Messages of the family: top-level GPUPIN_NL_A_* attributes."""
+
+    class pin(nla):  # type: ignore[misc]  # noqa: N801
+        nla_map = _names("GPUPIN_NL_PIN_A_", lib.GPUPIN_NL_PIN_A_MAX, {
+            "PID": "uint32", "FILE_ID": "uint64", "HANDLE": "uint64", "VA": "uint64", "SIZE": "uint64",
+            "ALIGNED_VA": "uint64", "ALIGNED_SIZE": "uint64", "ENTRIES": "uint32", "PAGE_SIZE": "uint32",
+            "STATE": "uint32", "PERSISTENT": "flag", "CREATED_NS": "uint64", "USER_TAG": "uint64",
+            "DMA_PEER": "asciiz", "REASON": "uint32",
+        })
+
+    class stats(nla):  # type: ignore[misc]  # noqa: N801
+        nla_map = _names("GPUPIN_NL_STAT_A_", lib.GPUPIN_NL_STAT_A_MAX, {
+            n: "uint64" for n in ("PINS", "UNPINS", "INVAL_FREED", "INVAL_PROCESS_EXIT", "DMA_MAPS", "BYTES_NOW",
+                                  "BYTES_PEAK", "FAIL_ENOMEM", "FAIL_ENOSPC", "FAIL_EINVAL", "FAIL_OTHER",
+                                  "CALLBACK_MAX_NS")
+        })
+
+    nla_map = _names("GPUPIN_NL_A_", lib.GPUPIN_NL_A_MAX, {
+        "PID": "uint32", "HANDLE": "uint64", "PIN": "pin", "ABI_VERSION": "uint32", "VERSION": "asciiz",
+        "PROVIDER": "asciiz", "CAPS": "uint32", "MAX_PINNED_BYTES": "uint64", "PINNED_BYTES": "uint64",
+        "MAX_PINS_PER_FILE": "uint32", "STATS": "stats", "SIZE": "uint64",
+    })
+
+
+@dataclass(frozen=True)
+class NlPin:
+    pid: int
+    file_id: int
+    handle: int
+    va: int
+    size: int
+    aligned_va: int
+    aligned_size: int
+    entries: int
+    page_size: int
+    state: str
+    persistent: bool
+    created_ns: int
+    user_tag: int
+    dma_peers: list[str] = field(default_factory=list)
+    reason: str | None = None
+
+
+def _pin_of(msg: Any) -> NlPin:
+    p = msg.get_attr("GPUPIN_NL_A_PIN")
+    if p is None:
+        raise GpupinError("netlink: message without a pin")
+
+    def g(name: str, default: Any = 0) -> Any:
+        v = p.get_attr("GPUPIN_NL_PIN_A_" + name)
+        return default if v is None else v
+
+    peers = [v for k, v in p["attrs"] if k == "GPUPIN_NL_PIN_A_DMA_PEER"]
+    reason = p.get_attr("GPUPIN_NL_PIN_A_REASON")
+    return NlPin(
+        pid=g("PID"), file_id=g("FILE_ID"), handle=g("HANDLE"), va=g("VA"), size=g("SIZE"),
+        aligned_va=g("ALIGNED_VA"), aligned_size=g("ALIGNED_SIZE"), entries=g("ENTRIES"),
+        page_size=g("PAGE_SIZE"), state=STATE_NAMES.get(g("STATE"), str(g("STATE"))),
+        persistent=any(k == "GPUPIN_NL_PIN_A_PERSISTENT" for k, _ in p["attrs"]),
+        created_ns=g("CREATED_NS"), user_tag=g("USER_TAG"), dma_peers=peers,
+        reason=None if reason is None else REASON_NAMES.get(reason, str(reason)),
+    )
+
+
+def _error(exc: NetlinkError, what: str) -> GpupinError:
+    msg = getattr(exc, "args", (None, None))
+    detail = msg[1] if len(msg) > 1 and msg[1] else ""
+    text = f"netlink {what} failed: {errno.errorcode.get(exc.code, exc.code)}"
+    if detail:
+        text += f": {detail}"
+    cls: type[GpupinError] = {errno.EINVAL: InvalidArgument, errno.ENOENT: UnknownHandle,
+                              errno.EPERM: PermissionDenied, errno.EACCES: PermissionDenied}.get(exc.code,
+                                                                                                GpupinError)
+    return cls(text, exc.code)
+
+
+class Netlink:
+    """A socket bound to the family.  Close it, or use it as a context manager."""
+
+    def __init__(self, msg_class: type = gpupinmsg) -> None:
+        self.sock = GenericNetlinkSocket(ext_ack=True)
+        try:
+            self.sock.bind(FAMILY, msg_class)
+        except NetlinkError as exc:
+            self.sock.close()
+            if exc.code == errno.ENOENT:
+                raise DriverNotLoaded("gpupin module not loaded (no generic netlink family 'gpupin'): "
+                                      "run 'gpupin load' (add --sim without a GPU)") from None
+            raise _error(exc, "bind") from None
+        self.msg_class = msg_class
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> Netlink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def request(self, cmd: int, attrs: list[tuple[str, Any]] | None = None, dump: bool = False) -> list[Any]:
+        msg = self.msg_class()
+        msg["cmd"] = cmd
+        msg["version"] = lib.GPUPIN_NL_VERSION
+        msg["attrs"] = list(attrs or [])
+        flags = NLM_F_REQUEST | (NLM_F_DUMP if dump else NLM_F_ACK)
+        try:
+            return [m for m in self.sock.nlm_request(msg, msg_type=self.sock.prid, msg_flags=flags)
+                    if m.get("cmd") == cmd]
+        except NetlinkError as exc:
+            raise _error(exc, f"command {cmd}") from None
+
+    def info(self) -> dict[str, Any]:
+        (m,) = self.request(lib.GPUPIN_NL_CMD_GET_INFO)
+        return {k.removeprefix("GPUPIN_NL_A_").lower(): v for k, v in m["attrs"]}
+
+    def stats(self) -> dict[str, int]:
+        (m,) = self.request(lib.GPUPIN_NL_CMD_GET_STATS)
+        s = m.get_attr("GPUPIN_NL_A_STATS")
+        return {k.removeprefix("GPUPIN_NL_STAT_A_").lower(): v for k, v in s["attrs"]
+                if not k.endswith("_PAD")}
+
+    def list_pins(self) -> list[NlPin]:
+        return [_pin_of(m) for m in self.request(lib.GPUPIN_NL_CMD_GET_PINS, dump=True)]
+
+    def get_pin(self, pid: int, handle: int) -> NlPin:
+        (m,) = self.request(lib.GPUPIN_NL_CMD_GET_PIN, [("GPUPIN_NL_A_PID", pid), ("GPUPIN_NL_A_HANDLE", handle)])
+        return _pin_of(m)
+
+    def subscribe(self) -> None:
+        try:
+            self.sock.add_membership("events")
+        except PermissionError:
+            raise PermissionDenied("joining the gpupin 'events' group needs CAP_NET_ADMIN "
+                                   "(events name other processes' addresses)", errno.EPERM) from None
+        except OSError as exc:
+            if exc.errno in (errno.EPERM, errno.EACCES):
+                raise PermissionDenied("joining the gpupin 'events' group needs CAP_NET_ADMIN", exc.errno) from None
+            raise
+
+    def events(self, timeout: float | None = None, count: int | None = None) -> Iterator[dict[str, Any]]:
+        """Yield events as dicts until ``count`` arrived or ``timeout`` seconds passed."""
+        self.subscribe()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        seen = 0
+        while count is None or seen < count:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            fd = self.sock.fileno()
+            ready, _, _ = select.select([fd], [], [], left)
+            if not ready:
+                return
+            # One datagram per read, parsed here: pyroute2's get() would buffer
+            # later events where select() cannot see them.
+            for m in self.sock.marshal.parse(os.read(fd, 1 << 16)):
+                name = EVENT_NAMES.get(m.get("cmd"))
+                if name is None:
+                    continue
+                ev: dict[str, Any] = {"event": name}
+                if name == "budget_exhausted":
+                    ev.update(pid=m.get_attr("GPUPIN_NL_A_PID"), size=m.get_attr("GPUPIN_NL_A_SIZE"),
+                              pinned_bytes=m.get_attr("GPUPIN_NL_A_PINNED_BYTES"),
+                              max_pinned_bytes=m.get_attr("GPUPIN_NL_A_MAX_PINNED_BYTES"))
+                else:
+                    pin = _pin_of(m)
+                    ev.update(pin.__dict__)
+                seen += 1
+                yield ev
+                if count is not None and seen >= count:
+                    return
+
+
+def info() -> dict[str, Any]:
+    with Netlink() as nl:
+        return nl.info()
+
+
+def stats() -> dict[str, int]:
+    with Netlink() as nl:
+        return nl.stats()
+
+
+def list_pins() -> list[NlPin]:
+    with Netlink() as nl:
+        return nl.list_pins()
+
+
+def events(timeout: float | None = None, count: int | None = None) -> Iterator[dict[str, Any]]:
+    with Netlink() as nl:
+        yield from nl.events(timeout, count)

@@ -1,0 +1,307 @@
+"""RegistrationCache scenarios (after UCX's and libfabric's cache tests) on FakeDevice/FakeMemory."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+
+import pytest
+
+import gpupin
+from gpupin.cache import CacheFull, RegistrationCache
+from gpupin.fake import GPU_PAGE, FakeDevice, FakeMemory
+
+MiB = 1 << 20
+
+
+def make(**kw):  # type: ignore[no-untyped-def]
+    mem = FakeMemory()
+    dev = FakeDevice(mem, bar_size=kw.pop("bar_size", 0))
+    return mem, dev, RegistrationCache(dev, mem, **kw)
+
+
+def counters(cache: RegistrationCache, **expected: int) -> None:
+    st = cache.stats()
+    got = {k: getattr(st, k) for k in expected}
+    assert got == expected
+
+
+@pytest.mark.parametrize("validate", ["kernel", "tag", "both"])
+def test_hit_and_subrange_hit(validate: str) -> None:
+    mem, dev, cache = make(validate=validate)
+    a = mem.alloc(MiB)
+    r1 = cache.acquire(a, 100)
+    assert (r1.aligned_va, r1.aligned_size) == (a, MiB) and r1.valid and r1.offset == 0
+    r1.release()
+    with cache.acquire(a + 4096, 8192) as r2:   # inside the same allocation
+        assert r2.handle == r1.handle and r2.offset == 4096
+    with cache.acquire(a + MiB - 1, 1) as r3:   # last byte
+        assert r3.handle == r1.handle
+    counters(cache, acquires=3, hits=2, misses=1, pins=1, unpins=0, regions=1, bytes_pinned=MiB)
+    assert dev.pin_calls == 1
+
+
+def test_end_of_range_and_spanning_refused() -> None:
+    mem, dev, cache = make()
+    a = mem.alloc(MiB)
+    b = mem.alloc(MiB)
+    assert b == a + MiB   # adjacent allocations
+    cache.acquire(a, 10).release()
+    with pytest.raises(gpupin.InvalidArgument, match="runs past its allocation"):
+        cache.acquire(a + MiB - 10, 20)   # spans a and b
+    with cache.acquire(b, 10) as rb:      # adjacent: its own entry
+        assert rb.aligned_va == b
+    counters(cache, misses=3, hits=0, pins=2, regions=2)
+
+
+def test_refcount_and_in_use_not_evicted() -> None:
+    mem, dev, cache = make(max_regions=2)
+    bufs = [mem.alloc(GPU_PAGE) for _ in range(3)]
+    r0 = cache.acquire(bufs[0], 1)
+    r0b = cache.acquire(bufs[0], 1)
+    r1 = cache.acquire(bufs[1], 1)
+    counters(cache, in_use=2, regions=2)
+    with pytest.raises(CacheFull, match="all 2 in use"):
+        cache.acquire(bufs[2], 1)
+    r0.release()
+    with pytest.raises(CacheFull):   # r0b still holds entry 0
+        cache.acquire(bufs[2], 1)
+    r0b.release()
+    r0b.release()   # a second release is a no-op
+    r2 = cache.acquire(bufs[2], 1)   # evicts entry 0, the only unused one
+    counters(cache, evictions_limit=1, unpins=1, regions=2, in_use=2)
+    assert r1.valid and r2.valid
+    r1.release()
+    r2.release()
+
+
+def test_lru_order() -> None:
+    mem, dev, cache = make(max_regions=3)
+    bufs = [mem.alloc(GPU_PAGE) for _ in range(4)]
+    for b in bufs[:3]:
+        cache.acquire(b, 1).release()
+    cache.acquire(bufs[0], 1).release()       # 0 is now most recent; 1 is the LRU
+    cache.acquire(bufs[3], 1).release()       # evicts 1
+    cache.acquire(bufs[0], 1).release()
+    cache.acquire(bufs[2], 1).release()
+    counters(cache, hits=3, misses=4, evictions_limit=1)
+    cache.acquire(bufs[1], 1).release()       # 1 was evicted: a miss, evicting 3
+    counters(cache, misses=5, evictions_limit=2)
+    cache.acquire(bufs[0], 1).release()
+    counters(cache, hits=4)
+
+
+def test_limit_by_bytes() -> None:
+    mem, dev, cache = make(max_bytes=2 * MiB)
+    a, b, c = (mem.alloc(MiB) for _ in range(3))
+    for p in (a, b, c):
+        cache.acquire(p, 1).release()
+    counters(cache, regions=2, bytes_pinned=2 * MiB, peak_bytes=2 * MiB, evictions_limit=1)
+    with pytest.raises(CacheFull, match="more than max_bytes"):
+        cache.acquire(mem.alloc(3 * MiB), 1)
+
+
+def test_evict_and_retry_under_bar_pressure() -> None:
+    mem, dev, cache = make(bar_size=3 * MiB)
+    bufs = [mem.alloc(MiB) for _ in range(6)]
+    for p in bufs:
+        cache.acquire(p, 1).release()
+    st = cache.stats()
+    assert st.pin_failures == 3 and st.evictions_pressure == 3 and st.regions == 3
+    assert dev.bar_used == 3 * MiB
+
+
+def test_clean_error_when_all_in_use_under_pressure() -> None:
+    mem, dev, cache = make(bar_size=2 * MiB)
+    held = [cache.acquire(mem.alloc(MiB), 1) for _ in range(2)]
+    with pytest.raises(gpupin.BarExhausted, match=r"nothing is evictable: 2097152 bytes pinned in 2 regions, 2 in use"):
+        cache.acquire(mem.alloc(MiB), 1)
+    for r in held:
+        r.release()
+
+
+@pytest.mark.parametrize("validate,reason", [("kernel", "invalidations_kernel"), ("tag", "invalidations_tag"),
+                                             ("both", "invalidations_kernel")])
+def test_same_va_reuse_misses(validate: str, reason: str) -> None:
+    mem, dev, cache = make(validate=validate)
+    a = mem.alloc(MiB)
+    r = cache.acquire(a, 64)
+    h = r.handle
+    r.release()
+    mem.free(a)
+    a2 = mem.alloc(MiB)
+    assert a2 == a
+    r2 = cache.acquire(a2, 64)
+    assert r2.handle != h and r2.valid
+    counters(cache, misses=2, hits=0, pins=2, unpins=1, regions=1, **{reason: 1})
+    r2.release()
+
+
+def test_tag_checked_at_the_pointer_not_the_base() -> None:
+    """A freed allocation replaced by two smaller ones: the second starts inside the old entry."""
+    mem, dev, cache = make(validate="tag")
+    a = mem.alloc(2 * MiB)
+    cache.acquire(a, 1).release()
+    mem.free(a)
+    x = mem.alloc(MiB)
+    y = mem.alloc(MiB)
+    assert (x, y) == (a, a + MiB)
+    with cache.acquire(y + 10, 10) as r:
+        assert r.aligned_va == y and r.aligned_size == MiB
+    counters(cache, invalidations_tag=1, misses=2)
+
+
+def test_freed_allocation_is_refused() -> None:
+    mem, dev, cache = make(validate="tag")
+    a = mem.alloc(MiB)
+    cache.acquire(a, 1).release()
+    mem.free(a)
+    with pytest.raises(gpupin.NotGpuMemory):
+        cache.acquire(a, 1)
+    counters(cache, regions=0, unpins=1, invalidations_tag=1)
+    assert dev.live_pins == 0
+
+
+def test_invalidated_while_in_use() -> None:
+    mem, dev, cache = make(validate="kernel")
+    a = mem.alloc(MiB)
+    r = cache.acquire(a, 1)
+    mem.free(a)
+    assert not r.valid
+    a2 = mem.alloc(MiB)
+    r2 = cache.acquire(a2, 1)        # new entry; the old one waits for its holder
+    assert r2.valid and r2.handle != r.handle
+    counters(cache, regions=1, unpins=0, in_use=2)
+    r.release()                       # last release cleans it up
+    counters(cache, unpins=1, in_use=1)
+    assert r.handle not in dev.pins
+    r2.release()
+
+
+def test_drain_releases_freed_entries_promptly() -> None:
+    mem, dev, cache = make(validate="kernel")
+    bufs = [mem.alloc(MiB) for _ in range(4)]
+    for p in bufs:
+        cache.acquire(p, 1).release()
+    mem.free(bufs[1])
+    mem.free(bufs[2])
+    assert cache.drain() == 2
+    counters(cache, regions=2, unpins=2, invalidations_kernel=2)
+    assert len(dev.pins) == 2
+
+
+def test_vmm_like_chunks_are_separate_entries() -> None:
+    """Chunks mapped back to back have their own ranges and ids: one entry each, no merging."""
+    mem, dev, cache = make()
+    base = mem.alloc(2 * MiB)
+    mem.free(base)
+    c0 = mem.alloc(MiB, at=base)
+    c1 = mem.alloc(MiB, at=base + MiB)
+    with cache.acquire(c0, 10) as r0, cache.acquire(c1, 10) as r1:
+        assert r0.handle != r1.handle and r0.aligned_size == r1.aligned_size == MiB
+    with pytest.raises(gpupin.InvalidArgument):
+        cache.acquire(c0 + MiB - 4, 8)
+    mem.free(c1)                              # unmap + remap: a new id
+    c1b = mem.alloc(MiB, at=base + MiB)
+    with cache.acquire(c1b, 10):
+        pass
+    counters(cache, misses=4, pins=3, invalidations_kernel=1)
+
+
+def test_sync_memops_once_per_allocation() -> None:
+    mem, dev, cache = make()
+    a = mem.alloc(MiB)
+    for off in (0, 100, 4096):
+        cache.acquire(a + off, 1).release()
+    cache.purge()
+    cache.acquire(a, 1).release()          # re-pinned: same allocation, no second call
+    assert mem.sync_memops_calls == 1
+
+
+def test_purge_and_exact_stats() -> None:
+    mem, dev, cache = make()
+    bufs = [mem.alloc(GPU_PAGE * (i + 1)) for i in range(5)]
+    held = cache.acquire(bufs[0], 1)
+    for p in bufs:
+        cache.acquire(p, 1).release()
+    assert cache.purge() == 4
+    counters(cache, acquires=6, hits=1, misses=5, pins=5, unpins=4, regions=1, bytes_pinned=GPU_PAGE,
+             peak_bytes=GPU_PAGE * 15, in_use=1, pin_failures=0, evictions_limit=0, evictions_pressure=0)
+    held.release()
+
+
+def test_bad_arguments() -> None:
+    mem, dev, cache = make()
+    with pytest.raises(gpupin.InvalidArgument, match="size must be > 0"):
+        cache.acquire(mem.alloc(1), 0)
+    with pytest.raises(gpupin.InvalidArgument, match="validate"):
+        RegistrationCache(dev, mem, validate="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(gpupin.NotGpuMemory):
+        cache.acquire(0x1234, 1)
+
+
+def test_dma_map_once_per_entry_and_peer() -> None:
+    mem, dev, cache = make()
+    a = mem.alloc(MiB)
+    with cache.acquire(a, 1) as r:
+        m1 = r.dma_map("0000:00:03.0")
+        assert r.dma_map("0000:00:03.0") is m1
+        assert r.dma_map("0000:00:04.0") is not m1
+
+
+def test_threads_hammering() -> None:
+    mem, dev, cache = make(max_regions=8, validate="both")
+    bufs = [mem.alloc(GPU_PAGE) for _ in range(16)]
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+    frees = [0]
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(2000):
+                i = rng.randrange(16)
+                op = rng.random()
+                if op < 0.02:
+                    with lock:   # free and reallocate at the same address
+                        mem.free(bufs[i])
+                        bufs[i] = mem.alloc(GPU_PAGE, at=bufs[i])
+                        frees[0] += 1
+                    continue
+                with lock:
+                    p = bufs[i]
+                try:
+                    r = cache.acquire(p, 16)
+                except (CacheFull, gpupin.NotGpuMemory):
+                    continue
+                r.release()
+        except BaseException as exc:  # noqa: B036 - handed to the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    st = cache.stats()
+    assert st.in_use == 0 and st.regions <= 8
+    assert st.hits + st.misses == st.acquires == 4 * 2000 - frees[0]
+    assert st.pins - st.unpins == st.regions == len(dev.pins)
+    assert st.invalidations_kernel + st.invalidations_tag > 0
+    cache.purge()
+    assert len(dev.pins) == 0 and cache.stats().bytes_pinned == 0
+
+
+def test_fork_child_starts_empty() -> None:
+    mem, dev, cache = make()
+    a = mem.alloc(MiB)
+    cache.acquire(a, 1).release()
+    pid = os.fork()
+    if pid == 0:
+        ok = len(cache) == 0 and cache.stats().regions == 0
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert len(cache) == 1

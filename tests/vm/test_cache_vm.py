@@ -1,0 +1,86 @@
+"""The registration cache end to end through gpupin.ko and the simulator."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import gpupin
+from conftest import GPU_PAGE, MiB
+from gpupin import Device, SimMemory, sim_stats
+from gpupin.cache import RegistrationCache
+
+pytestmark = [pytest.mark.vm, pytest.mark.simonly]
+
+
+@pytest.mark.parametrize("validate", ["kernel", "tag", "both"])
+def test_free_and_realloc_at_same_address_misses(device: Device, sim: SimMemory, validate: str) -> None:
+    cache = RegistrationCache(device, sim, validate=validate)  # type: ignore[arg-type]
+    va = sim.alloc(MiB)
+    with cache.acquire(va + 10, 100) as r:
+        h1 = r.handle
+        assert r.valid and r.aligned_va == va and r.aligned_size == MiB
+    with cache.acquire(va, MiB) as r:
+        assert r.handle == h1
+    sim.free(va)
+    va2 = sim.alloc(MiB)
+    assert va2 == va
+    with cache.acquire(va2, 64) as r:
+        assert r.handle != h1 and r.valid
+    st = cache.stats()
+    assert (st.hits, st.misses, st.pins, st.unpins) == (1, 2, 2, 1)
+    assert st.invalidations_kernel + st.invalidations_tag == 1
+    cache.purge()
+    sim.free(va2)
+    assert device.info().file_pins == 0
+
+
+def test_invalidated_while_in_use_is_reported(device: Device, sim: SimMemory) -> None:
+    cache = RegistrationCache(device, sim, validate="kernel")
+    va = sim.alloc(MiB)
+    r = cache.acquire(va, 10)
+    sim.free(va)
+    assert not r.valid
+    assert cache.drain() == 1
+    r.release()
+    assert device.info().file_pins == 0 and cache.stats().unpins == 1
+
+
+def test_bar_smaller_than_working_set(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
+    sim_params(bar_size=16 * MiB)
+    cache = RegistrationCache(device, sim, validate="both")
+    bufs = [sim.alloc(2 * MiB) for _ in range(32)]      # 64 MiB working set
+    rng = random.Random(3)
+    for _ in range(400):
+        with cache.acquire(rng.choice(bufs), 4096) as r:
+            assert r.valid
+    st = cache.stats()
+    assert st.evictions_pressure > 0 and st.pin_failures == st.evictions_pressure
+    assert st.peak_bytes <= 16 * MiB and sim_stats().bar_bytes <= 16 * MiB
+    cache.purge()
+    for b in bufs:
+        sim.free(b)
+
+
+def test_all_in_use_under_bar_pressure_is_a_clean_error(device: Device, sim: SimMemory,
+                                                        sim_params) -> None:  # type: ignore[no-untyped-def]
+    sim_params(bar_size=2 * MiB)
+    cache = RegistrationCache(device, sim)
+    held = [cache.acquire(sim.alloc(MiB), 1) for _ in range(2)]
+    with pytest.raises(gpupin.BarExhausted, match="nothing is evictable"):
+        cache.acquire(sim.alloc(MiB), 1)
+    for r in held:
+        r.release()
+    cache.purge()
+
+
+def test_dma_map_through_the_cache(device: Device, sim: SimMemory, pci: str) -> None:
+    cache = RegistrationCache(device, sim)
+    va = sim.alloc(4 * GPU_PAGE)
+    with cache.acquire(va, 1) as r:
+        m = r.dma_map(pci)
+        assert m.entries == 4 and device.query(r.handle).dma_mappings == 1
+    cache.purge()
+    sim.free(va)
+    assert sim_stats().dma_mappings == 0

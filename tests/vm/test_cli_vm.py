@@ -1,0 +1,147 @@
+"""Every gpupin subcommand and the shell (stdin, -c and a pty) against the simulator."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import first_pci_device
+
+pytestmark = [pytest.mark.vm, pytest.mark.simonly]
+
+
+def gp(*args: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "GPUPIN_HISTORY": os.devnull}
+    r = subprocess.run([sys.executable, "-m", "gpupin.cli", *args], input=stdin, capture_output=True, text=True,
+                       env=env, timeout=120)
+    if check:
+        assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+def js(*args: str) -> object:
+    return json.loads(gp(*args, "--json").stdout)
+
+
+def test_status_and_load(gpupin_loaded: None, leakcheck: None) -> None:
+    st = js("status")
+    assert st["gpupin"] == "live" and st["nvp2p_sim"] == "live" and st["provider"] == "nvp2p_sim"
+    assert st["abi"] == 1 and st["persistent"] is True
+    assert js("load")["loaded"] == []          # already loaded: nothing to do
+    table = gp("status").stdout
+    assert "provider" in table and "nvp2p_sim" in table
+
+
+def test_one_shot_pin_and_doctor(gpupin_loaded: None, leakcheck: None) -> None:
+    row = js("pin", "--sim-alloc", "1M", "--tag", "9")
+    assert row["entries"] == 16 and row["valid"] is True and row["tag"] == 9
+    checks = js("doctor")
+    assert {c["name"]: c["status"] for c in checks}["gpupin"] == "pass"
+    assert js("stats")["pins"] >= 1
+    r = gp("query", "12345", check=False)
+    assert r.returncode == 1 and "UNPIN" not in r.stdout and "QUERY(handle=12345) failed" in r.stdout
+
+
+SCRIPT = """
+sim alloc 2M
+sim write $va hello
+sim read $va 5 --json
+pin $va 2M --tag 7
+query $handle --json
+pages $handle --count 2
+dma-map $handle {pci} --json
+ls
+ls --all --json
+dma-unmap $handle $mapping
+sim free $va
+watch --timeout 2 --json
+query $handle
+unpin $handle
+sim stats --json
+unpin 999
+"""
+
+
+def test_shell_script_on_stdin(gpupin_loaded: None, leakcheck: None) -> None:
+    r = gp("shell", stdin=SCRIPT.format(pci=first_pci_device()), check=False)
+    out = r.stdout
+    assert r.returncode == 1, out            # the last command fails, the rest ran
+    assert '"text": "hello"' in out
+    assert '"state": "pinned"' in out and '"user_tag": 7' in out
+    assert "physical_address" in out
+    assert '"entries": 32' in out            # dma-map of 2 MiB
+    assert '"reason": "freed"' in out        # watch saw the invalidation
+    assert "invalidated" in out
+    assert "UNPIN(handle=999) failed" in out
+    assert out.count("error:") == 1
+
+
+def test_shell_minus_c_and_watch_in_background(gpupin_loaded: None, leakcheck: None) -> None:
+    r = gp("shell", "-c", "watch --background; pin --sim-alloc 64K --tag 3; sim free $va; query $handle")
+    # Either the background watcher or nobody consumed the record; the watcher must have printed it
+    # before the shell exits, because close() stops and joins it after its last poll.
+    assert "[watch] pin 1 (tag 3) invalidated: freed" in r.stdout, r.stdout
+    assert "invalidated" in r.stdout and r.stderr == ""
+
+
+def test_sim_set_and_unknown_commands(gpupin_loaded: None, leakcheck: None, sim_params) -> None:  # type: ignore[no-untyped-def]
+    sim_params(pin_latency_us=0)
+    r = gp("shell", "-c", "sim set pin_latency_us 5; sim set nosuch 1; frob", check=False)
+    assert "pin_latency_us" in r.stdout and "nosuch" in r.stdout and "invalid choice" in r.stdout
+    assert open("/sys/module/nvp2p_sim/parameters/pin_latency_us").read().strip() == "5"
+
+
+def read_until(fd: int, token: bytes, timeout: float = 30) -> bytes:
+    buf = b""
+    deadline = time.monotonic() + timeout
+    while token not in buf:
+        left = deadline - time.monotonic()
+        assert left > 0, f"timed out waiting for {token!r}; got {buf!r}"
+        r, _, _ = select.select([fd], [], [], left)
+        if r:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            buf += chunk
+    return buf
+
+
+def test_shell_on_a_pty_with_completion(gpupin_loaded: None, leakcheck: None, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    pid, fd = pty.fork()
+    done, status = 0, 0
+    if pid == 0:
+        os.environ["GPUPIN_HISTORY"] = str(tmp_path / "hist")
+        os.execv(sys.executable, [sys.executable, "-m", "gpupin.cli", "shell"])
+    try:
+        read_until(fd, b"gpupin> ")
+        os.write(fd, b"statu\t\r")                   # tab completes "status"
+        out = read_until(fd, b"gpupin> ")
+        assert b"provider" in out and b"nvp2p_sim" in out
+        os.write(fd, b"pin --sim-alloc 128K\r")
+        out = read_until(fd, b"gpupin> ")
+        assert b"entries" in out
+        os.write(fd, b"query 77\r")
+        out = read_until(fd, b"gpupin> ")
+        assert b"error:" in out                       # and the shell goes on
+        os.write(fd, b"exit\r")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and done == 0:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            time.sleep(0.1)
+    finally:
+        if done == 0:
+            os.kill(pid, 9)
+            _, status = os.waitpid(pid, 0)
+        os.close(fd)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert "status" in (tmp_path / "hist").read_text()

@@ -1,0 +1,179 @@
+"""The generic-netlink family: introspection, events, privilege, strict validation."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+from pyroute2.netlink import genlmsg
+
+import gpupin
+from conftest import GPU_PAGE, MiB
+from gpupin import Device, SimMemory, kmod, netlink
+from gpupin.testing import ensure_loaded
+
+pytestmark = [pytest.mark.vm, pytest.mark.simonly]
+NOBODY = 65534
+
+
+def test_info_matches_ioctl(device: Device) -> None:
+    info = netlink.info()
+    i = device.info()
+    assert info["abi_version"] == i.abi_version and info["provider"] == i.provider
+    assert info["caps"] == i.caps and info["version"] == i.version
+
+
+def collect(nl: netlink.Netlink, n: int) -> list[dict]:  # type: ignore[type-arg]
+    return list(nl.events(timeout=10, count=n))
+
+
+def test_event_order_and_content(device: Device, sim: SimMemory, pci: str) -> None:
+    with netlink.Netlink() as nl:
+        nl.subscribe()
+        va = sim.alloc(2 * GPU_PAGE)
+        pin = device.pin(va + 100, GPU_PAGE, user_tag=0x5EED)
+        device.dma_map(pin, pci)
+        sim.free(va)
+        device.unpin(pin)
+        evs = collect(nl, 3)
+    assert [e["event"] for e in evs] == ["pinned", "invalidated", "unpinned"]
+    for e in evs:
+        assert e["pid"] == os.getpid() and e["handle"] == pin.handle and e["user_tag"] == 0x5EED
+        assert e["va"] == va + 100 and e["aligned_va"] == va and e["aligned_size"] == 2 * GPU_PAGE
+    assert evs[0]["state"] == "pinned" and evs[0]["reason"] is None
+    assert evs[1]["reason"] == "freed" and evs[1]["state"] == "invalidated"
+    assert evs[1]["dma_peers"] == []          # the callback took the mapping away first
+    assert evs[2]["reason"] == "unpin"
+
+
+def test_process_exit_and_budget_events(gpupin_loaded: None, leakcheck: None, sim_params) -> None:  # type: ignore[no-untyped-def]
+    sim_params("gpupin", max_pinned_bytes=GPU_PAGE)
+    with netlink.Netlink() as nl:
+        nl.subscribe()
+        pid = os.fork()
+        if pid == 0:
+            sim = SimMemory()
+            dev = Device()
+            va = sim.alloc(2 * GPU_PAGE)
+            dev.pin(va, GPU_PAGE)
+            try:
+                dev.pin(va + GPU_PAGE, GPU_PAGE)
+            except gpupin.BudgetExceeded:
+                os._exit(0)   # dies holding a pin
+            os._exit(1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        evs = collect(nl, 3)
+    assert [e["event"] for e in evs] == ["pinned", "budget_exhausted", "unpinned"]
+    assert evs[1]["pid"] == pid and evs[1]["size"] == GPU_PAGE and evs[1]["max_pinned_bytes"] == GPU_PAGE
+    assert evs[2]["reason"] == "process_exit"
+
+
+def test_dump_of_10000_pins(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
+    sim_params(bar_size=1 << 30)
+    va = sim.alloc(GPU_PAGE)
+    handles = [device.pin(va, GPU_PAGE, user_tag=i).handle for i in range(10_000)]
+    mine = [p for p in netlink.list_pins() if p.pid == os.getpid()]
+    assert [p.handle for p in mine] == handles
+    assert [p.user_tag for p in mine] == list(range(10_000))
+    st = netlink.stats()
+    assert st["pins"] >= 10_000 and st["bytes_now"] >= 10_000 * GPU_PAGE
+    device.close()   # releases all 10,000
+    sim.free(va)
+
+
+def test_get_pin_and_stats(device: Device, sim: SimMemory, pci: str) -> None:
+    va = sim.alloc(MiB)
+    pin = device.pin(va, MiB, persistent=True)
+    device.dma_map(pin, pci)
+    with netlink.Netlink() as nl:
+        p = nl.get_pin(os.getpid(), pin.handle)
+        assert p.handle == pin.handle and p.persistent and p.dma_peers == [pci] and p.entries == 16
+        with pytest.raises(gpupin.UnknownHandle, match="no pin with that handle"):
+            nl.get_pin(os.getpid(), pin.handle + 1000)
+        before = nl.stats()
+    device.unpin(pin)
+    after = netlink.stats()
+    assert after["unpins"] == before["unpins"] + 1 and after["dma_maps"] >= 1
+    sim.free(va)
+
+
+class badmsg(genlmsg):  # noqa: N801
+    nla_map = (
+        (1, "PID_AS_U64", "uint64"),
+        (2, "GPUPIN_NL_A_HANDLE", "uint64"),
+        (4, "ABI_VERSION", "uint32"),
+        (14, "BEYOND_MAX", "uint32"),
+    )
+
+
+@pytest.mark.parametrize("attrs,msg", [
+    ([("PID_AS_U64", 1), ("GPUPIN_NL_A_HANDLE", 1)], "invalid attribute length|attribute type 1"),
+    ([("ABI_VERSION", 1)], "[Uu]nsupported attribute|[Uu]nknown attribute"),
+    ([("BEYOND_MAX", 1)], "[Uu]nknown attribute"),
+    ([("GPUPIN_NL_A_HANDLE", 1)], "needs the PID and HANDLE"),
+], ids=["wrongtype", "unspec", "unknown", "missing"])
+def test_malformed_requests_get_extack(gpupin_loaded: None, attrs, msg: str) -> None:  # type: ignore[no-untyped-def]
+    from gpupin._native import lib
+
+    with netlink.Netlink(badmsg) as nl:
+        with pytest.raises(gpupin.InvalidArgument, match=msg) as ei:
+            nl.request(lib.GPUPIN_NL_CMD_GET_PIN, attrs)
+    assert "EINVAL" in str(ei.value)
+
+
+def test_unprivileged_sees_only_its_own(device: Device, sim: SimMemory) -> None:
+    va = sim.alloc(GPU_PAGE)
+    mine = device.pin(va, GPU_PAGE)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            s2, d2 = SimMemory(), Device()
+            child_pin = d2.pin(s2.alloc(GPU_PAGE), GPU_PAGE)
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            pins = netlink.list_pins()
+            ok = [(p.pid, p.handle) for p in pins] == [(os.getpid(), child_pin.handle)]
+            with netlink.Netlink() as nl:
+                try:
+                    nl.get_pin(os.getppid(), mine.handle)
+                    ok = False
+                except gpupin.UnknownHandle:
+                    pass
+                try:
+                    nl.subscribe()
+                    ok = False
+                except gpupin.PermissionDenied:
+                    pass
+            code = 0 if ok else 2
+        finally:
+            os.write(w, b"x")
+            os._exit(code)
+    os.read(r, 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    pids = {p.pid for p in netlink.list_pins()}
+    assert os.getpid() in pids   # root sees everyone
+    device.unpin(mine)
+    sim.free(va)
+
+
+def test_unload_with_listener_subscribed(gpupin_loaded: None) -> None:
+    nl = netlink.Netlink()
+    nl.subscribe()
+    got: list[object] = []
+    t = threading.Thread(target=lambda: got.extend(nl.events(timeout=2)))
+    t.start()
+    kmod.unload("gpupin")
+    try:
+        t.join()
+        assert got == []
+        with pytest.raises(gpupin.DriverNotLoaded, match="gpupin load"):
+            netlink.Netlink()
+    finally:
+        nl.close()
+        ensure_loaded()
+    assert netlink.info()["provider"] == "nvp2p_sim"
