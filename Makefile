@@ -67,7 +67,7 @@ bench: pyext
 	scripts/vm-run.sh bench
 
 demo: setup pyext
-	scripts/vm-run.sh demo
+	scripts/demo.sh
 
 test: check test-host test-vm
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
