@@ -1,8 +1,10 @@
 """``gpupin bench``: what the registration cache costs and saves.
 
 Figures are ratios measured in one run (these machines are shared and noisy):
-- hit: median ns of a cache hit (acquire + release) for validate=kernel, tag and
-  both, against a bare Python dict lookup and a bare tag query of the provider;
+- hit: median ns of a cache hit (``lookup``: find, validate, reference, in one
+  call into C) for validate=kernel, tag and both, against a bare Python dict
+  lookup and a bare tag query of the provider; also lookup + release_token and
+  the convenient acquire() + release() through Registration objects;
 - trace: 10,000 transfers over 64 buffers with Zipf reuse and 100 us pins,
   cache against pin-per-transfer (pins issued and wall time);
 - scale: hit cost with 100,000 cached regions over hit cost with 100;
@@ -66,6 +68,33 @@ def _cached(regions: int, validate: str, size: int = 1 << 16) -> tuple[Registrat
 
 
 def hit_loop(cache: RegistrationCache, ptrs: list[int]) -> Callable[[int], None]:
+    """The hot path: one C call (lookup + validity + reference) per hit."""
+    seq = [ptrs[i % len(ptrs)] + 64 for i in range(4096)]
+    lookup = cache.lookup
+
+    def run(n: int) -> None:
+        s = seq
+        m = len(s)
+        for i in range(n):
+            lookup(s[i % m], 256)
+    return run
+
+
+def hit_release_loop(cache: RegistrationCache, ptrs: list[int]) -> Callable[[int], None]:
+    """lookup + release_token: a whole use of a cached registration without Python objects."""
+    seq = [ptrs[i % len(ptrs)] + 64 for i in range(4096)]
+    lookup, release = cache.lookup, cache.release_token
+
+    def run(n: int) -> None:
+        s = seq
+        m = len(s)
+        for i in range(n):
+            release(lookup(s[i % m], 256))
+    return run
+
+
+def acquire_loop(cache: RegistrationCache, ptrs: list[int]) -> Callable[[int], None]:
+    """acquire() + release() through Registration objects: the convenient API."""
     seq = [ptrs[i % len(ptrs)] + 64 for i in range(4096)]
     acquire = cache.acquire
 
@@ -107,8 +136,12 @@ def bench_hit(reps: int, n: int) -> dict[str, Any]:
     for mode in ("kernel", "tag", "both"):
         cache, ptrs = _cached(100, mode)
         out[f"hit_{mode}_ns"] = per_op_ns(hit_loop(cache, ptrs), n, reps)
+        # lookup() leaves references behind; they do not change the hit path's cost.
         if base is None:
             base = (cache, ptrs)
+    cache, ptrs = _cached(100, "kernel")
+    out["hit_release_kernel_ns"] = per_op_ns(hit_release_loop(cache, ptrs), n, reps)
+    out["acquire_release_kernel_ns"] = per_op_ns(acquire_loop(cache, ptrs), n, reps)
     assert base is not None
     cache, ptrs = base
     out["dict_lookup_ns"] = per_op_ns(dict_loop(ptrs), n, reps)

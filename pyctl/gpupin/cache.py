@@ -7,33 +7,28 @@ again if it went stale; unpin lazily, least recently used first, when a limit
 is reached or the GPU runs out of BAR space.  Entries in use are never
 evicted.  One entry per allocation: buffer ids are per allocation, so entries
 never merge across allocations.
+
+The hit path is one call into C (``lookup``): find the entry, read its
+validity word (and, for CudaMemory, query the buffer id through the CUDA
+driver directly), take a reference.  Misses, eviction and invalidation run
+in Python under the cache's lock.
 """
 
 from __future__ import annotations
 
-import bisect
 import os
 import threading
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from ._native import ffi, lib
 from .errors import BarExhausted, BudgetExceeded, GpupinError, InvalidArgument, NotGpuMemory, UnknownHandle
 from .memory import MemoryProvider
 
 GPU_PAGE = 1 << 16
 Validate = Literal["both", "kernel", "tag"]
-
-
-class PinLike(Protocol):
-    handle: int
-    aligned_va: int
-    aligned_size: int
-    entries: int
-
-    def is_valid(self) -> bool: ...
 
 
 class DeviceLike(Protocol):
@@ -44,6 +39,8 @@ class DeviceLike(Protocol):
     def read_events(self) -> list[Any]: ...
 
     def dma_map(self, handle: Any, pci: str) -> Any: ...
+
+    def validity_map(self) -> Any: ...
 
 
 class CacheFull(BudgetExceeded):
@@ -69,17 +66,17 @@ class CacheStats:
 
 
 class _Entry:
-    __slots__ = ("start", "end", "buffer_id", "pin", "refs", "stale", "maps", "alloc_base")
+    __slots__ = ("id", "start", "end", "buffer_id", "pin", "stale", "done", "maps")
 
-    def __init__(self, start: int, end: int, buffer_id: int, pin: Any, alloc_base: int) -> None:
+    def __init__(self, eid: int, start: int, end: int, buffer_id: int, pin: Any) -> None:
+        self.id = eid
         self.start = start
         self.end = end
         self.buffer_id = buffer_id
         self.pin = pin
-        self.refs = 0
         self.stale = False      # out of the index; unpinned at the last release
+        self.done = False       # unpinned
         self.maps: dict[str, Any] = {}
-        self.alloc_base = alloc_base
 
     @property
     def size(self) -> int:
@@ -97,6 +94,10 @@ class Registration:
         self.ptr = ptr
         self.size = size
         self._released = False
+
+    @property
+    def token(self) -> int:
+        return self._entry.id
 
     @property
     def handle(self) -> int:
@@ -131,7 +132,7 @@ class Registration:
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self._cache._release(self._entry)
+            self._cache.release_token(self._entry.id)
 
     def __enter__(self) -> Registration:
         return self
@@ -176,67 +177,97 @@ class RegistrationCache:
         self.validate = validate
         self.whole_allocation = whole_allocation
         self.sync_memops = sync_memops
-        self._check_kernel = validate in ("both", "kernel")
-        self._check_tag = validate in ("both", "tag")
+        check_kernel = validate in ("both", "kernel")
+        check_tag = validate in ("both", "tag")
+        # The tag check runs in C when the provider offers the direct CUDA query.
+        c_tag = check_tag and bool(getattr(memory, "direct_tag_query", False))
+        self._py_tag = check_tag and not c_tag
+        self._map_buf: Any = None
+        words, nwords = ffi.NULL, 0
+        if check_kernel:
+            buf = device.validity_map()
+            self._map_buf = ffi.from_buffer("uint64_t[]", buf)
+            words, nwords = self._map_buf, len(self._map_buf)
+        self._c = ffi.gc(lib.gpc_new(words, nwords, int(check_kernel), int(c_tag)), lib.gpc_free)
+        if self._c == ffi.NULL:
+            raise MemoryError("gpupin cache: out of memory")
+        self._lookup = lib.gpc_lookup
         self._lock = threading.RLock()
-        self._starts: list[int] = []          # sorted starts of indexed entries
-        self._entries: list[_Entry] = []       # parallel to _starts
+        self._ents: list[_Entry | None] = []
+        self._free_ids: list[int] = []
         self._by_handle: dict[int, _Entry] = {}
-        self._lru: OrderedDict[int, _Entry] = OrderedDict()   # unused entries, oldest first
-        self._stats = CacheStats()
+        self._indexed: dict[int, _Entry] = {}
+        self._st = CacheStats()
+        self._py_tag_stale = 0
         self._pid = os.getpid()
         os.register_at_fork(after_in_child=_forget_in_child(weakref.ref(self)))
 
-    # -- lookup ----------------------------------------------------------------
-    def _find(self, ptr: int, end: int) -> _Entry | None:
-        i = bisect.bisect_right(self._starts, ptr) - 1
-        if i >= 0:
-            e = self._entries[i]
-            if end <= e.end:
-                return e
-        return None
+    # -- the hot path ------------------------------------------------------------
+    def lookup(self, ptr: int, size: int) -> int:
+        """A referenced token for [ptr, ptr + size), pinning on a miss; pair with ``release_token``.
+
+        The allocation-free form of ``acquire`` for code that counts nanoseconds.
+        """
+        r = self._lookup(self._c, ptr, size)
+        if r >= 0 and not self._py_tag:
+            return int(r)
+        return self._slow(ptr, size, int(r))
+
+    def release_token(self, token: int) -> None:
+        refs = lib.gpc_release(self._c, token)
+        if refs == 0:
+            e = self._ents[token]
+            if e is not None and e.stale:
+                with self._lock:
+                    self._finish(e)
+        elif refs < 0:
+            raise InvalidArgument(f"release_token({token}): not a held token")
 
     def acquire(self, ptr: int, size: int) -> Registration:
         """A registration covering [ptr, ptr + size), pinning the allocation on first use."""
-        if size <= 0:
-            raise InvalidArgument(f"acquire(ptr={ptr:#x}, size={size}): size must be > 0")
-        end = ptr + size
+        tok = self.lookup(ptr, size)
+        e = self._ents[tok]
+        assert e is not None
+        return Registration(self, e, ptr, size)
+
+    # -- the slow path -------------------------------------------------------------
+    def _slow(self, ptr: int, size: int, r: int) -> int:
+        if r == lib.GPC_BAD_ARG:
+            raise InvalidArgument(f"acquire(ptr={ptr:#x}, size={size}): size must be > 0 and the range in 64 bits")
         with self._lock:
             if self._pid != os.getpid():
                 self._forget()
-            st = self._stats
-            st.acquires += 1
-            e = self._find(ptr, end)
-            if e is not None:
-                reason = self._stale_reason(e, ptr)
-                if reason is None:
-                    st.hits += 1
-                    self._use(e)
-                    return Registration(self, e, ptr, size)
-                self._invalidate(e, reason)
-            st.misses += 1
-            e = self._insert(ptr, end)
-            self._use(e)
-            return Registration(self, e, ptr, size)
+                r = int(self._lookup(self._c, ptr, size))
+            if r >= 0:                      # a C hit; the tag is checked here
+                e = self._ents[r]
+                assert e is not None
+                if self._tag_ok(e, ptr):
+                    return r
+                self._py_tag_stale += 1
+                lib.gpc_release(self._c, r)
+                self._invalidate(e, "tag")
+                self._finish(e)             # if another thread made it stale first
+            elif r != lib.GPC_MISS:         # an entry covers it but its word changed
+                e = self._ents[-r - lib.GPC_STALE_BASE]
+                # Another thread may have dealt with it (and reused the id) meanwhile.
+                if e is not None and not e.pin.is_valid():
+                    self._invalidate(e, "kernel")
+            e = self._insert(ptr, ptr + size)
+            lib.gpc_use(self._c, e.id)
+            return e.id
 
-    def _stale_reason(self, e: _Entry, ptr: int) -> str | None:
-        if self._check_kernel and not e.pin.is_valid():
-            return "kernel"
-        if self._check_tag:
-            try:
-                if self.memory.buffer_id(ptr) != e.buffer_id:
-                    return "tag"
-            except NotGpuMemory:
-                return "tag"
-        return None
+    def _tag_ok(self, e: _Entry, ptr: int) -> bool:
+        try:
+            return bool(self.memory.buffer_id(ptr) == e.buffer_id)
+        except NotGpuMemory:
+            return False
 
-    def _use(self, e: _Entry) -> None:
-        if e.refs == 0:
-            self._lru.pop(id(e), None)
-            self._stats.in_use += 1
-        e.refs += 1
+    def _new_id(self) -> int:
+        if self._free_ids:
+            return self._free_ids.pop()
+        self._ents.append(None)
+        return len(self._ents) - 1
 
-    # -- insert / evict ----------------------------------------------------------
     def _insert(self, ptr: int, end: int) -> _Entry:
         self._drain_locked()
         r = self.memory.range_of(ptr)   # raises NotGpuMemory for freed/host memory
@@ -256,85 +287,79 @@ class RegistrationCache:
         if self.sync_memops:
             self.memory.enable_sync_memops(ptr)
         # Anything indexed over this range is stale: live allocations do not overlap.
-        for old in self._overlapping(start, stop):
+        for old in [e for e in self._indexed.values() if e.start < stop and start < e.end]:
             self._invalidate(old, "tag")
         self._make_room(need)
         pin = self._pin(start, need, r.base)
-        e = _Entry(start, stop, r.buffer_id, pin, r.base)
-        i = bisect.bisect_left(self._starts, start)
-        self._starts.insert(i, start)
-        self._entries.insert(i, e)
+        e = _Entry(self._new_id(), start, stop, r.buffer_id, pin)
+        self._ents[e.id] = e
+        if lib.gpc_insert(self._c, e.id, start, stop, r.buffer_id, getattr(pin, "slot", 0),
+                          getattr(pin, "valid_word", 0)) != 0:
+            self.device.unpin(pin.handle)
+            raise MemoryError("gpupin cache: out of memory for the index")
+        self._indexed[e.id] = e
         self._by_handle[int(pin.handle)] = e
-        st = self._stats
+        st = self._st
         st.pins += 1
         st.regions += 1
         st.bytes_pinned += need
         st.peak_bytes = max(st.peak_bytes, st.bytes_pinned)
         return e
 
-    def _overlapping(self, start: int, stop: int) -> list[_Entry]:
-        i = bisect.bisect_left(self._starts, stop)
-        out = []
-        while i > 0:
-            i -= 1
-            e = self._entries[i]
-            if e.end <= start:
-                # Entries do not overlap each other, so none further left reaches start.
-                break
-            out.append(e)
-        return out
-
     def _make_room(self, need: int) -> None:
-        st = self._stats
+        st = self._st
         while (self.max_regions and st.regions + 1 > self.max_regions) or \
                 (self.max_bytes and st.bytes_pinned + need > self.max_bytes):
-            if not self._lru:
+            if not self._evict_lru():
                 raise CacheFull(
                     f"acquire: needs {need} bytes but {st.bytes_pinned} bytes in {st.regions} regions "
-                    f"are cached and all {st.in_use} in use (max_bytes={self.max_bytes}, "
+                    f"are cached and all {self._in_use()} in use (max_bytes={self.max_bytes}, "
                     f"max_regions={self.max_regions}): release registrations first")
-            self._evict_lru()
             st.evictions_limit += 1
 
     def _pin(self, start: int, size: int, tag: int) -> Any:
-        st = self._stats
+        st = self._st
         while True:
             try:
                 return self.device.pin(start, size, user_tag=tag)
             except (BarExhausted, BudgetExceeded) as exc:
                 st.pin_failures += 1
                 self._drain_locked()
-                if not self._lru:
+                if not self._evict_lru():
                     kind = "BAR space" if isinstance(exc, BarExhausted) else "gpupin budget"
                     raise type(exc)(
                         f"pin of {size} bytes at {start:#x} failed ({kind} exhausted) and nothing is "
                         f"evictable: {st.bytes_pinned} bytes pinned in {st.regions} regions, "
-                        f"{st.in_use} in use; release registrations or raise the limit", exc.errno) from exc
-                self._evict_lru()
+                        f"{self._in_use()} in use; release registrations or raise the limit", exc.errno) from exc
                 st.evictions_pressure += 1
             except GpupinError:
                 st.pin_failures += 1
                 raise
 
-    def _evict_lru(self) -> None:
-        _, e = self._lru.popitem(last=False)
-        self._remove(e)
-        self._unpin(e)
+    def _evict_lru(self) -> bool:
+        eid = int(lib.gpc_evict_lru(self._c))
+        if eid < 0:
+            return False
+        e = self._ents[eid]
+        assert e is not None
+        self._unindex(e)
+        self._finish(e)
+        return True
 
-    def _remove(self, e: _Entry) -> None:
-        """Take e out of the index and the accounting (not the LRU)."""
-        i = bisect.bisect_left(self._starts, e.start)
-        while i < len(self._entries) and self._entries[i] is not e:
-            i += 1
-        if i < len(self._entries):
-            del self._starts[i]
-            del self._entries[i]
+    def _unindex(self, e: _Entry) -> None:
+        """Take e out of the Python view and the accounting (the C index already dropped it)."""
+        if self._indexed.pop(e.id, None) is None:
+            return
         self._by_handle.pop(int(e.pin.handle), None)
-        st = self._stats
-        st.regions -= 1
-        st.bytes_pinned -= e.size
+        self._st.regions -= 1
+        self._st.bytes_pinned -= e.size
+        e.stale = True
 
-    def _unpin(self, e: _Entry) -> None:
+    def _finish(self, e: _Entry) -> None:
+        """Unpin a stale entry nobody holds; idempotent.  Caller holds the lock."""
+        if e.done or lib.gpc_refs(self._c, e.id) != 0:
+            return
+        e.done = True
         for m in e.maps.values():
             try:
                 self.device.dma_unmap(m)  # type: ignore[attr-defined]
@@ -345,34 +370,20 @@ class RegistrationCache:
             self.device.unpin(e.pin.handle)
         except UnknownHandle:
             pass
-        self._stats.unpins += 1
+        self._st.unpins += 1
+        self._ents[e.id] = None
+        self._free_ids.append(e.id)
 
     def _invalidate(self, e: _Entry, reason: str) -> None:
         if e.stale:
             return
-        st = self._stats
         if reason == "kernel":
-            st.invalidations_kernel += 1
+            self._st.invalidations_kernel += 1
         else:
-            st.invalidations_tag += 1
-        self._remove(e)
-        e.stale = True
-        if e.refs == 0:
-            self._lru.pop(id(e), None)
-            self._unpin(e)
-
-    def _release(self, e: _Entry) -> None:
-        with self._lock:
-            if self._pid != os.getpid():
-                return
-            e.refs -= 1
-            if e.refs:
-                return
-            self._stats.in_use -= 1
-            if e.stale:
-                self._unpin(e)
-            else:
-                self._lru[id(e)] = e
+            self._st.invalidations_tag += 1
+        lib.gpc_remove(self._c, e.id)
+        self._unindex(e)
+        self._finish(e)
 
     def _dma_map(self, e: _Entry, pci: str) -> Any:
         with self._lock:
@@ -391,7 +402,7 @@ class RegistrationCache:
                 self._invalidate(e, "kernel")
                 n += 1
             elif getattr(ev, "reason", "") == "overflow":
-                for e in list(self._entries):
+                for e in list(self._indexed.values()):
                     if not e.pin.is_valid():
                         self._invalidate(e, "kernel")
                         n += 1
@@ -403,16 +414,26 @@ class RegistrationCache:
             return self._drain_locked()
 
     # -- housekeeping ----------------------------------------------------------------
+    def _in_use(self) -> int:
+        return sum(1 for e in self._ents if e is not None and lib.gpc_refs(self._c, e.id) > 0)
+
     def stats(self) -> CacheStats:
         with self._lock:
-            return CacheStats(**{f.name: getattr(self._stats, f.name) for f in fields(CacheStats)})
+            acq = ffi.new("uint64_t *")
+            hits = ffi.new("uint64_t *")
+            lib.gpc_counts(self._c, acq, hits)
+            st = CacheStats(**self._st.__dict__)
+            st.acquires = int(acq[0])
+            st.hits = int(hits[0]) - self._py_tag_stale
+            st.misses = st.acquires - st.hits
+            st.in_use = self._in_use()
+            return st
 
     def purge(self) -> int:
         """Unpin every unused entry; returns how many."""
         with self._lock:
             n = 0
-            while self._lru:
-                self._evict_lru()
+            while self._evict_lru():
                 n += 1
             return n
 
@@ -420,10 +441,16 @@ class RegistrationCache:
         """In a forked child: the pins belong to the parent's file; start empty."""
         self._pid = os.getpid()
         self._lock = threading.RLock()
-        self._starts, self._entries = [], []
+        check_kernel = self._map_buf is not None
+        c_tag = self.validate in ("both", "tag") and not self._py_tag
+        words = self._map_buf if check_kernel else ffi.NULL
+        nwords = len(self._map_buf) if check_kernel else 0
+        self._c = ffi.gc(lib.gpc_new(words, nwords, int(check_kernel), int(c_tag)), lib.gpc_free)
+        self._ents, self._free_ids = [], []
         self._by_handle.clear()
-        self._lru.clear()
-        self._stats = CacheStats()
+        self._indexed.clear()
+        self._st = CacheStats()
+        self._py_tag_stale = 0
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._indexed)

@@ -222,6 +222,12 @@ class Device:
         if ret < 0:
             raise from_errno(-ret, name, desc, **kw)
 
+    def validity_map(self) -> mmap.mmap:
+        """The read-only validity map (one u64 per pin slot), mapped on first use."""
+        self._map_words()
+        assert self._map is not None
+        return self._map
+
     def _word(self, slot: int) -> int:
         words = self._words
         if words is None:

@@ -124,6 +124,9 @@ class FakeDevice:
                     self._words[p.slot] = 0
                     self.events.append(FakeEvent(p.handle, p.user_tag, "freed", p.slot))
 
+    def validity_map(self) -> mmap.mmap:
+        return self._map
+
     def read_events(self) -> list[FakeEvent]:
         with self._lock:
             out, self.events = self.events, []
