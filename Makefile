@@ -29,7 +29,7 @@ modules:
 
 clean:
 	-$(KMAKE) clean
-	rm -rf build pyctl/gpupin/_gpupin_cffi*.so pyctl/gpupin/_gpupin_cffi.c
+	rm -rf build pyctl/gpupin/_gpupin_cffi.* pyctl/gpupin/_gpupin_kmod.*
 
 # Installs apt packages and the virtualenv; idempotent.
 setup:

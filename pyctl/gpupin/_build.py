@@ -77,6 +77,7 @@ int64_t gpc_find(struct gpc *c, uint64_t ptr);
 /* CUDA driver, resolved at run time (no link-time dependency) */
 int gp_cuda_open(int buffer_id_attr);
 int gp_cuda_buffer_id(uint64_t ptr, uint64_t *out);
+uint64_t gp_cuda_buffer_id_or_0(uint64_t ptr);
 #define GPC_MISS ...
 #define GPC_BAD_ARG ...
 #define GPC_STALE_BASE ...
@@ -86,7 +87,6 @@ HELPERS_SRC = r"""
 #include <errno.h>
 #include <sys/ioctl.h>
 #include <linux/types.h>
-#include <libkmod.h>
 #include "gpupin.h"
 #include "nvp2p_sim.h"
 #include "gpupin_netlink.h"
@@ -161,6 +161,14 @@ static int gp_cuda_buffer_id(uint64_t ptr, uint64_t *out)
 	if (!gp_cu_getattr)
 		return -1;
 	return gp_cu_getattr(out, gp_cu_buffer_id_attr, ptr);
+}
+
+/* The buffer id at ptr, or 0 where CUDA says it is not device memory. */
+static uint64_t gp_cuda_buffer_id_or_0(uint64_t ptr)
+{
+	uint64_t bid = 0;
+
+	return gp_cuda_buffer_id(ptr, &bid) == 0 ? bid : 0;
 }
 
 static struct gpc *gpc_new(const uint64_t *words, uint64_t nwords, int check_kernel, int check_tag_cuda)
@@ -450,14 +458,20 @@ def struct_names() -> list[str]:
 
 
 ffibuilder = FFI()
-ffibuilder.cdef(uapi_cdef() + LIBKMOD_CDEF + HELPERS_CDEF)
+ffibuilder.cdef(uapi_cdef() + HELPERS_CDEF)
 ffibuilder.set_source(
     "gpupin._gpupin_cffi",
     HELPERS_SRC,
     include_dirs=[str(UAPI)],
-    libraries=["kmod", "dl", "pthread"],
+    libraries=["dl", "pthread"],
     extra_compile_args=["-O2", "-Wall"],
 )
+
+# libkmod in an extension of its own: hosts without libkmod-dev still get the rest.
+kmodbuilder = FFI()
+kmodbuilder.cdef(LIBKMOD_CDEF)
+kmodbuilder.set_source("gpupin._gpupin_kmod", "#include <libkmod.h>", libraries=["kmod"],
+                       extra_compile_args=["-O2", "-Wall"])
 
 if __name__ == "__main__":
     import os
@@ -465,3 +479,5 @@ if __name__ == "__main__":
 
     os.chdir(HERE.parent)
     ffibuilder.compile(tmpdir=str(HERE.parent), verbose="-v" in sys.argv)
+    if "--no-kmod" not in sys.argv:
+        kmodbuilder.compile(tmpdir=str(HERE.parent), verbose="-v" in sys.argv)

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from . import doctor as doctor_mod
-from . import kmod
 from .device import Device, DmaMapping, Pin
 from .errors import GpupinError, InvalidArgument, ModuleError
 from .sim import SimMemory, set_sim_param, sim_stats
@@ -123,6 +122,8 @@ class Session:
 
 # -- commands ----------------------------------------------------------------
 def cmd_status(s: Session, a: argparse.Namespace) -> Result:
+    from . import kmod
+
     out: dict[str, Any] = {}
     for m in ("gpupin", "nvp2p_sim", "nvidia"):
         out[m] = kmod.info(m).state if os.path.isdir(f"/sys/module/{m}") else "absent"
@@ -138,6 +139,8 @@ def cmd_status(s: Session, a: argparse.Namespace) -> Result:
 
 
 def cmd_load(s: Session, a: argparse.Namespace) -> Result:
+    from . import kmod
+
     params: dict[str, str] = {}
     sim_params: dict[str, str] = {}
     for p in a.params:
@@ -168,6 +171,8 @@ def _module_file(name: str) -> str:
 
 
 def cmd_unload(s: Session, a: argparse.Namespace) -> Result:
+    from . import kmod
+
     s.close()
     done = []
     for m in ("gpupin", "nvp2p_sim"):

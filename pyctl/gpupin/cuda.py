@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._native import lib
 from .errors import DriverNotLoaded, GpupinError, NotGpuMemory
 from .memory import AllocationRange
 
@@ -59,6 +60,9 @@ class CudaMemory:
         self._synced: set[tuple[int, int]] = set()
         self.sync_memops_calls = 0
         self.device = device
+        # The tag query on the hot path goes straight to libcuda (no cuda-python layer).
+        self.direct_tag_query = lib.gp_cuda_open(int(self._buffer_id_attr)) == 0
+        self._direct = lib.gp_cuda_buffer_id_or_0
 
     def _check(self, result: Any, call: str) -> Any:
         err = result[0] if isinstance(result, tuple) else result
@@ -87,6 +91,16 @@ class CudaMemory:
         return AllocationRange(int(start), int(size), int(buf_id))
 
     def buffer_id(self, ptr: int) -> int:
+        """The allocation's buffer id, queried directly through libcuda when possible."""
+        if self.direct_tag_query:
+            bid = int(self._direct(ptr))
+            if bid == 0:
+                raise NotGpuMemory(f"{ptr:#x} is not CUDA memory: freed, or never allocated")
+            return bid
+        return self.buffer_id_cuda_python(ptr)
+
+    def buffer_id_cuda_python(self, ptr: int) -> int:
+        """The same query through cuda-python (the baseline the direct query is measured against)."""
         err, val = self._cu.cuPointerGetAttribute(self._buffer_id_attr, ptr)
         if err != self._ok:
             raise NotGpuMemory(f"{ptr:#x} is not CUDA memory ({err.name}): freed, or never allocated")

@@ -16,6 +16,7 @@ import mmap
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import BarExhausted, InvalidArgument, NotGpuMemory, PinInvalidated, UnknownHandle
 from .memory import AllocationRange
@@ -61,12 +62,14 @@ class FakePin:
 
 
 class FakeDevice:
-    """Pins against a FakeMemory; ``bar_size`` bytes of fake BAR, ``pin_latency`` seconds per pin."""
+    """Pins against a provider (FakeMemory, or CudaMemory on a GPU host without gpupin.ko);
+    ``bar_size`` bytes of fake BAR, ``pin_latency`` seconds per pin."""
 
-    def __init__(self, memory: FakeMemory, *, bar_size: int = 0, pin_latency: float = 0.0,
+    def __init__(self, memory: Any, *, bar_size: int = 0, pin_latency: float = 0.0,
                  slots: int = 1 << 18) -> None:
         self.memory = memory
-        memory.devices.append(self)
+        if isinstance(memory, FakeMemory):
+            memory.devices.append(self)
         self.bar_size = bar_size
         self.pin_latency = pin_latency
         self._map = mmap.mmap(-1, slots * 8, mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
@@ -90,7 +93,10 @@ class FakeDevice:
                 pass
         with self._lock:
             self.pin_calls += 1
-            r = self.memory._range(va)
+            try:
+                r = self.memory.range_of(va)
+            except NotGpuMemory:
+                r = None
             if r is None or va + size > r.base + r.size:
                 raise NotGpuMemory(f"PIN(va={va:#x}, size={size}): not fake device memory", errno.EINVAL)
             p = FakePin(self, next(self._handles), va, size, self._free_slots.pop(), user_tag)

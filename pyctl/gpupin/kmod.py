@@ -13,8 +13,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ._native import ffi, lib
 from .errors import ModuleError
+
+try:
+    from . import _gpupin_kmod as _ext  # type: ignore[attr-defined]
+except ImportError as exc:  # pragma: no cover - depends on the build
+    raise ModuleError(f"the libkmod binding is not built (needs libkmod-dev): run 'make pyext' ({exc})") from exc
+
+ffi: Any = _ext.ffi
+lib: Any = _ext.lib
 
 _REQUIRED_SYMBOLS = ("nvidia_p2p_get_pages", "nvidia_p2p_put_pages")
 

@@ -1,0 +1,226 @@
+"""CudaMemory facts (DESIGN.md section 5) and the registration cache over real CUDA memory."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+import gpupin
+from gpupin.cache import RegistrationCache
+from gpupin.fake import FakeDevice
+
+MiB = 1 << 20
+
+
+def ok(res):  # type: ignore[no-untyped-def]
+    """Unwrap a cuda-python (err, value...) result, failing on an error."""
+    err = res[0] if isinstance(res, tuple) else res
+    assert int(err) == 0, f"CUDA call failed: {err}"
+    if isinstance(res, tuple):
+        return res[1] if len(res) == 2 else res[1:]
+    return None
+
+
+def realloc_same_va(cuda, size: int, tries: int = 8):  # type: ignore[no-untyped-def]
+    """Allocate, free and allocate again until the same address comes back."""
+    for _ in range(tries):
+        a = cuda.alloc(size)
+        ida = cuda.buffer_id(a)
+        cuda.free(a)
+        b = cuda.alloc(size)
+        if b == a:
+            return a, ida, b
+        cuda.free(b)
+    pytest.fail(f"cuMemAlloc never returned a freed address again in {tries} tries")
+
+
+def test_buffer_id_changes_on_free_and_realloc(cuda) -> None:  # type: ignore[no-untyped-def]
+    a, id_a, b = realloc_same_va(cuda, 2 * MiB)
+    assert cuda.buffer_id(b) != id_a
+    assert cuda.buffer_id(b) == cuda.buffer_id_cuda_python(b)
+    r = cuda.range_of(b + 4096)
+    assert (r.base, r.size) == (b, 2 * MiB) and r.buffer_id == cuda.buffer_id(b)
+    cuda.free(b)
+
+
+def test_freed_and_host_pointers_are_not_gpu_memory(cuda) -> None:  # type: ignore[no-untyped-def]
+    a = cuda.alloc(MiB)
+    cuda.free(a)
+    for fn in (cuda.range_of, cuda.buffer_id, cuda.buffer_id_cuda_python):
+        with pytest.raises(gpupin.NotGpuMemory):
+            fn(a)
+    host = ctypes.create_string_buffer(4096)
+    with pytest.raises(gpupin.NotGpuMemory):
+        cuda.range_of(ctypes.addressof(host))
+    assert not cuda.is_device_memory(ctypes.addressof(host))
+
+
+def test_managed_memory_refused(cuda, cu) -> None:  # type: ignore[no-untyped-def]
+    p = int(ok(cu.cuMemAllocManaged(MiB, cu.CUmemAttach_flags.CU_MEM_ATTACH_GLOBAL.value)))
+    try:
+        with pytest.raises(gpupin.NotGpuMemory, match="managed"):
+            cuda.range_of(p)
+    finally:
+        ok(cu.cuMemFree(p))
+
+
+class Vmm:
+    """Two physical chunks mapped back to back in one reserved range."""
+
+    def __init__(self, cu, device: int = 0) -> None:  # type: ignore[no-untyped-def]
+        self.cu = cu
+        prop = cu.CUmemAllocationProp()
+        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = device
+        self.prop = prop
+        gran = int(ok(cu.cuMemGetAllocationGranularity(
+            prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
+        self.chunk = max(gran, 2 * MiB)
+        self.base = int(ok(cu.cuMemAddressReserve(2 * self.chunk, 0, 0, 0)))
+        self.handles = [None, None]
+        for i in range(2):
+            self.map(i)
+
+    def map(self, i: int) -> None:
+        cu = self.cu
+        h = ok(cu.cuMemCreate(self.chunk, self.prop, 0))
+        ok(cu.cuMemMap(self.base + i * self.chunk, self.chunk, 0, h, 0))
+        access = cu.CUmemAccessDesc()
+        access.location = self.prop.location
+        access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        ok(cu.cuMemSetAccess(self.base + i * self.chunk, self.chunk, [access], 1))
+        self.handles[i] = h
+
+    def unmap(self, i: int) -> None:
+        ok(self.cu.cuMemUnmap(self.base + i * self.chunk, self.chunk))
+        ok(self.cu.cuMemRelease(self.handles[i]))
+        self.handles[i] = None
+
+    def close(self) -> None:
+        for i in range(2):
+            if self.handles[i] is not None:
+                self.unmap(i)
+        ok(self.cu.cuMemAddressFree(self.base, 2 * self.chunk))
+
+
+def test_vmm_chunks_have_their_own_ids_and_ranges(cuda, cu) -> None:  # type: ignore[no-untyped-def]
+    v = Vmm(cu)
+    try:
+        r0, r1 = cuda.range_of(v.base), cuda.range_of(v.base + v.chunk)
+        assert (r0.base, r0.size) == (v.base, v.chunk) and (r1.base, r1.size) == (v.base + v.chunk, v.chunk)
+        assert r0.buffer_id != r1.buffer_id
+        old = r1.buffer_id
+        v.unmap(1)
+        with pytest.raises(gpupin.NotGpuMemory):
+            cuda.buffer_id(v.base + v.chunk)
+        v.map(1)
+        assert cuda.buffer_id(v.base + v.chunk) != old
+    finally:
+        v.close()
+
+
+def test_pool_reuse_gives_a_new_id(cuda, cu) -> None:  # type: ignore[no-untyped-def]
+    stream = ok(cu.cuStreamCreate(0))
+    try:
+        a = int(ok(cu.cuMemAllocAsync(2 * MiB, stream)))
+        ok(cu.cuStreamSynchronize(stream))
+        id_a = cuda.buffer_id(a)
+        ok(cu.cuMemFreeAsync(a, stream))
+        b = int(ok(cu.cuMemAllocAsync(2 * MiB, stream)))
+        ok(cu.cuStreamSynchronize(stream))
+        assert b == a, "the pool did not hand the same address back"
+        assert cuda.buffer_id(b) != id_a
+        ok(cu.cuMemFreeAsync(b, stream))
+        ok(cu.cuStreamSynchronize(stream))
+    finally:
+        ok(cu.cuStreamDestroy(stream))
+
+
+def test_sync_memops_once_per_allocation(cuda) -> None:  # type: ignore[no-untyped-def]
+    cache = RegistrationCache(FakeDevice(cuda), cuda, validate="tag")
+    a = cuda.alloc(4 * MiB)
+    for off in (0, 4096, 3 * MiB):
+        cache.acquire(a + off, 64).release()
+    assert cuda.sync_memops_calls == 1
+    cache.purge()
+    cache.acquire(a, 64).release()      # same allocation: not set again
+    assert cuda.sync_memops_calls == 1
+    cache.purge()
+    cuda.free(a)
+
+
+@pytest.mark.parametrize("validate", ["tag", "both"])
+def test_cache_tag_mode_misses_on_realloc(cuda, validate: str) -> None:  # type: ignore[no-untyped-def]
+    dev = FakeDevice(cuda)
+    cache = RegistrationCache(dev, cuda, validate=validate)  # type: ignore[arg-type]
+    assert cache._py_tag is False, "the tag check should run in C through libcuda"
+    a = cuda.alloc(2 * MiB)
+    with cache.acquire(a + 100, 100) as r:
+        h = r.handle
+    with cache.acquire(a, 2 * MiB) as r:
+        assert r.handle == h
+    cuda.free(a)
+    # The fake device is not told about the free: only the tag can catch it.
+    b = cuda.alloc(2 * MiB)
+    with cache.acquire(b, 64) as r:
+        assert r.handle != h
+    st = cache.stats()
+    if b == a:
+        assert st.invalidations_tag == 1 and st.misses == 2 and st.hits == 1
+    cache.purge()
+    cuda.free(b)
+
+
+def test_cache_misses_on_vmm_remap_and_pool_reuse(cuda, cu) -> None:  # type: ignore[no-untyped-def]
+    cache = RegistrationCache(FakeDevice(cuda), cuda, validate="tag")
+    v = Vmm(cu)
+    try:
+        with cache.acquire(v.base + v.chunk, 64) as r:
+            h = r.handle
+            assert r.aligned_va == v.base + v.chunk and r.aligned_size == v.chunk
+        v.unmap(1)
+        v.map(1)
+        with cache.acquire(v.base + v.chunk, 64) as r:
+            assert r.handle != h
+        assert cache.stats().invalidations_tag == 1
+    finally:
+        cache.purge()
+        v.close()
+    stream = ok(cu.cuStreamCreate(0))
+    try:
+        a = int(ok(cu.cuMemAllocAsync(2 * MiB, stream)))
+        ok(cu.cuStreamSynchronize(stream))
+        cache.acquire(a, 64).release()
+        ok(cu.cuMemFreeAsync(a, stream))
+        b = int(ok(cu.cuMemAllocAsync(2 * MiB, stream)))
+        ok(cu.cuStreamSynchronize(stream))
+        before = cache.stats().invalidations_tag
+        cache.acquire(b, 64).release()
+        assert b != a or cache.stats().invalidations_tag == before + 1
+        cache.purge()
+        ok(cu.cuMemFreeAsync(b, stream))
+        ok(cu.cuStreamSynchronize(stream))
+    finally:
+        ok(cu.cuStreamDestroy(stream))
+
+
+def test_same_va_on_another_gpu(cu) -> None:  # type: ignore[no-untyped-def]
+    from gpupin.cuda import CudaMemory
+
+    ok(cu.cuInit(0))
+    if int(ok(cu.cuDeviceGetCount())) < 2:
+        pytest.skip("needs two GPUs; this machine has one")
+    g0, g1 = CudaMemory(0), CudaMemory(1)
+    a = g0.alloc(2 * MiB)
+    id_a = g0.buffer_id(a)
+    g0.free(a)
+    b = g1.alloc(2 * MiB)
+    try:
+        if b == a:
+            assert g1.buffer_id(b) != id_a
+    finally:
+        g1.free(b)
+        g0.close()
+        g1.close()
