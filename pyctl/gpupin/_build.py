@@ -73,11 +73,13 @@ int64_t gpc_evict_lru(struct gpc *c);
 int gpc_refs(struct gpc *c, int64_t id);
 void gpc_counts(struct gpc *c, uint64_t *acquires, uint64_t *hits);
 int64_t gpc_find(struct gpc *c, uint64_t ptr);
+int64_t gpc_overlap(struct gpc *c, uint64_t start, uint64_t stop);
 
 /* CUDA driver, resolved at run time (no link-time dependency) */
 int gp_cuda_open(int buffer_id_attr);
 int gp_cuda_buffer_id(uint64_t ptr, uint64_t *out);
 uint64_t gp_cuda_buffer_id_or_0(uint64_t ptr);
+int gp_cuda_attr_u64(uint64_t ptr, int attr, uint64_t *out);
 #define GPC_MISS ...
 #define GPC_BAD_ARG ...
 #define GPC_STALE_BASE ...
@@ -161,6 +163,15 @@ static int gp_cuda_buffer_id(uint64_t ptr, uint64_t *out)
 	if (!gp_cu_getattr)
 		return -1;
 	return gp_cu_getattr(out, gp_cu_buffer_id_attr, ptr);
+}
+
+/* Any 64-bit pointer attribute (for those cuda-python does not wrap); CUresult. */
+static int gp_cuda_attr_u64(uint64_t ptr, int attr, uint64_t *out)
+{
+	if (!gp_cu_getattr)
+		return -1;
+	*out = 0;
+	return gp_cu_getattr(out, attr, ptr);
 }
 
 /* The buffer id at ptr, or 0 where CUDA says it is not device memory. */
@@ -418,6 +429,19 @@ static int64_t gpc_find(struct gpc *c, uint64_t ptr)
 	pthread_mutex_lock(&c->lock);
 	pos = gpc_pos(c, ptr);
 	if (pos >= 0 && ptr < c->ents[c->ids[pos]].end)
+		id = c->ids[pos];
+	pthread_mutex_unlock(&c->lock);
+	return id;
+}
+
+/* Some indexed entry overlapping [start, stop), or -1. */
+static int64_t gpc_overlap(struct gpc *c, uint64_t start, uint64_t stop)
+{
+	int64_t pos, id = -1;
+
+	pthread_mutex_lock(&c->lock);
+	pos = gpc_pos(c, stop - 1);	/* the last entry starting before stop */
+	if (pos >= 0 && c->ents[c->ids[pos]].end > start)
 		id = c->ids[pos];
 	pthread_mutex_unlock(&c->lock);
 	return id;

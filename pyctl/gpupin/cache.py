@@ -16,6 +16,7 @@ in Python under the cache's lock.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import weakref
@@ -192,6 +193,7 @@ class RegistrationCache:
         if self._c == ffi.NULL:
             raise MemoryError("gpupin cache: out of memory")
         self._lookup = lib.gpc_lookup
+        self._set_fast_path()
         self._lock = threading.RLock()
         self._ents: list[_Entry | None] = []
         self._free_ids: list[int] = []
@@ -203,10 +205,28 @@ class RegistrationCache:
         os.register_at_fork(after_in_child=_forget_in_child(weakref.ref(self)))
 
     # -- the hot path ------------------------------------------------------------
+    def _set_fast_path(self) -> None:
+        self.fast_lookup: Callable[[int, int], int]
+        if self._py_tag:
+            self.fast_lookup = self.lookup
+        else:
+            self.fast_lookup = functools.partial(self._lookup, self._c)
+
+    def miss(self, ptr: int, size: int, code: int) -> int:
+        """Finish a ``fast_lookup`` that returned ``code`` < 0: validate, pin, return a token."""
+        return self._slow(ptr, size, code)
+
     def lookup(self, ptr: int, size: int) -> int:
         """A referenced token for [ptr, ptr + size), pinning on a miss; pair with ``release_token``.
 
-        The allocation-free form of ``acquire`` for code that counts nanoseconds.
+        The allocation-free form of ``acquire``.  Code that counts nanoseconds calls
+        ``fast_lookup`` (a bare call into C) and ``miss`` only when it returns < 0::
+
+            tok = cache.fast_lookup(ptr, size)
+            if tok < 0:
+                tok = cache.miss(ptr, size, tok)
+            ...
+            cache.release_token(tok)
         """
         r = self._lookup(self._c, ptr, size)
         if r >= 0 and not self._py_tag:
@@ -287,7 +307,9 @@ class RegistrationCache:
         if self.sync_memops:
             self.memory.enable_sync_memops(ptr)
         # Anything indexed over this range is stale: live allocations do not overlap.
-        for old in [e for e in self._indexed.values() if e.start < stop and start < e.end]:
+        while (old_id := int(lib.gpc_overlap(self._c, start, stop))) >= 0:
+            old = self._ents[old_id]
+            assert old is not None
             self._invalidate(old, "tag")
         self._make_room(need)
         pin = self._pin(start, need, r.base)
@@ -446,6 +468,7 @@ class RegistrationCache:
         words = self._map_buf if check_kernel else ffi.NULL
         nwords = len(self._map_buf) if check_kernel else 0
         self._c = ffi.gc(lib.gpc_new(words, nwords, int(check_kernel), int(c_tag)), lib.gpc_free)
+        self._set_fast_path()
         self._ents, self._free_ids = [], []
         self._by_handle.clear()
         self._indexed.clear()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._native import lib
+from ._native import ffi, lib
 from .errors import DriverNotLoaded, GpupinError, NotGpuMemory
 from .memory import AllocationRange
 
@@ -63,6 +63,10 @@ class CudaMemory:
         # The tag query on the hot path goes straight to libcuda (no cuda-python layer).
         self.direct_tag_query = lib.gp_cuda_open(int(self._buffer_id_attr)) == 0
         self._direct = lib.gp_cuda_buffer_id_or_0
+        # VMM chunks: RANGE_* spans the whole reserved range, MAPPING_* the chunk
+        # (measured on an H200, driver 580); cuda-python does not wrap MAPPING_*.
+        self._mapping_attrs = tuple(int(getattr(P, n)) for n in (
+            "CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR", "CU_POINTER_ATTRIBUTE_MAPPING_SIZE") if hasattr(P, n))
 
     def _check(self, result: Any, call: str) -> Any:
         err = result[0] if isinstance(result, tuple) else result
@@ -88,7 +92,13 @@ class CudaMemory:
         if int(managed):
             raise NotGpuMemory(f"{ptr:#x} is managed (unified) memory, which GPUDirect RDMA "
                                "cannot pin: use cuMemAlloc")
-        return AllocationRange(int(start), int(size), int(buf_id))
+        base, length = int(start), int(size)
+        if self.direct_tag_query and len(self._mapping_attrs) == 2:
+            out = ffi.new("uint64_t[2]")
+            if lib.gp_cuda_attr_u64(ptr, self._mapping_attrs[0], out) == 0 and \
+                    lib.gp_cuda_attr_u64(ptr, self._mapping_attrs[1], out + 1) == 0 and out[1]:
+                base, length = int(out[0]), int(out[1])
+        return AllocationRange(base, length, int(buf_id))
 
     def buffer_id(self, ptr: int) -> int:
         """The allocation's buffer id, queried directly through libcuda when possible."""
@@ -122,10 +132,14 @@ class CudaMemory:
         import ctypes
 
         flag = ctypes.c_uint(1)
-        self._check(self._cu.cuPointerSetAttribute(ctypes.addressof(flag), self._sync_attr, r.base),
-                    "cuPointerSetAttribute(SYNC_MEMOPS)")
+        res = self._cu.cuPointerSetAttribute(ctypes.addressof(flag), self._sync_attr, r.base)
+        err = res[0] if isinstance(res, tuple) else res
         self.sync_memops_calls += 1
         self._synced.add(key)
+        # VMM (cuMemCreate/cuMemMap) memory answers NOT_SUPPORTED: its operations are
+        # already synchronous with respect to peer access, so there is nothing to set.
+        if err != self._ok and err != self._cu.CUresult.CUDA_ERROR_NOT_SUPPORTED:
+            raise GpupinError(f"cuPointerSetAttribute(SYNC_MEMOPS) on {r.base:#x} failed: {err.name}")
 
     def alloc(self, size: int) -> int:
         return int(self._check(self._cu.cuMemAlloc(size), f"cuMemAlloc({size})"))

@@ -108,7 +108,8 @@ class Vmm:
 def test_vmm_chunks_have_their_own_ids_and_ranges(cuda, cu) -> None:  # type: ignore[no-untyped-def]
     v = Vmm(cu)
     try:
-        r0, r1 = cuda.range_of(v.base), cuda.range_of(v.base + v.chunk)
+        # RANGE_START/RANGE_SIZE span the reservation; range_of reports the chunk's mapping.
+        r0, r1 = cuda.range_of(v.base + 100), cuda.range_of(v.base + v.chunk + 100)
         assert (r0.base, r0.size) == (v.base, v.chunk) and (r1.base, r1.size) == (v.base + v.chunk, v.chunk)
         assert r0.buffer_id != r1.buffer_id
         old = r1.buffer_id
