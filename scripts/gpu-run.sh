@@ -17,5 +17,4 @@ python3 -c "import cuda.bindings, sys; print('cuda-bindings', cuda.bindings.__ve
 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu 2>&1 | tee "$OUT/gpu-tests.txt"
 rc=${PIPESTATUS[0]}
 python3 -m gpupin.bench --only-cuda --out "$OUT/bench-gpu.json" 2>&1 | tee "$OUT/bench-gpu.txt"
-python3 -m gpupin.bench --out "$OUT/bench-host-on-gpu-machine.json" 2>&1 | tail -12
 exit "$rc"
