@@ -61,10 +61,19 @@ test-native: pyext modules
 	GPUPIN_NATIVE=1 $(VENV)/bin/pytest -q tests/vm
 
 test-long: setup pyext
-	GPUPIN_LONG=1 scripts/vm-run.sh test
+	GPUPIN_LONG=1 GPUPIN_CYCLES=20 scripts/vm-run.sh test
 
-bench: pyext
+# A 6.1 kernel with KASAN, lockdep, DEBUG_ATOMIC_SLEEP and kmemleak, built once (~13 min,
+# cached in .cache/linux-debug); the VM suites with full counts under it.  Not part of 'make test'.
+test-debug: setup pyext
+	tree=$$(scripts/debug-kernel.sh) && VM_KIMAGE=$$tree/arch/x86/boot/bzImage VM_KDIR=$$tree \
+		GPUPIN_KMEMLEAK=1 GPUPIN_LONG=1 VM_TIMEOUT=5400 scripts/vm-run.sh test
+
+# Cache figures on this host (FakeDevice), then real ioctl pin/unpin times in the VM.
+bench: setup pyext
+	$(PY) -m gpupin.bench --out bench.json
 	scripts/vm-run.sh bench
+	@echo "bench: bench.json (host) and results/bench-vm.json (VM)"
 
 demo: setup pyext
 	scripts/demo.sh

@@ -9,6 +9,11 @@ VENV=${VENV:-$ROOT/.venv}
 export PATH="$VENV/bin:$PATH" GPUPIN_KO_DIR="$ROOT" GPUPIN_REQUIRE_VM=1 PYTHONDONTWRITEBYTECODE=1
 cd "$ROOT" || exit 1
 rc=0
+KML=/sys/kernel/debug/kmemleak
+if [ "${GPUPIN_KMEMLEAK:-}" = 1 ]; then
+	[ -w "$KML" ] || { echo "vm-guest: GPUPIN_KMEMLEAK=1 but $KML is missing" >&2; exit 1; }
+	echo clear > "$KML"
+fi
 case "$MODE" in
 test)
 	python -m pytest -q -p no:cacheprovider -o junit_family=xunit2 --timeout="${GPUPIN_TEST_TIMEOUT:-600}" \
@@ -16,7 +21,7 @@ test)
 	rc=${PIPESTATUS[0]}
 	;;
 bench)
-	python -m gpupin.cli load --sim && python -m gpupin.cli bench --vm --json "$RESULTS/bench-vm.json" "$@"
+	python -m gpupin.cli load --sim && python -m gpupin.bench --only-vm --out "$RESULTS/bench-vm.json" "$@"
 	rc=$?
 	;;
 demo)
@@ -38,6 +43,11 @@ for m in gpupin nvp2p_sim; do
 		rc=1
 	fi
 done
+if [ "${GPUPIN_KMEMLEAK:-}" = 1 ]; then
+	# Two scans: kmemleak reports an object only once it has looked unreferenced twice.
+	echo scan > "$KML"; sleep 2; echo scan > "$KML"
+	cat "$KML" > "$RESULTS/kmemleak.txt"
+fi
 dmesg > "$RESULTS/dmesg.txt"
 cat /proc/sys/kernel/tainted > "$RESULTS/taint.txt"
 exit "$rc"

@@ -9,21 +9,25 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${VENV:-$ROOT/.venv}
 RESULTS=${RESULTS:-$ROOT/results}
 VM_KVER=${VM_KVER:-$("$ROOT/scripts/vm-kver.sh")}
-[ -n "$VM_KVER" ] || { echo "vm-run: no Debian kernel with headers installed: run 'make setup'" >&2; exit 1; }
+# VM_KIMAGE/VM_KDIR boot another kernel (make test-debug: a KASAN/lockdep build).
+VM_KIMAGE=${VM_KIMAGE:-/boot/vmlinuz-$VM_KVER}
+VM_KDIR=${VM_KDIR:-/usr/src/linux-headers-$VM_KVER}
+[ -f "$VM_KIMAGE" ] && [ -d "$VM_KDIR" ] || {
+	echo "vm-run: no kernel image and headers ($VM_KIMAGE, $VM_KDIR): run 'make setup'" >&2; exit 1; }
 VM_MEM=${VM_MEM:-2560M}   # q35 keeps all RAM below 4 GiB up to 2.75 GiB: no bounce buffers
 
-echo "vm-run: building modules for $VM_KVER"
-make -s -C "$ROOT" modules KDIR="/usr/src/linux-headers-$VM_KVER" >/dev/null
+echo "vm-run: building modules against $VM_KDIR"
+make -s -C "$ROOT" modules KDIR="$VM_KDIR" >/dev/null
 
 rm -rf "$RESULTS"
 mkdir -p "$RESULTS"
 start=$(date +%s)
 set +e
-PATH="$VENV/bin:$PATH" timeout "${VM_TIMEOUT:-3000}" vng -r "/boot/vmlinuz-$VM_KVER" --disable-kvm \
+PATH="$VENV/bin:$PATH" timeout "${VM_TIMEOUT:-3000}" vng -r "$VM_KIMAGE" --disable-kvm \
 	--cpus 2 --memory "$VM_MEM" --append "slub_debug=FZPU panic_on_warn=0" \
 	--rwdir "$RESULTS" --cwd "$ROOT" \
 	--exec "$(printf '%q ' env "GPUPIN_LONG=${GPUPIN_LONG:-}" "GPUPIN_TEST_TIMEOUT=${GPUPIN_TEST_TIMEOUT:-600}" \
-		"GPUPIN_CYCLES=${GPUPIN_CYCLES:-20}" "$ROOT/scripts/vm-guest.sh" "$MODE" "$RESULTS" "${@:2}")" </dev/null | cat
+		"GPUPIN_CYCLES=${GPUPIN_CYCLES:-20}" "GPUPIN_KMEMLEAK=${GPUPIN_KMEMLEAK:-}" "$ROOT/scripts/vm-guest.sh" "$MODE" "$RESULTS" "${@:2}")" </dev/null | cat
 # (through cat: QEMU reopens its stdout and would truncate a log file we are appending to)
 rc=${PIPESTATUS[0]}
 set -e
@@ -35,6 +39,11 @@ if [ ! -f "$RESULTS/dmesg.txt" ]; then
 fi
 if grep -nE 'BUG:|WARNING:|Oops|general protection|list_add corruption|list_del corruption|refcount_t:|kernel BUG|Call Trace:|INFO: task .* blocked|slab error|Redzone|Poison overwritten' "$RESULTS/dmesg.txt"; then
 	echo "vm-run: the kernel log shows a problem (above); whole log in $RESULTS/dmesg.txt" >&2
+	exit 1
+fi
+if [ -s "$RESULTS/kmemleak.txt" ]; then
+	head -n 60 "$RESULTS/kmemleak.txt"
+	echo "vm-run: kmemleak reports leaks (above; all in $RESULTS/kmemleak.txt)" >&2
 	exit 1
 fi
 taint=$(cat "$RESULTS/taint.txt" 2>/dev/null || echo missing)
