@@ -64,7 +64,7 @@ test-long: setup pyext
 	GPUPIN_LONG=1 GPUPIN_CYCLES=20 scripts/vm-run.sh test
 
 # A 6.1 kernel with KASAN, lockdep, DEBUG_ATOMIC_SLEEP and kmemleak, built once (~13 min,
-# cached in .cache/linux-debug); the VM suites with full counts under it.  Not part of 'make test'.
+# cached in /var/cache/gpupin); the VM suites with full counts under it.  Not part of 'make test'.
 test-debug: setup pyext
 	tree=$$(scripts/debug-kernel.sh) && VM_KIMAGE=$$tree/arch/x86/boot/bzImage VM_KDIR=$$tree \
 		GPUPIN_KMEMLEAK=1 GPUPIN_LONG=1 VM_TIMEOUT=5400 scripts/vm-run.sh test

@@ -8,6 +8,13 @@
  * each pin's lock (the order written in gpupin.h).  Events are built with
  * GFP_ATOMIC and sent without any gpupin lock held, so the free callback
  * never waits for a listener.
+ *
+ * Events name other processes' addresses, so only CAP_NET_ADMIN may receive
+ * them.  Where generic netlink can restrict a multicast group to that
+ * capability (GENL_MCAST_CAP_NET_ADMIN), events go to the "events" group;
+ * elsewhere (or with GPUPIN_NL_EVENTS_UNICAST) no group is registered and
+ * events are unicast to sockets that subscribed with the admin-only
+ * SUBSCRIBE command.
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
@@ -24,19 +31,77 @@ static const struct nla_policy gpupin_nl_policy[GPUPIN_NL_A_MAX + 1] = {
 	[GPUPIN_NL_A_HANDLE] = { .type = NLA_U64 },
 };
 
+#if defined(GENL_MCAST_CAP_NET_ADMIN) && !defined(GPUPIN_NL_EVENTS_UNICAST)
+#define GPUPIN_NL_MCAST 1
+
 enum { GPUPIN_NL_MCGRP_EVENTS_IDX };
 
 static const struct genl_multicast_group gpupin_nl_mcgrps[] = {
 	[GPUPIN_NL_MCGRP_EVENTS_IDX] = {
 		.name = GPUPIN_NL_MCGRP_EVENTS,
-#ifdef GENL_MCAST_CAP_NET_ADMIN
-		/* Events name other processes' addresses. */
 		.flags = GENL_MCAST_CAP_NET_ADMIN,
-#endif
 	},
 };
+#else
+#define GPUPIN_NL_MCAST 0
+#define GPUPIN_NL_MAX_SUBSCRIBERS 64
+
+/* Sockets that asked for events; under gpupin_nl_subs_lock (innermost). */
+static DEFINE_SPINLOCK(gpupin_nl_subs_lock);
+static u32 gpupin_nl_subs[GPUPIN_NL_MAX_SUBSCRIBERS];
+static unsigned int gpupin_nl_nsubs;
+#endif
 
 static struct genl_family gpupin_nl_family;
+
+static bool gpupin_nl_listening(void)
+{
+#if GPUPIN_NL_MCAST
+	return genl_has_listeners(&gpupin_nl_family, &init_net, GPUPIN_NL_MCGRP_EVENTS_IDX);
+#else
+	return READ_ONCE(gpupin_nl_nsubs) != 0;
+#endif
+}
+
+#if !GPUPIN_NL_MCAST
+/* Forget a subscriber whose socket is gone. */
+static void gpupin_nl_unsubscribe(u32 portid)
+{
+	unsigned int i;
+
+	spin_lock(&gpupin_nl_subs_lock);
+	for (i = 0; i < gpupin_nl_nsubs; i++) {
+		if (gpupin_nl_subs[i] == portid) {
+			gpupin_nl_subs[i] = gpupin_nl_subs[--gpupin_nl_nsubs];
+			break;
+		}
+	}
+	spin_unlock(&gpupin_nl_subs_lock);
+}
+#endif
+
+/* Hand a finished event to its listeners; consumes @skb. */
+static void gpupin_nl_send_event(struct sk_buff *skb, gfp_t gfp)
+{
+#if GPUPIN_NL_MCAST
+	genlmsg_multicast(&gpupin_nl_family, skb, 0, GPUPIN_NL_MCGRP_EVENTS_IDX, gfp);
+#else
+	u32 subs[GPUPIN_NL_MAX_SUBSCRIBERS];
+	unsigned int i, n;
+
+	spin_lock(&gpupin_nl_subs_lock);
+	n = gpupin_nl_nsubs;
+	memcpy(subs, gpupin_nl_subs, n * sizeof(subs[0]));
+	spin_unlock(&gpupin_nl_subs_lock);
+	for (i = 0; i < n; i++) {
+		struct sk_buff *copy = skb_clone(skb, gfp);
+
+		if (copy && genlmsg_unicast(&init_net, copy, subs[i]) == -ECONNREFUSED)
+			gpupin_nl_unsubscribe(subs[i]);
+	}
+	nlmsg_free(skb);
+#endif
+}
 
 static bool gpupin_nl_privileged(const struct sk_buff *skb)
 {
@@ -105,7 +170,7 @@ void gpupin_nl_pin_event(struct gpupin_region *pin, u8 cmd, u32 reason)
 	struct sk_buff *skb;
 	void *hdr;
 
-	if (!genl_has_listeners(&gpupin_nl_family, &init_net, GPUPIN_NL_MCGRP_EVENTS_IDX))
+	if (!gpupin_nl_listening())
 		return;
 	skb = genlmsg_new(NLMSG_GOODSIZE, GFP_ATOMIC);
 	if (!skb)
@@ -116,7 +181,7 @@ void gpupin_nl_pin_event(struct gpupin_region *pin, u8 cmd, u32 reason)
 		return;
 	}
 	genlmsg_end(skb, hdr);
-	genlmsg_multicast(&gpupin_nl_family, skb, 0, GPUPIN_NL_MCGRP_EVENTS_IDX, GFP_ATOMIC);
+	gpupin_nl_send_event(skb, GFP_ATOMIC);
 }
 
 void gpupin_nl_budget_event(struct gpupin_file *f, u64 size)
@@ -124,7 +189,7 @@ void gpupin_nl_budget_event(struct gpupin_file *f, u64 size)
 	struct sk_buff *skb;
 	void *hdr;
 
-	if (!genl_has_listeners(&gpupin_nl_family, &init_net, GPUPIN_NL_MCGRP_EVENTS_IDX))
+	if (!gpupin_nl_listening())
 		return;
 	skb = genlmsg_new(NLMSG_DEFAULT_SIZE, GFP_KERNEL);
 	if (!skb)
@@ -141,7 +206,7 @@ void gpupin_nl_budget_event(struct gpupin_file *f, u64 size)
 		return;
 	}
 	genlmsg_end(skb, hdr);
-	genlmsg_multicast(&gpupin_nl_family, skb, 0, GPUPIN_NL_MCGRP_EVENTS_IDX, GFP_KERNEL);
+	gpupin_nl_send_event(skb, GFP_KERNEL);
 }
 
 static int gpupin_nl_get_info(struct sk_buff *skb, struct genl_info *info)
@@ -315,6 +380,32 @@ static int gpupin_nl_get_pins(struct sk_buff *skb, struct netlink_callback *cb)
 	return err == -EMSGSIZE && skb->len == 0 ? -EMSGSIZE : skb->len;
 }
 
+/* SUBSCRIBE: the genl core already checked CAP_NET_ADMIN (GENL_ADMIN_PERM). */
+static int gpupin_nl_subscribe(struct sk_buff *skb, struct genl_info *info)
+{
+#if GPUPIN_NL_MCAST
+	NL_SET_ERR_MSG(info->extack, "join the \"events\" multicast group instead");
+	return -EOPNOTSUPP;
+#else
+	unsigned int i;
+	int ret = 0;
+
+	spin_lock(&gpupin_nl_subs_lock);
+	for (i = 0; i < gpupin_nl_nsubs; i++)
+		if (gpupin_nl_subs[i] == info->snd_portid)
+			goto out;
+	if (gpupin_nl_nsubs == GPUPIN_NL_MAX_SUBSCRIBERS) {
+		NL_SET_ERR_MSG(info->extack, "too many event subscribers");
+		ret = -ENOSPC;
+		goto out;
+	}
+	gpupin_nl_subs[gpupin_nl_nsubs++] = info->snd_portid;
+out:
+	spin_unlock(&gpupin_nl_subs_lock);
+	return ret;
+#endif
+}
+
 static const struct genl_ops gpupin_nl_ops[] = {
 	{
 		.cmd = GPUPIN_NL_CMD_GET_INFO,
@@ -332,6 +423,11 @@ static const struct genl_ops gpupin_nl_ops[] = {
 		.cmd = GPUPIN_NL_CMD_GET_PIN,
 		.doit = gpupin_nl_get_pin,
 	},
+	{
+		.cmd = GPUPIN_NL_CMD_SUBSCRIBE,
+		.doit = gpupin_nl_subscribe,
+		.flags = GENL_ADMIN_PERM,
+	},
 };
 
 static struct genl_family gpupin_nl_family __ro_after_init = {
@@ -343,8 +439,10 @@ static struct genl_family gpupin_nl_family __ro_after_init = {
 	.ops = gpupin_nl_ops,
 	.n_ops = ARRAY_SIZE(gpupin_nl_ops),
 	.resv_start_op = GPUPIN_NL_CMD_GET_INFO,
+#if GPUPIN_NL_MCAST
 	.mcgrps = gpupin_nl_mcgrps,
 	.n_mcgrps = ARRAY_SIZE(gpupin_nl_mcgrps),
+#endif
 };
 
 int gpupin_nl_init(void)

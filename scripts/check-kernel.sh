@@ -17,6 +17,16 @@ else
 	echo "check: W=1 build clean"
 fi
 
+# The unicast-events variant (kernels without GENL_MCAST_CAP_NET_ADMIN) must be clean too.
+UC="$LOG/unicast"
+mkdir -p "$UC"
+(cd "$ROOT" && cp Kbuild "$UC/" && find kernel include -name '*.[ch]' -exec cp --parents {} "$UC/" \;)
+make -C "$KDIR" M="$UC" W=1 GPUPIN_NL_EVENTS=unicast NVIDIA_SRC=none modules >"$LOG/w1-unicast.txt" 2>&1 || fail=1
+if grep -E "warning:|error:" "$LOG/w1-unicast.txt"; then
+	echo "check: W=1 build of the unicast-events variant has warnings or errors" >&2
+	fail=1
+fi
+
 make -C "$KDIR" M="$ROOT" C=2 CHECK=sparse \
 	modules >"$LOG/sparse.txt" 2>&1 || fail=1
 if ! grep -q "CHECK.*kernel/pin.c" "$LOG/sparse.txt"; then

@@ -1,11 +1,13 @@
 #!/bin/bash
-# Build (once, cached in .cache/linux-debug) a 6.1 kernel from Debian's
-# linux-source-6.1 with KASAN, lockdep, DEBUG_ATOMIC_SLEEP and kmemleak, for
-# 'make test-debug'.  About 13 minutes on 2 cores; prints the tree's path.
+# Build (once, cached in $GPUPIN_DEBUG_CACHE, default /var/cache/gpupin) a 6.1
+# kernel from Debian's linux-source-6.1 with KASAN, lockdep, DEBUG_ATOMIC_SLEEP
+# and kmemleak, for 'make test-debug'.  About 13 minutes on 2 cores; prints the
+# tree's path.  The cache lives outside the source tree: 'make clean' of an
+# external module deletes every object file below the module's directory.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${VENV:-$ROOT/.venv}
-CACHE="$ROOT/.cache"
+CACHE=${GPUPIN_DEBUG_CACHE:-/var/cache/gpupin}
 TREE="$CACHE/linux-debug"
 STAMP="$TREE/.gpupin-debug-config-v1"
 if [ -f "$STAMP" ] && [ -f "$TREE/arch/x86/boot/bzImage" ]; then

@@ -18,6 +18,12 @@ VM_MEM=${VM_MEM:-2560M}   # q35 keeps all RAM below 4 GiB up to 2.75 GiB: no bou
 
 echo "vm-run: building modules against $VM_KDIR"
 make -s -C "$ROOT" modules KDIR="$VM_KDIR" >/dev/null
+# A variant with unicast events (the path for kernels without GENL_MCAST_CAP_NET_ADMIN).
+UC="$ROOT/build/unicast"
+rm -rf "$UC"
+mkdir -p "$UC"
+(cd "$ROOT" && cp Kbuild "$UC/" && find kernel include -name '*.[ch]' -exec cp --parents {} "$UC/" \;)
+make -s -C "$VM_KDIR" M="$UC" GPUPIN_NL_EVENTS=unicast NVIDIA_SRC=none modules >/dev/null
 
 rm -rf "$RESULTS"
 mkdir -p "$RESULTS"

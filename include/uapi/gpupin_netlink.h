@@ -26,6 +26,13 @@
 #define GPUPIN_NL_CMD_UNPINNED 6	/* event */
 #define GPUPIN_NL_CMD_INVALIDATED 7	/* event */
 #define GPUPIN_NL_CMD_BUDGET_EXHAUSTED 8	/* event */
+/*
+ * doit, CAP_NET_ADMIN: deliver events to this socket by unicast.  Kernels whose
+ * generic netlink cannot restrict a multicast group to CAP_NET_ADMIN (6.1.y
+ * before the GENL_MCAST_CAP_NET_ADMIN backport) register no "events" group;
+ * listeners subscribe with this command instead.
+ */
+#define GPUPIN_NL_CMD_SUBSCRIBE 9
 
 /* Top-level attributes. */
 #define GPUPIN_NL_A_UNSPEC 0

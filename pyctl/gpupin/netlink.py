@@ -175,6 +175,15 @@ class Netlink:
         return _pin_of(m)
 
     def subscribe(self) -> None:
+        """Receive events on this socket: join the "events" group, or SUBSCRIBE where the
+        module registers no group (kernels that cannot restrict one to CAP_NET_ADMIN)."""
+        if "events" not in self.sock.mcast_groups:
+            try:
+                self.request(lib.GPUPIN_NL_CMD_SUBSCRIBE)
+            except PermissionDenied:
+                raise PermissionDenied("subscribing to gpupin events needs CAP_NET_ADMIN "
+                                       "(events name other processes' addresses)", errno.EPERM) from None
+            return
         try:
             self.sock.add_membership("events")
         except PermissionError:

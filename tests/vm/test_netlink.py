@@ -177,3 +177,43 @@ def test_unload_with_listener_subscribed(gpupin_loaded: None) -> None:
         nl.close()
         ensure_loaded()
     assert netlink.info()["provider"] == "nvp2p_sim"
+
+
+def test_unicast_events_fallback(gpupin_loaded: None, leakcheck: None) -> None:
+    """The build for kernels without GENL_MCAST_CAP_NET_ADMIN: SUBSCRIBE + unicast, admin only."""
+    from gpupin.testing import ko_dir
+
+    variant = ko_dir() / "build" / "unicast" / "gpupin.ko"
+    assert variant.exists(), "vm-run.sh builds this variant"
+    kmod.unload("gpupin")
+    try:
+        kmod.load(str(variant))
+        with netlink.Netlink() as nl:
+            assert "events" not in nl.sock.mcast_groups
+            nl.subscribe()
+            with SimMemory() as sim, Device() as dev:
+                va = sim.alloc(GPU_PAGE)
+                pin = dev.pin(va, GPU_PAGE, user_tag=11)
+                sim.free(va)
+                dev.unpin(pin)
+            evs = collect(nl, 3)
+        assert [(e["event"], e["user_tag"]) for e in evs] == [("pinned", 11), ("invalidated", 11), ("unpinned", 11)]
+
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.setgid(NOBODY)
+                os.setuid(NOBODY)
+                with netlink.Netlink() as nl2:
+                    try:
+                        nl2.subscribe()
+                    except gpupin.PermissionDenied:
+                        code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        kmod.unload("gpupin")
+        ensure_loaded()
