@@ -135,6 +135,7 @@ class Netlink:
                                       "run 'gpupin load' (add --sim without a GPU)") from None
             raise _error(exc, "bind") from None
         self.msg_class = msg_class
+        self._subscribed = False
 
     def close(self) -> None:
         self.sock.close()
@@ -177,12 +178,15 @@ class Netlink:
     def subscribe(self) -> None:
         """Receive events on this socket: join the "events" group, or SUBSCRIBE where the
         module registers no group (kernels that cannot restrict one to CAP_NET_ADMIN)."""
+        if self._subscribed:
+            return
         if "events" not in self.sock.mcast_groups:
             try:
                 self.request(lib.GPUPIN_NL_CMD_SUBSCRIBE)
             except PermissionDenied:
                 raise PermissionDenied("subscribing to gpupin events needs CAP_NET_ADMIN "
                                        "(events name other processes' addresses)", errno.EPERM) from None
+            self._subscribed = True
             return
         try:
             self.sock.add_membership("events")
@@ -193,9 +197,14 @@ class Netlink:
             if exc.errno in (errno.EPERM, errno.EACCES):
                 raise PermissionDenied("joining the gpupin 'events' group needs CAP_NET_ADMIN", exc.errno) from None
             raise
+        self._subscribed = True
 
     def events(self, timeout: float | None = None, count: int | None = None) -> Iterator[dict[str, Any]]:
-        """Yield events as dicts until ``count`` arrived or ``timeout`` seconds passed."""
+        """Yield events as dicts until ``count`` arrived or ``timeout`` seconds passed.
+
+        Subscribe first (``subscribe()``) to see events of what you do before iterating;
+        requests on this socket while subscribed may swallow events (use another socket).
+        """
         self.subscribe()
         deadline = None if timeout is None else time.monotonic() + timeout
         seen = 0
