@@ -11,7 +11,7 @@ from typing import Any
 
 from ._native import ffi, lib
 from .errors import DriverNotLoaded, GpupinError, NotGpuMemory
-from .memory import AllocationRange
+from .memory import AllocationRange, ProviderBase
 
 
 def _driver() -> Any:
@@ -27,7 +27,7 @@ def _driver() -> Any:
     return driver
 
 
-class CudaMemory:
+class CudaMemory(ProviderBase):
     """CUDA device memory of one GPU's primary context."""
 
     name = "cuda"
@@ -115,13 +115,6 @@ class CudaMemory:
         if err != self._ok:
             raise NotGpuMemory(f"{ptr:#x} is not CUDA memory ({err.name}): freed, or never allocated")
         return int(val)
-
-    def is_device_memory(self, ptr: int) -> bool:
-        try:
-            self.range_of(ptr)
-        except NotGpuMemory:
-            return False
-        return True
 
     def enable_sync_memops(self, ptr: int) -> None:
         """Set SYNC_MEMOPS once per allocation (keyed by base and buffer id)."""

@@ -10,6 +10,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from ._closable import Closable
 from ._native import ffi, lib
 from .errors import (
     AbiMismatch,
@@ -150,7 +151,7 @@ class Pin:
                 f"aligned=[{self.aligned_va:#x}+{self.aligned_size:#x}], entries={self.entries})")
 
 
-class Device:
+class Device(Closable):
     """An open ``/dev/gpupin``.  Each open file owns its pins; close releases them."""
 
     def __init__(self, path: str = DEFAULT_PATH) -> None:
@@ -207,15 +208,6 @@ class Device:
 
     def __enter__(self) -> Device:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: S110 - best effort at interpreter teardown
-            pass
 
     def _call(self, cmd: int, arg: Any, name: str, desc: str = "", **kw: Any) -> None:
         ret = lib.gpupin_call(self.fileno(), cmd, arg)

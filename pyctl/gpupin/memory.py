@@ -12,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from ._closable import Closable
+from .errors import NotGpuMemory
+
 
 @dataclass(frozen=True)
 class AllocationRange:
@@ -54,3 +57,17 @@ class MemoryProvider(Protocol):
 
     def read(self, ptr: int, size: int) -> bytes:
         ...
+
+
+class ProviderBase(Closable):
+    """What the providers share: ``is_device_memory`` from ``range_of``, and closing."""
+
+    def range_of(self, ptr: int) -> AllocationRange:
+        raise NotImplementedError
+
+    def is_device_memory(self, ptr: int) -> bool:
+        try:
+            self.range_of(ptr)
+        except NotGpuMemory:
+            return False
+        return True

@@ -19,6 +19,7 @@ from pyroute2.netlink import NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, genlmsg, nla
 from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.generic import GenericNetlinkSocket
 
+from ._closable import Closable
 from ._native import lib
 from .errors import DriverNotLoaded, GpupinError, InvalidArgument, PermissionDenied, UnknownHandle
 
@@ -121,7 +122,7 @@ def _error(exc: NetlinkError, what: str) -> GpupinError:
     return cls(text, exc.code)
 
 
-class Netlink:
+class Netlink(Closable):
     """A socket bound to the family.  Close it, or use it as a context manager."""
 
     def __init__(self, msg_class: type = gpupinmsg) -> None:
@@ -142,9 +143,6 @@ class Netlink:
 
     def __enter__(self) -> Netlink:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def request(self, cmd: int, attrs: list[tuple[str, Any]] | None = None, dump: bool = False) -> list[Any]:
         msg = self.msg_class()

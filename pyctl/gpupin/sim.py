@@ -9,7 +9,7 @@ from typing import Any
 
 from ._native import ffi, lib
 from .errors import DriverNotLoaded, InvalidArgument, NotGpuMemory, from_errno
-from .memory import AllocationRange
+from .memory import AllocationRange, ProviderBase
 
 SIM_PATH = "/dev/nvp2p_sim"
 SIM_PARAMS = "/sys/module/nvp2p_sim/parameters"
@@ -38,7 +38,7 @@ class SimStats:
         return {k: getattr(self, k) for k in keys if getattr(self, k)}
 
 
-class SimMemory:
+class SimMemory(ProviderBase):
     """A simulated CUDA context: allocate, read, write, query and free device memory.
 
     Each instance is one open of /dev/nvp2p_sim; closing it frees its memory and
@@ -63,15 +63,6 @@ class SimMemory:
 
     def __enter__(self) -> SimMemory:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: S110 - best effort at interpreter teardown
-            pass
 
     def _call(self, cmd: int, arg: Any, name: str, desc: str) -> None:
         if self._fd < 0:
@@ -112,13 +103,6 @@ class SimMemory:
 
     def buffer_id(self, ptr: int) -> int:
         return self.range_of(ptr).buffer_id
-
-    def is_device_memory(self, ptr: int) -> bool:
-        try:
-            self.range_of(ptr)
-        except NotGpuMemory:
-            return False
-        return True
 
     def enable_sync_memops(self, ptr: int) -> None:
         """Nothing to do for simulated memory (host pages are coherent); counted."""
