@@ -133,9 +133,17 @@ long gpupin_ioctl_dma_map(struct gpupin_file *f, struct gpupin_dma_map __user *u
 		goto out_unuse;
 	}
 	spin_lock(&pin->lock);
-	map->id = ++pin->next_map_id;
-	list_add_tail(&map->node, &pin->maps);
+	n = gpupin_map_count_locked(pin);
+	if (n < GPUPIN_MAX_MAPS_PER_PIN) {
+		map->id = ++pin->next_map_id;
+		list_add_tail(&map->node, &pin->maps);
+	}
 	spin_unlock(&pin->lock);
+	if (n >= GPUPIN_MAX_MAPS_PER_PIN) {	/* others mapped meanwhile */
+		nvidia_p2p_dma_unmap_pages(map->pdev, pin->pt, map->m);
+		ret = -ENOSPC;
+		goto out_unuse;
+	}
 	atomic64_inc(&gpupin_stats.dma_maps);
 	gpupin_pin_unuse(pin);
 

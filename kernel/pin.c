@@ -125,12 +125,13 @@ static void gpupin_free_callback(void *data)
 		gpupin_queue_event(f, rec);
 	}
 	gpupin_dbg("pin %llu invalidated by the provider\n", pin->handle);
-	gpupin_set_state(pin, GPUPIN_PIN_INVALIDATED);
 	if (prev == GPUPIN_PIN_PINNED) {
 		atomic64_inc(&gpupin_stats.inval_freed);
 		gpupin_nl_pin_event(pin, GPUPIN_NL_CMD_INVALIDATED, GPUPIN_NL_REASON_FREED);
 	}
 	gpupin_stat_max(&gpupin_stats.callback_max_ns, ktime_get_ns() - start);
+	/* Last touch: a waiting unpin may free the pin as soon as it sees this. */
+	gpupin_set_state(pin, GPUPIN_PIN_INVALIDATED);
 }
 
 static bool gpupin_pin_settled(struct gpupin_region *pin)
