@@ -202,13 +202,19 @@ class RegistrationCache:
         self._st = CacheStats()
         self._py_tag_stale = 0
         self._pid = os.getpid()
+        self._closed = False
         os.register_at_fork(after_in_child=_forget_in_child(weakref.ref(self)))
+        register = getattr(device, "register_child", None)
+        if register is not None:
+            register(self)   # the device closes its caches when it closes
 
     # -- the hot path ------------------------------------------------------------
     def _set_fast_path(self) -> None:
         self.fast_lookup: Callable[[int, int], int]
         if self._py_tag:
-            self.fast_lookup = self.lookup
+            # Through a proxy: a bound method stored on self would be a reference cycle,
+            # keeping the cache (and its hold on the validity map) alive until a GC pass.
+            self.fast_lookup = functools.partial(RegistrationCache.lookup, weakref.proxy(self))
         else:
             self.fast_lookup = functools.partial(self._lookup, self._c)
 
@@ -228,12 +234,16 @@ class RegistrationCache:
             ...
             cache.release_token(tok)
         """
+        if self._closed:
+            return _closed_lookup(ptr, size)
         r = self._lookup(self._c, ptr, size)
         if r >= 0 and not self._py_tag:
             return int(r)
         return self._slow(ptr, size, int(r))
 
     def release_token(self, token: int) -> None:
+        if self._closed:
+            return   # close() unpinned everything already
         refs = lib.gpc_release(self._c, token)
         if refs == 0:
             e = self._ents[token]
@@ -475,5 +485,39 @@ class RegistrationCache:
         self._st = CacheStats()
         self._py_tag_stale = 0
 
+    def close(self) -> None:
+        """Unpin everything and let go of the device's validity map; the cache is unusable after."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for e in list(self._indexed.values()):
+                lib.gpc_remove(self._c, e.id)
+                self._unindex(e)
+            for held in self._ents:
+                if held is not None and not held.done:
+                    held.done = True
+                    try:
+                        self.device.unpin(held.pin.handle)
+                    except GpupinError:
+                        pass   # the device is closing, or the pin is gone already
+                    self._st.unpins += 1
+            self._ents, self._free_ids = [], []
+            self.fast_lookup = _closed_lookup
+            ffi.release(self._c)
+            if self._map_buf is not None:
+                ffi.release(self._map_buf)
+                self._map_buf = None
+
+    def __enter__(self) -> RegistrationCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def __len__(self) -> int:
         return len(self._indexed)
+
+
+def _closed_lookup(ptr: int, size: int) -> int:
+    raise InvalidArgument("this RegistrationCache is closed")

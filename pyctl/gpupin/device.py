@@ -7,6 +7,7 @@ import mmap
 import os
 import select
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,6 +172,7 @@ class Device(Closable):
         self._map: mmap.mmap | None = None
         self._words: memoryview | None = None
         self._lock = threading.Lock()
+        self._children: weakref.WeakSet[Any] = weakref.WeakSet()
         try:
             info = self.info()
         except BaseException:
@@ -194,8 +196,14 @@ class Device(Closable):
     def closed(self) -> bool:
         return self._fd < 0
 
+    def register_child(self, obj: Any) -> None:
+        """Something (a RegistrationCache) to close before this device closes."""
+        self._children.add(obj)
+
     def close(self) -> None:
-        """Close the file: the kernel releases every pin it holds."""
+        """Close the file (and the caches built on it): the kernel releases every pin it holds."""
+        for child in list(getattr(self, "_children", ())):
+            child.close()
         if self._words is not None:
             self._words.release()
             self._words = None

@@ -305,3 +305,34 @@ def test_fork_child_starts_empty() -> None:
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert len(cache) == 1
+
+
+def test_close_unpins_everything_and_refuses_use() -> None:
+    mem, dev, cache = make()
+    a, b = mem.alloc(MiB), mem.alloc(MiB)
+    held = cache.acquire(a, 1)
+    cache.acquire(b, 1).release()
+    assert len(dev.pins) == 2
+    cache.close()
+    assert len(dev.pins) == 0 and cache.stats().unpins == 2
+    held.release()   # harmless after close
+    with pytest.raises(gpupin.InvalidArgument, match="closed"):
+        cache.acquire(a, 1)
+    with pytest.raises(gpupin.InvalidArgument, match="closed"):
+        cache.fast_lookup(a, 1)
+    cache.close()    # idempotent
+
+
+def test_python_tag_mode_cache_is_freed_without_gc() -> None:
+    import gc
+    import weakref
+
+    mem, dev, cache = make(validate="both")
+    cache.acquire(mem.alloc(MiB), 1).release()
+    ref = weakref.ref(cache)
+    gc.disable()
+    try:
+        del cache
+        assert ref() is None, "a reference cycle keeps the cache (and the validity map export) alive"
+    finally:
+        gc.enable()

@@ -84,3 +84,18 @@ def test_dma_map_through_the_cache(device: Device, sim: SimMemory, pci: str) -> 
     cache.purge()
     sim.free(va)
     assert sim_stats().dma_mappings == 0
+
+
+def test_device_close_closes_its_caches(gpupin_loaded: None, leakcheck: None) -> None:
+    with SimMemory() as sim:
+        dev = Device()
+        cache = RegistrationCache(dev, sim, validate="both")
+        va = sim.alloc(MiB)
+        r = cache.acquire(va, 10)
+        assert dev.info().file_pins == 1
+        dev.close()                     # closes the cache, unmaps the validity map, releases the pins
+        assert dev.closed and sim_stats().page_tables == 0
+        r.release()
+        with pytest.raises(gpupin.InvalidArgument, match="closed"):
+            cache.acquire(va, 10)
+        sim.free(va)
