@@ -33,9 +33,8 @@ PATH="$VENV/bin:$PATH" timeout "${VM_TIMEOUT:-3000}" vng -r "$VM_KIMAGE" --disab
 	--cpus 2 --memory "$VM_MEM" --append "slub_debug=FZPU panic_on_warn=0" \
 	--rwdir "$RESULTS" --cwd "$ROOT" \
 	--exec "$(printf '%q ' env "GPUPIN_LONG=${GPUPIN_LONG:-}" "GPUPIN_TEST_TIMEOUT=${GPUPIN_TEST_TIMEOUT:-600}" \
-		"GPUPIN_CYCLES=${GPUPIN_CYCLES:-20}" "GPUPIN_KMEMLEAK=${GPUPIN_KMEMLEAK:-}" "$ROOT/scripts/vm-guest.sh" "$MODE" "$RESULTS" "${@:2}")" </dev/null | cat
-# (through cat: QEMU reopens its stdout and would truncate a log file we are appending to)
-rc=${PIPESTATUS[0]}
+		"GPUPIN_CYCLES=${GPUPIN_CYCLES:-20}" "GPUPIN_KMEMLEAK=${GPUPIN_KMEMLEAK:-}" "$ROOT/scripts/vm-guest.sh" "$MODE" "$RESULTS" "${@:2}")" </dev/null
+rc=$?
 set -e
 echo "vm-run: guest finished with status $rc after $(( $(date +%s) - start )) s"
 
