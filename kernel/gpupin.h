@@ -164,9 +164,9 @@ int gpupin_nl_init(void);
 void gpupin_nl_exit(void);
 void gpupin_nl_pin_event(struct gpupin_region *pin, u8 cmd, u32 reason);
 void gpupin_nl_budget_event(struct gpupin_file *f, u64 size);
-void gpupin_stat_max(atomic64_t *v, s64 now);
 
 /* main.c */
+void gpupin_stat_max(atomic64_t *v, s64 now);
 long gpupin_ioctl_info(struct gpupin_file *f, struct gpupin_info __user *uarg);
 
 /* file.c */

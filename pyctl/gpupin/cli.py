@@ -14,7 +14,6 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, is_dataclass
-from pathlib import Path
 from typing import Any
 
 from . import doctor as doctor_mod
@@ -66,11 +65,6 @@ def parse_int(text: str) -> int:
         return int(text, 0)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-
-
-def ko_dir() -> Path:
-    env = os.environ.get("GPUPIN_KO_DIR")
-    return Path(env) if env else Path(__file__).resolve().parent.parent.parent
 
 
 class Session:
@@ -154,20 +148,15 @@ def cmd_load(s: Session, a: argparse.Namespace) -> Result:
     use_sim = a.sim or not os.path.isdir("/sys/module/nvidia")
     loaded = []
     if use_sim and not kmod.is_loaded("nvp2p_sim"):
-        kmod.load(_module_file("nvp2p_sim"), sim_params)
+        kmod.load(kmod.module_file("nvp2p_sim"), sim_params)
         loaded.append("nvp2p_sim")
     elif sim_params:
         for k, v in sim_params.items():
             set_sim_param(k, v)
     if not kmod.is_loaded("gpupin"):
-        kmod.load(_module_file("gpupin"), params)
+        kmod.load(kmod.module_file("gpupin"), params)
         loaded.append("gpupin")
     return {"loaded": loaded, "provider": "nvp2p_sim" if use_sim else "nvidia"}
-
-
-def _module_file(name: str) -> str:
-    ko = ko_dir() / f"{name}.ko"
-    return str(ko) if ko.exists() else name
 
 
 def cmd_unload(s: Session, a: argparse.Namespace) -> Result:

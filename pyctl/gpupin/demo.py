@@ -26,12 +26,6 @@ def say(title: str, text: str = "") -> None:
         print(textwrap.indent(textwrap.dedent(text).strip(), "   "))
 
 
-def ko(name: str) -> str:
-    d = os.environ.get("GPUPIN_KO_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
-    path = os.path.join(d, f"{name}.ko")
-    return path if os.path.exists(path) else name
-
-
 def pci_device() -> str | None:
     try:
         devs = sorted(os.listdir("/sys/bus/pci/devices"))
@@ -44,10 +38,10 @@ def main() -> int:
     say("1. Load the modules")
     use_sim = not kmod.is_loaded("nvidia")
     if use_sim and not kmod.is_loaded("nvp2p_sim"):
-        kmod.load(ko("nvp2p_sim"))
+        kmod.load(kmod.module_file("nvp2p_sim"))
         print("   loaded nvp2p_sim (no NVIDIA driver here: the simulator provides nv-p2p)")
     if not kmod.is_loaded("gpupin"):
-        kmod.load(ko("gpupin"))
+        kmod.load(kmod.module_file("gpupin"))
         print("   loaded gpupin")
     if not use_sim:
         print("   nvidia.ko is loaded; this demo allocates simulated memory and needs nvp2p_sim")

@@ -11,6 +11,7 @@ import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .errors import ModuleError
@@ -24,6 +25,18 @@ ffi: Any = _ext.ffi
 lib: Any = _ext.lib
 
 _REQUIRED_SYMBOLS = ("nvidia_p2p_get_pages", "nvidia_p2p_put_pages")
+
+
+def ko_dir() -> Path:
+    """Where the built modules are: $GPUPIN_KO_DIR, else the source tree holding this package."""
+    env = os.environ.get("GPUPIN_KO_DIR")
+    return Path(env) if env else Path(__file__).resolve().parent.parent.parent
+
+
+def module_file(name: str) -> str:
+    """The built ``name.ko`` if there is one, else ``name`` (installed modules, loaded by name)."""
+    ko = ko_dir() / f"{name}.ko"
+    return str(ko) if ko.exists() else name
 
 
 @dataclass(frozen=True)

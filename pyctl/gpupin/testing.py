@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,16 +22,12 @@ import pytest
 from . import kmod
 from .device import Device
 from .errors import ModuleError
+from .kmod import ko_dir
 from .memory import MemoryProvider
 from .sim import SimMemory, set_sim_param, sim_stats
 
 NATIVE = os.environ.get("GPUPIN_NATIVE") == "1"
 REQUIRED = os.environ.get("GPUPIN_REQUIRE_VM") == "1"
-
-
-def ko_dir() -> Path:
-    env = os.environ.get("GPUPIN_KO_DIR")
-    return Path(env) if env else Path(__file__).resolve().parent.parent.parent
 
 
 def ensure_loaded(sim: bool = True, **params: object) -> None:
