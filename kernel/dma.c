@@ -83,55 +83,40 @@ static struct gpupin_map *gpupin_map_find_locked(struct gpupin_region *pin, u32 
 	return NULL;
 }
 
-long gpupin_ioctl_dma_map(struct gpupin_file *f, struct gpupin_dma_map __user *uarg)
+/*
+ * Map @pin's pages for @pdev and add the mapping to the pin, owned by user
+ * space (@user) or by one kernel-API reference.  The caller is an in-flight
+ * user of the pin.  Takes its own reference on @pdev.
+ */
+int gpupin_map_create(struct gpupin_region *pin, struct pci_dev *pdev, bool user,
+		      struct gpupin_map **out)
 {
-	struct gpupin_dma_map arg;
-	struct gpupin_region *pin;
 	struct gpupin_map *map;
-	unsigned int n = 0;
+	unsigned int n;
 	int ret;
 
-	if (copy_from_user(&arg, uarg, sizeof(arg)))
-		return -EFAULT;
-	if (arg.flags || arg.reserved[0] || arg.reserved[1] ||
-	    arg.pci_domain > 0xffff || arg.pci_bus > 0xff || arg.pci_devfn > 0xff)
-		return -EINVAL;
-	if (!gpupin_caller_owns(f))
-		return -EACCES;
-	pin = gpupin_pin_lookup(f, arg.handle);
-	if (!pin)
-		return -ENOENT;
-
-	ret = -ENOMEM;
-	map = kzalloc(sizeof(*map), GFP_KERNEL);
-	if (!map)
-		goto out_put;
-	ret = -ENODEV;
-	map->pdev = pci_get_domain_bus_and_slot(arg.pci_domain, arg.pci_bus, arg.pci_devfn);
-	if (!map->pdev)
-		goto out_free;
-
-	ret = gpupin_pin_use(pin);
-	if (ret)
-		goto out_pdev;
 	spin_lock(&pin->lock);
 	n = gpupin_map_count_locked(pin);
 	spin_unlock(&pin->lock);
-	if (n >= GPUPIN_MAX_MAPS_PER_PIN) {
-		ret = -ENOSPC;
-		goto out_unuse;
-	}
+	if (n >= GPUPIN_MAX_MAPS_PER_PIN)
+		return -ENOSPC;
+	map = gpupin_kzalloc(sizeof(*map), GFP_KERNEL);
+	if (!map)
+		return -ENOMEM;
+	map->pdev = pci_dev_get(pdev);
 	ret = nvidia_p2p_dma_map_pages(map->pdev, pin->pt, &map->m);
 	if (ret)
-		goto out_unuse;
+		goto out_free;
 	if (!NVIDIA_P2P_DMA_MAPPING_VERSION_COMPATIBLE(map->m) ||
 	    map->m->entries != pin->pt->entries) {
 		pr_warn_ratelimited("incompatible DMA mapping (version 0x%08x)\n",
 				    map->m->version);
 		nvidia_p2p_dma_unmap_pages(map->pdev, pin->pt, map->m);
 		ret = -EPROTO;
-		goto out_unuse;
+		goto out_free;
 	}
+	map->user_owned = user;
+	map->drv_users = !user;
 	spin_lock(&pin->lock);
 	n = gpupin_map_count_locked(pin);
 	if (n < GPUPIN_MAX_MAPS_PER_PIN) {
@@ -142,23 +127,96 @@ long gpupin_ioctl_dma_map(struct gpupin_file *f, struct gpupin_dma_map __user *u
 	if (n >= GPUPIN_MAX_MAPS_PER_PIN) {	/* others mapped meanwhile */
 		nvidia_p2p_dma_unmap_pages(map->pdev, pin->pt, map->m);
 		ret = -ENOSPC;
-		goto out_unuse;
+		goto out_free;
 	}
 	atomic64_inc(&gpupin_stats.dma_maps);
-	gpupin_pin_unuse(pin);
+	*out = map;
+	return 0;
 
-	arg.mapping_id = map->id;
-	arg.entries = map->m->entries;
-	gpupin_pin_put(pin);
-	/* On a fault the mapping stays; it goes away with the pin. */
-	return copy_to_user(uarg, &arg, sizeof(arg)) ? -EFAULT : 0;
-
-out_unuse:
-	gpupin_pin_unuse(pin);
-out_pdev:
-	pci_dev_put(map->pdev);
 out_free:
+	pci_dev_put(map->pdev);
 	kfree(map);
+	return ret;
+}
+
+/*
+ * A kernel-API reference's mapping for @pdev: an existing one of the pin is
+ * shared, else a new one is made.  The caller is an in-flight user.
+ */
+int gpupin_map_for_driver(struct gpupin_region *pin, struct pci_dev *pdev,
+			  struct gpupin_map **out)
+{
+	struct gpupin_map *map, *found = NULL;
+
+	spin_lock(&pin->lock);
+	list_for_each_entry(map, &pin->maps, node) {
+		if (map->pdev == pdev) {
+			map->drv_users++;
+			found = map;
+			break;
+		}
+	}
+	spin_unlock(&pin->lock);
+	if (found) {
+		*out = found;
+		return 0;
+	}
+	return gpupin_map_create(pin, pdev, false, out);
+}
+
+/*
+ * A kernel-API reference drops its share of mapping @id.  The caller is an
+ * in-flight user of the pin.
+ */
+void gpupin_map_drop_driver(struct gpupin_region *pin, u32 id)
+{
+	struct gpupin_map *map;
+	bool last = false;
+
+	spin_lock(&pin->lock);
+	map = gpupin_map_find_locked(pin, id);
+	if (map && !--map->drv_users && !map->user_owned) {
+		list_del(&map->node);
+		last = true;
+	}
+	spin_unlock(&pin->lock);
+	if (last)
+		gpupin_map_destroy(pin, map);
+}
+
+long gpupin_ioctl_dma_map(struct gpupin_file *f, struct gpupin_dma_map __user *uarg)
+{
+	struct gpupin_dma_map arg;
+	struct gpupin_region *pin;
+	struct gpupin_map *map;
+	struct pci_dev *pdev;
+	int ret;
+
+	if (copy_from_user(&arg, uarg, sizeof(arg)))
+		return -EFAULT;
+	if (arg.flags || arg.reserved[0] || arg.reserved[1] ||
+	    arg.pci_domain > 0xffff || arg.pci_bus > 0xff || arg.pci_devfn > 0xff)
+		return -EINVAL;
+	pin = gpupin_pin_lookup_owned(f, arg.handle, &ret);
+	if (!pin)
+		return ret;
+	ret = -ENODEV;
+	pdev = pci_get_domain_bus_and_slot(arg.pci_domain, arg.pci_bus, arg.pci_devfn);
+	if (!pdev)
+		goto out_put;
+	ret = gpupin_pin_use(pin);
+	if (!ret) {
+		ret = gpupin_map_create(pin, pdev, true, &map);
+		if (!ret) {
+			arg.mapping_id = map->id;
+			arg.entries = map->m->entries;
+		}
+		gpupin_pin_unuse(pin);
+	}
+	pci_dev_put(pdev);
+	/* On a fault the mapping stays; it goes away with the pin. */
+	if (!ret && copy_to_user(uarg, &arg, sizeof(arg)))
+		ret = -EFAULT;
 out_put:
 	gpupin_pin_put(pin);
 	return ret;
@@ -188,7 +246,7 @@ long gpupin_ioctl_dma_addrs(struct gpupin_file *f, struct gpupin_dma_addrs __use
 	if (arg.first >= entries || arg.count > entries - arg.first)
 		goto out_put;
 	ret = -ENOMEM;
-	addrs = kvmalloc_array(arg.count, sizeof(*addrs), GFP_KERNEL);
+	addrs = gpupin_kvmalloc_array(arg.count, sizeof(*addrs), GFP_KERNEL);
 	if (!addrs)
 		goto out_put;
 	ret = gpupin_pin_use(pin);
@@ -218,26 +276,32 @@ long gpupin_ioctl_dma_unmap(struct gpupin_file *f, struct gpupin_dma_unmap __use
 	struct gpupin_dma_unmap arg;
 	struct gpupin_region *pin;
 	struct gpupin_map *map;
+	bool last = true;
 	int ret;
 
 	if (copy_from_user(&arg, uarg, sizeof(arg)))
 		return -EFAULT;
 	if (arg.flags || arg.reserved[0] || arg.reserved[1])
 		return -EINVAL;
-	if (!gpupin_caller_owns(f))
-		return -EACCES;
-	pin = gpupin_pin_lookup(f, arg.handle);
+	pin = gpupin_pin_lookup_owned(f, arg.handle, &ret);
 	if (!pin)
-		return -ENOENT;
+		return ret;
 	ret = gpupin_pin_use(pin);
 	if (ret)
 		goto out_put;
 	spin_lock(&pin->lock);
 	map = gpupin_map_find_locked(pin, arg.mapping_id);
-	if (map)
-		list_del(&map->node);
+	if (map && !map->user_owned)
+		map = NULL;	/* a driver's own mapping */
+	if (map) {
+		map->user_owned = false;
+		if (map->drv_users)
+			last = false;	/* drivers still use it: theirs now */
+		else
+			list_del(&map->node);
+	}
 	spin_unlock(&pin->lock);
-	if (map)
+	if (map && last)
 		gpupin_map_destroy(pin, map);
 	gpupin_pin_unuse(pin);
 	ret = map ? 0 : -ENOENT;

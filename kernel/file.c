@@ -157,13 +157,13 @@ static int gpupin_open(struct inode *inode, struct file *file)
 {
 	struct gpupin_file *f;
 
-	f = kzalloc(sizeof(*f), GFP_KERNEL);
+	f = gpupin_kzalloc(sizeof(*f), GFP_KERNEL);
 	if (!f)
 		return -ENOMEM;
 	f->nr_slots = clamp_t(unsigned int, READ_ONCE(gpupin_max_pins_per_file),
 			      1, GPUPIN_MAX_SLOTS);
 	f->vmap_size = PAGE_ALIGN(f->nr_slots * sizeof(u64));
-	f->vmap = vmalloc_user(f->vmap_size);
+	f->vmap = gpupin_fail_alloc() ? NULL : vmalloc_user(f->vmap_size);
 	if (!f->vmap) {
 		kfree(f);
 		return -ENOMEM;
@@ -215,6 +215,12 @@ static const struct file_operations gpupin_fops = {
 	.poll = gpupin_poll,
 	.llseek = noop_llseek,
 };
+
+/* The gpupin state of @file, or NULL when it is not a /dev/gpupin file. */
+struct gpupin_file *gpupin_file_of(struct file *file)
+{
+	return file->f_op == &gpupin_fops ? file->private_data : NULL;
+}
 
 static struct miscdevice gpupin_miscdev = {
 	.minor = MISC_DYNAMIC_MINOR,

@@ -7,6 +7,9 @@
  *   gpupin_file.lock (mutex) - the file's handle table, pin count and
  *       handle counter.  Never held across an nv-p2p call, never taken by the
  *       free callback.
+ *   gpupin_region.refs_lock (mutex) - the pin's kernel-API references (list,
+ *       count, orphaned/gone flags).  Taken by the free callback to run the
+ *       references' notifiers; never held across an nv-p2p call.
  *   gpupin_pin.lock (spinlock) - one pin's state, in-flight user count and
  *       DMA mapping list.  Taken by the free callback; never held across an
  *       nv-p2p call or anything that sleeps.
@@ -45,6 +48,13 @@ extern unsigned long gpupin_max_pinned_bytes;
 extern unsigned int gpupin_max_pins_per_file;
 extern bool gpupin_default_persistent;
 extern bool gpupin_debug;
+extern int gpupin_fail_alloc_nth;
+
+bool gpupin_fail_alloc(void);
+/* gpupin's own allocations go through these, so tests can fail them. */
+#define gpupin_kzalloc(size, gfp) (gpupin_fail_alloc() ? NULL : kzalloc(size, gfp))
+#define gpupin_kvmalloc_array(n, size, gfp) \
+	(gpupin_fail_alloc() ? NULL : kvmalloc_array(n, size, gfp))
 
 extern atomic64_t gpupin_pinned_bytes;
 
@@ -130,11 +140,20 @@ struct gpupin_region {
 	struct list_head maps;		/* gpupin_map, under lock */
 	u32 next_map_id;		/* under lock */
 	struct gpupin_event_rec *ev;	/* queued on invalidation */
+
+	struct mutex refs_lock;		/* see top of file */
+	struct list_head refs;		/* gpupin_ref (kapi.c), under refs_lock */
+	unsigned int nr_refs;		/* under refs_lock */
+	bool orphaned;			/* unpinned while referenced, under refs_lock */
+	bool gone;			/* being destroyed, under refs_lock */
+	u32 orphan_reason;		/* GPUPIN_NL_REASON_* of the deferred unpin */
 };
 
 struct gpupin_map {
 	struct list_head node;
 	u32 id;
+	bool user_owned;		/* made by DMA_MAP, not yet DMA_UNMAPped; under pin->lock */
+	unsigned int drv_users;		/* kernel-API references sharing it; under pin->lock */
 	struct pci_dev *pdev;		/* holds a reference */
 	struct nvidia_p2p_dma_mapping *m;
 };
@@ -145,10 +164,13 @@ long gpupin_ioctl_unpin(struct gpupin_file *f, struct gpupin_unpin __user *uarg)
 long gpupin_ioctl_query(struct gpupin_file *f, struct gpupin_query __user *uarg);
 long gpupin_ioctl_get_pages(struct gpupin_file *f, struct gpupin_get_pages __user *uarg);
 struct gpupin_region *gpupin_pin_lookup(struct gpupin_file *f, u64 handle);
+struct gpupin_region *gpupin_pin_lookup_owned(struct gpupin_file *f, u64 handle, int *err);
+void gpupin_pin_uuid(const struct gpupin_region *pin, u8 uuid[16]);
 void gpupin_pin_put(struct gpupin_region *pin);
 int gpupin_pin_use(struct gpupin_region *pin);
 void gpupin_pin_unuse(struct gpupin_region *pin);
 void gpupin_file_release_pins(struct gpupin_file *f, u32 reason);
+void gpupin_pin_destroy_now(struct gpupin_file *f, struct gpupin_region *pin, u32 reason);
 bool gpupin_caller_owns(struct gpupin_file *f);
 
 /* dma.c */
@@ -158,6 +180,14 @@ long gpupin_ioctl_dma_unmap(struct gpupin_file *f, struct gpupin_dma_unmap __use
 void gpupin_unmap_all(struct gpupin_region *pin);
 void gpupin_free_maps_invalidated(struct gpupin_region *pin);
 u32 gpupin_map_count_locked(struct gpupin_region *pin);
+int gpupin_map_create(struct gpupin_region *pin, struct pci_dev *pdev, bool user,
+		      struct gpupin_map **out);
+int gpupin_map_for_driver(struct gpupin_region *pin, struct pci_dev *pdev,
+			  struct gpupin_map **out);
+void gpupin_map_drop_driver(struct gpupin_region *pin, u32 id);
+
+/* kapi.c */
+void gpupin_notify_refs(struct gpupin_region *pin);
 
 /* netlink.c */
 int gpupin_nl_init(void);
@@ -173,5 +203,6 @@ long gpupin_ioctl_info(struct gpupin_file *f, struct gpupin_info __user *uarg);
 int gpupin_file_init(void);
 void gpupin_file_exit(void);
 void gpupin_queue_event(struct gpupin_file *f, struct gpupin_event_rec *rec);
+struct gpupin_file *gpupin_file_of(struct file *file);
 
 #endif /* _GPUPIN_INTERNAL_H */

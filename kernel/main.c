@@ -30,6 +30,28 @@ bool gpupin_debug;
 module_param_named(debug, gpupin_debug, bool, 0644);
 MODULE_PARM_DESC(debug, "Log pins, unpins and invalidations (rate-limited; default off)");
 
+int gpupin_fail_alloc_nth;
+module_param_named(fail_alloc_nth, gpupin_fail_alloc_nth, int, 0644);
+MODULE_PARM_DESC(fail_alloc_nth, "Testing: fail gpupin's own Nth memory allocation from now (ENOMEM), then reset to 0 (0 = off)");
+
+/*
+ * Fault injection for gpupin's own allocations (Debian's kernel has no
+ * failslab): true for the allocation that brings fail_alloc_nth to 0.
+ */
+bool gpupin_fail_alloc(void)
+{
+	int n = READ_ONCE(gpupin_fail_alloc_nth);
+
+	while (n > 0) {
+		int seen = cmpxchg(&gpupin_fail_alloc_nth, n, n - 1);
+
+		if (seen == n)
+			return n == 1;
+		n = seen;
+	}
+	return false;
+}
+
 atomic64_t gpupin_pinned_bytes = ATOMIC64_INIT(0);
 struct gpupin_stats gpupin_stats;
 char gpupin_provider[GPUPIN_NAME_LEN] = "nvidia";

@@ -55,6 +55,22 @@ struct gpupin_region *gpupin_pin_lookup(struct gpupin_file *f, u64 handle)
 }
 
 /*
+ * The pin @handle of @f for a call that changes it: only the process that
+ * opened the file may.  Returns a reference, or NULL with *err set.
+ */
+struct gpupin_region *gpupin_pin_lookup_owned(struct gpupin_file *f, u64 handle, int *err)
+{
+	struct gpupin_region *pin = NULL;
+
+	*err = -EACCES;
+	if (gpupin_caller_owns(f)) {
+		pin = gpupin_pin_lookup(f, handle);
+		*err = pin ? 0 : -ENOENT;
+	}
+	return pin;
+}
+
+/*
  * Mark the caller as an in-flight user of the pin's pages: the free callback
  * waits for it.  Fails with -ENXIO once the pages are gone or going.
  */
@@ -106,6 +122,8 @@ static void gpupin_free_callback(void *data)
 	pin->state = GPUPIN_PIN_INVALIDATING;
 	spin_unlock(&pin->lock);
 
+	/* Drivers holding references stop their DMA first. */
+	gpupin_notify_refs(pin);
 	/* No new user can start now; those running are short. */
 	wait_event(pin->wq, READ_ONCE(pin->inflight) == 0);
 
@@ -194,10 +212,11 @@ static void gpupin_pin_unaccount(struct gpupin_file *f, struct gpupin_region *pi
 }
 
 /*
- * Tear down a pin already removed from the handle table; drops that ref.
+ * Tear down a pin already removed from the handle table, now; drops the
+ * table's ref.  No kernel-API reference may be left.
  * @reason: GPUPIN_NL_REASON_* for the UNPINNED event.
  */
-static void gpupin_pin_destroy(struct gpupin_file *f, struct gpupin_region *pin, u32 reason)
+void gpupin_pin_destroy_now(struct gpupin_file *f, struct gpupin_region *pin, u32 reason)
 {
 	gpupin_pin_release_pages(pin, GPUPIN_PIN_PINNED);
 	gpupin_pin_unaccount(f, pin);
@@ -207,6 +226,29 @@ static void gpupin_pin_destroy(struct gpupin_file *f, struct gpupin_region *pin,
 	gpupin_nl_pin_event(pin, GPUPIN_NL_CMD_UNPINNED, reason);
 	gpupin_dbg("pin %llu released\n", pin->handle);
 	gpupin_pin_put(pin);
+}
+
+/*
+ * Tear down a pin already removed from the handle table, or, while drivers
+ * hold references to it, leave that to the last gpupin_ref_put().
+ */
+static void gpupin_pin_destroy(struct gpupin_file *f, struct gpupin_region *pin, u32 reason)
+{
+	bool defer;
+
+	mutex_lock(&pin->refs_lock);
+	defer = pin->nr_refs;
+	if (defer) {
+		pin->orphaned = true;
+		pin->orphan_reason = reason;
+		/* User space sees it gone now; the slot stays taken until then. */
+		WRITE_ONCE(f->vmap[pin->slot], 0);
+	} else {
+		pin->gone = true;
+	}
+	mutex_unlock(&pin->refs_lock);
+	if (!defer)
+		gpupin_pin_destroy_now(f, pin, reason);
 }
 
 void gpupin_file_release_pins(struct gpupin_file *f, u32 reason)
@@ -278,10 +320,10 @@ static struct gpupin_region *gpupin_pin_alloc(struct gpupin_file *f, const struc
 {
 	struct gpupin_region *pin;
 
-	pin = kzalloc(sizeof(*pin), GFP_KERNEL);
+	pin = gpupin_kzalloc(sizeof(*pin), GFP_KERNEL);
 	if (!pin)
 		return NULL;
-	pin->ev = kzalloc(sizeof(*pin->ev), GFP_KERNEL);
+	pin->ev = gpupin_kzalloc(sizeof(*pin->ev), GFP_KERNEL);
 	if (!pin->ev) {
 		kfree(pin);
 		return NULL;
@@ -290,6 +332,8 @@ static struct gpupin_region *gpupin_pin_alloc(struct gpupin_file *f, const struc
 	spin_lock_init(&pin->lock);
 	init_waitqueue_head(&pin->wq);
 	INIT_LIST_HEAD(&pin->maps);
+	mutex_init(&pin->refs_lock);
+	INIT_LIST_HEAD(&pin->refs);
 	pin->file = f;
 	pin->va = arg->va;
 	pin->size = arg->size;
@@ -339,15 +383,22 @@ static bool gpupin_pin_mark_pinned(struct gpupin_file *f, struct gpupin_region *
 	return ok;
 }
 
+/* The pin's GPU UUID (zeros where the provider gives none). */
+void gpupin_pin_uuid(const struct gpupin_region *pin, u8 uuid[16])
+{
+	if (pin->pt->gpu_uuid)
+		memcpy(uuid, pin->pt->gpu_uuid, 16);
+	else
+		memset(uuid, 0, 16);
+}
+
 static void gpupin_pin_fill(struct gpupin_pin *arg, const struct gpupin_region *pin)
 {
+	BUILD_BUG_ON(sizeof(arg->gpu_uuid) != 16);
 	arg->handle = pin->handle;
 	arg->page_size = GPU_BOUND_SIZE;
 	arg->entries = pin->pt->entries;
-	if (pin->pt->gpu_uuid)
-		memcpy(arg->gpu_uuid, pin->pt->gpu_uuid, sizeof(arg->gpu_uuid));
-	else
-		memset(arg->gpu_uuid, 0, sizeof(arg->gpu_uuid));
+	gpupin_pin_uuid(pin, arg->gpu_uuid);
 	arg->slot = pin->slot;
 	arg->pin_flags = pin->flags;
 	arg->valid_word = pin->handle;
@@ -528,7 +579,7 @@ long gpupin_ioctl_get_pages(struct gpupin_file *f, struct gpupin_get_pages __use
 	    arg.count > (pin->aligned_size >> GPU_BOUND_SHIFT) - arg.first)
 		goto out_put;
 	ret = -ENOMEM;
-	addrs = kvmalloc_array(arg.count, sizeof(*addrs), GFP_KERNEL);
+	addrs = gpupin_kvmalloc_array(arg.count, sizeof(*addrs), GFP_KERNEL);
 	if (!addrs)
 		goto out_put;
 	/* Copy under "use" only: the callback must never wait for a fault. */

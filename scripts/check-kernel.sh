@@ -20,7 +20,7 @@ fi
 # The unicast-events variant (kernels without GENL_MCAST_CAP_NET_ADMIN) must be clean too.
 UC="$LOG/unicast"
 mkdir -p "$UC"
-(cd "$ROOT" && cp Kbuild "$UC/" && find kernel include -name '*.[ch]' -exec cp --parents {} "$UC/" \;)
+(cd "$ROOT" && cp Kbuild "$UC/" && find kernel include tests/kmod -name '*.[ch]' -exec cp --parents {} "$UC/" \;)
 make -C "$KDIR" M="$UC" W=1 GPUPIN_NL_EVENTS=unicast NVIDIA_SRC=none modules >"$LOG/w1-unicast.txt" 2>&1 || fail=1
 if grep -E "warning:|error:" "$LOG/w1-unicast.txt"; then
 	echo "check: W=1 build of the unicast-events variant has warnings or errors" >&2
@@ -40,7 +40,7 @@ else
 fi
 
 files=$(cd "$ROOT" && git ls-files 'kernel/*.c' 'kernel/*.h' 'include/*.h' 'tests/kmod/*.c' 2>/dev/null)
-[ -n "$files" ] || files=$(cd "$ROOT" && find kernel include -name '*.[ch]')
+[ -n "$files" ] || files=$(cd "$ROOT" && find kernel include tests/kmod -name '*.[ch]')
 (cd "$ROOT" && "$CP" --strict --no-tree --terse --show-types \
 	--ignore FILE_PATH_CHANGES,SPDX_LICENSE_TAG,LINUX_VERSION_CODE -f $files) >"$LOG/checkpatch.txt" 2>&1
 errors=$(grep -c ": ERROR:" "$LOG/checkpatch.txt")

@@ -22,7 +22,7 @@ make -s -C "$ROOT" modules KDIR="$VM_KDIR" >/dev/null
 UC="$ROOT/build/unicast"
 rm -rf "$UC"
 mkdir -p "$UC"
-(cd "$ROOT" && cp Kbuild "$UC/" && find kernel include -name '*.[ch]' -exec cp --parents {} "$UC/" \;)
+(cd "$ROOT" && cp Kbuild "$UC/" && find kernel include tests/kmod -name '*.[ch]' -exec cp --parents {} "$UC/" \;)
 make -s -C "$VM_KDIR" M="$UC" GPUPIN_NL_EVENTS=unicast NVIDIA_SRC=none modules >/dev/null
 
 rm -rf "$RESULTS"

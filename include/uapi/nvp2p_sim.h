@@ -63,7 +63,9 @@ struct nvp2p_sim_stats {
 	__u64 callbacks_run;
 	__u64 tables_not_freed;
 	__u64 mappings_not_freed;
-	__u64 reserved[5];
+	__u64 quarantine_bytes;		/* freed memory held poisoned */
+	__u64 poison_errors;		/* freed 64 KiB chunks written after the free */
+	__u64 reserved[3];
 };
 
 #define NVP2P_SIM_IOC_ALLOC _IOWR(NVP2P_SIM_IOC_MAGIC, 0x00, struct nvp2p_sim_alloc)

@@ -10,6 +10,8 @@
  *                           those calls and takes it in its callback
  *                           deadlocks here as it would on real hardware.
  *   ctx->lock (mutex)     - one context's allocation list (alloc/free/rw).
+ *   sim_quarantine_lock (mutex) - the poisoned quarantine of freed chunks
+ *                           (sim_poison.c); taken with no other sim lock held.
  *   sim_lock (spinlock)   - the context list, the pin registry, every pin's
  *                           state and mapping list, and the counters.  Never
  *                           held across a callback or a sleeping call.
@@ -34,6 +36,7 @@
 #define SIM_PAGE_SIZE BIT_ULL(SIM_PAGE_SHIFT)
 #define SIM_CHUNK_ORDER (SIM_PAGE_SHIFT - PAGE_SHIFT)
 #define SIM_CTX_SHIFT 36	/* 64 GiB of address space per context */
+#define SIM_POISON 0x6b		/* fills freed simulated memory */
 
 extern struct mutex sim_big_lock;
 extern spinlock_t sim_lock;
@@ -113,6 +116,11 @@ const char *nvp2p_sim_provider(void);
 struct sim_pin *sim_pin_lookup_locked(struct nvidia_p2p_page_table *pt);
 void sim_pin_put(struct sim_pin *pin);
 void sim_run_callbacks(struct list_head *claimed);
+
+/* sim_poison.c */
+void sim_poison_free_chunks(struct page **chunks, unsigned long nchunks);
+void sim_poison_check_all(void);
+void sim_poison_exit(void);
 
 /* sim_mem.c */
 void sim_alloc_put(struct sim_alloc *alloc);

@@ -68,6 +68,7 @@ static int __init nvp2p_sim_init(void)
 static void __exit nvp2p_sim_exit(void)
 {
 	sim_chardev_exit();
+	sim_poison_exit();
 	/* Clients hold a module reference while they use our symbols. */
 	WARN_ON(sim_stats.page_tables || sim_stats.allocations);
 }

@@ -34,14 +34,19 @@ static void sim_alloc_release(struct kref *ref)
 	struct sim_alloc *alloc = container_of(ref, struct sim_alloc, ref);
 	unsigned long i;
 
-	for (i = 0; alloc->chunks && i < alloc->nchunks; i++)
-		if (alloc->chunks[i])
-			__free_pages(alloc->chunks[i], SIM_CHUNK_ORDER);
-	kvfree(alloc->chunks);
 	spin_lock(&sim_lock);
 	sim_stats.allocations--;
 	sim_stats.alloc_bytes -= alloc->size;
 	spin_unlock(&sim_lock);
+	if (alloc->chunks && alloc->nchunks && alloc->chunks[alloc->nchunks - 1]) {
+		/* A complete allocation: poisoned and quarantined. */
+		sim_poison_free_chunks(alloc->chunks, alloc->nchunks);
+	} else {
+		for (i = 0; alloc->chunks && i < alloc->nchunks; i++)
+			if (alloc->chunks[i])
+				__free_pages(alloc->chunks[i], SIM_CHUNK_ORDER);
+		kvfree(alloc->chunks);
+	}
 	kfree(alloc);
 }
 
@@ -286,6 +291,7 @@ static int sim_ioctl_stats(struct nvp2p_sim_stats __user *uarg)
 {
 	struct nvp2p_sim_stats s;
 
+	sim_poison_check_all();
 	spin_lock(&sim_lock);
 	s = sim_stats;
 	spin_unlock(&sim_lock);

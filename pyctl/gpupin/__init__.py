@@ -18,6 +18,7 @@ from .errors import (
     NotGpuMemory,
     PermissionDenied,
     PinInvalidated,
+    TransferAborted,
     UnknownHandle,
 )
 from .memory import AllocationRange, MemoryProvider
@@ -29,5 +30,6 @@ __all__ = [
     "ABI_VERSION", "GPU_PAGE_SIZE", "AbiMismatch", "AllocationRange", "BarExhausted",
     "BudgetExceeded", "Device", "DmaMapping", "DriverNotLoaded", "Event", "GpupinError", "Info",
     "InvalidArgument", "MemoryProvider", "ModuleError", "NotGpuMemory", "PermissionDenied", "Pin",
-    "PinInvalidated", "PinState", "SimMemory", "SimStats", "UnknownHandle", "sim_stats",
+    "PinInvalidated", "PinState", "SimMemory", "SimStats", "TransferAborted", "UnknownHandle",
+    "sim_stats",
 ]

@@ -15,7 +15,7 @@ from cffi import FFI
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 UAPI = ROOT / "include" / "uapi"
-HEADERS = ("gpupin.h", "nvp2p_sim.h", "gpupin_netlink.h")
+HEADERS = ("gpupin.h", "nvp2p_sim.h", "gpupin_netlink.h", "gpupin_peer.h")
 
 _STRUCT = re.compile(r"^struct (\w+) \{\n(.*?)^\};", re.M | re.S)
 _DEFINE = re.compile(r"^#define ((?:GPUPIN|NVP2P_SIM)_\w+)\s+[^\s\"]", re.M)
@@ -63,6 +63,8 @@ int gpupin_call(int fd, unsigned long cmd, void *arg);
 struct gpc;
 struct gpc *gpc_new(const uint64_t *words, uint64_t nwords, int check_kernel, int check_tag_cuda);
 void gpc_free(struct gpc *c);
+void gpc_close(struct gpc *c);
+int gpc_install(void);
 int64_t gpc_lookup(struct gpc *c, uint64_t ptr, uint64_t size);
 int gpc_release(struct gpc *c, int64_t id);
 int gpc_insert(struct gpc *c, int64_t id, uint64_t start, uint64_t end, uint64_t buffer_id,
@@ -82,6 +84,7 @@ uint64_t gp_cuda_buffer_id_or_0(uint64_t ptr);
 int gp_cuda_attr_u64(uint64_t ptr, int attr, uint64_t *out);
 #define GPC_MISS ...
 #define GPC_BAD_ARG ...
+#define GPC_CLOSED ...
 #define GPC_STALE_BASE ...
 """
 
@@ -92,6 +95,7 @@ HELPERS_SRC = r"""
 #include "gpupin.h"
 #include "nvp2p_sim.h"
 #include "gpupin_netlink.h"
+#include "gpupin_peer.h"
 
 #include <dlfcn.h>
 #include <pthread.h>
@@ -121,7 +125,8 @@ static int gpupin_call(int fd, unsigned long cmd, void *arg)
  */
 #define GPC_MISS (-1)
 #define GPC_BAD_ARG (-2)
-#define GPC_STALE_BASE 3	/* stale entry id -> -(id + GPC_STALE_BASE) */
+#define GPC_CLOSED (-3)
+#define GPC_STALE_BASE 4	/* stale entry id -> -(id + GPC_STALE_BASE) */
 
 struct gpc_ent {
 	uint64_t start, end, buffer_id, valid_word, slot, lru;
@@ -134,6 +139,7 @@ struct gpc {
 	const volatile uint64_t *words;
 	uint64_t nwords;
 	int check_kernel, check_tag_cuda;
+	int closed;			/* gpc_close(): every lookup says GPC_CLOSED */
 	struct gpc_ent *ents;
 	int64_t nents;
 	uint64_t *starts;
@@ -196,6 +202,27 @@ static struct gpc *gpc_new(const uint64_t *words, uint64_t nwords, int check_ker
 	return c;
 }
 
+/*
+ * The cache closed: drop the index and stop reading the validity map (which
+ * may be unmapped next).  The struct stays until gpc_free, since bound fast
+ * paths (gpc_bind) may still be called.
+ */
+static void gpc_close(struct gpc *c)
+{
+	pthread_mutex_lock(&c->lock);
+	c->closed = 1;
+	c->words = NULL;
+	c->nwords = 0;
+	c->n = c->nents = c->cap = 0;
+	free(c->ents);
+	free(c->starts);
+	free(c->ids);
+	c->ents = NULL;
+	c->starts = NULL;
+	c->ids = NULL;
+	pthread_mutex_unlock(&c->lock);
+}
+
 static void gpc_free(struct gpc *c)
 {
 	if (!c)
@@ -237,6 +264,10 @@ static int64_t gpc_lookup(struct gpc *c, uint64_t ptr, uint64_t size)
 	if (!size || ptr + size < ptr)
 		return GPC_BAD_ARG;
 	pthread_mutex_lock(&c->lock);
+	if (c->closed) {
+		pthread_mutex_unlock(&c->lock);
+		return GPC_CLOSED;
+	}
 	c->acquires++;
 	pos = gpc_pos(c, ptr);
 	if (pos < 0)
@@ -454,6 +485,90 @@ static void gpc_counts(struct gpc *c, uint64_t *acquires, uint64_t *hits)
 	*hits = c->hits;
 	pthread_mutex_unlock(&c->lock);
 }
+
+/*
+ * CPython entry points for the two hot paths, called with the vectorcall
+ * protocol (METH_FASTCALL): a cffi call costs ~200 ns (argument conversion,
+ * dropping and retaking the GIL), these ~40 ns.  They keep the GIL; the cache
+ * mutex still guards against the cffi-called gpc_* functions, which run
+ * without it and never wait for the GIL while holding the mutex.
+ * gpc_install() puts gpc_bind and cuda_buffer_id on this module once.
+ */
+static int gp_py_u64(PyObject *o, unsigned long long *out)
+{
+	*out = PyLong_AsUnsignedLongLong(o);
+	return *out == (unsigned long long)-1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* self: (address of struct gpc, its cffi pointer object, exception class) */
+static PyObject *gpc_py_hit(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+	struct gpc *c = PyLong_AsVoidPtr(PyTuple_GET_ITEM(self, 0));
+	unsigned long long ptr, size;
+	int64_t r;
+
+	if (nargs != 2) {
+		PyErr_SetString(PyExc_TypeError, "fast_lookup(ptr, size) takes exactly 2 arguments");
+		return NULL;
+	}
+	if (gp_py_u64(args[0], &ptr) || gp_py_u64(args[1], &size))
+		return NULL;
+	r = gpc_lookup(c, ptr, size);
+	if (r == GPC_CLOSED) {
+		PyErr_SetString(PyTuple_GET_ITEM(self, 2), "this RegistrationCache is closed");
+		return NULL;
+	}
+	return PyLong_FromLongLong(r);
+}
+
+static PyMethodDef gpc_hit_def = {
+	"fast_lookup", (PyCFunction)(void (*)(void))gpc_py_hit, METH_FASTCALL,
+	"fast_lookup(ptr, size) -> token >= 0 on a hit, or a code < 0 for miss()"
+};
+
+static PyObject *gpc_py_bind(PyObject *mod, PyObject *arg)
+{
+	if (!PyTuple_Check(arg) || PyTuple_GET_SIZE(arg) != 3 || !PyLong_Check(PyTuple_GET_ITEM(arg, 0))) {
+		PyErr_SetString(PyExc_TypeError, "gpc_bind((address, cdata, exception class))");
+		return NULL;
+	}
+	return PyCFunction_New(&gpc_hit_def, arg);
+}
+
+/* The buffer id at ptr straight from libcuda, 0 where it is not CUDA memory. */
+static PyObject *gp_py_cuda_buffer_id(PyObject *mod, PyObject *arg)
+{
+	unsigned long long ptr;
+
+	if (gp_py_u64(arg, &ptr))
+		return NULL;
+	return PyLong_FromUnsignedLongLong(gp_cuda_buffer_id_or_0(ptr));
+}
+
+static PyMethodDef gp_py_defs[] = {
+	{ "gpc_bind", gpc_py_bind, METH_O, "a fast_lookup bound to one cache core" },
+	{ "cuda_buffer_id", gp_py_cuda_buffer_id, METH_O, "buffer id at ptr, 0 if not CUDA memory" },
+};
+
+static int gpc_install(void)
+{
+	PyGILState_STATE g = PyGILState_Ensure();
+	PyObject *mod = PyImport_ImportModule("gpupin._gpupin_cffi");
+	int ret = mod ? 0 : -1;
+	size_t i;
+
+	for (i = 0; mod && !ret && i < sizeof(gp_py_defs) / sizeof(gp_py_defs[0]); i++) {
+		PyObject *fn = PyCFunction_New(&gp_py_defs[i], NULL);
+
+		ret = fn ? PyObject_SetAttrString(mod, gp_py_defs[i].ml_name, fn) : -1;
+		Py_XDECREF(fn);
+	}
+	Py_XDECREF(mod);
+	if (ret)
+		PyErr_Clear();
+	PyGILState_Release(g);
+	return ret;
+}
 """
 
 
@@ -462,6 +577,7 @@ def uapi_cdef() -> str:
     out = [
         "typedef unsigned char __u8;",
         "typedef unsigned int __u32;",
+        "typedef int __s32;",
         "typedef unsigned long long __u64;",
     ]
     for name in HEADERS:
@@ -489,6 +605,9 @@ ffibuilder.set_source(
     include_dirs=[str(UAPI)],
     libraries=["dl", "pthread"],
     extra_compile_args=["-O2", "-Wall"],
+    # The fast paths use the full C API (tuple macros); built per interpreter anyway.
+    py_limited_api=False,
+    define_macros=[("_CFFI_NO_LIMITED_API", None)],
 )
 
 # libkmod in an extension of its own: hosts without libkmod-dev still get the rest.

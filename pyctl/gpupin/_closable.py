@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+from .errors import DriverNotLoaded
 
 
 class Closable:
@@ -22,3 +25,11 @@ class Closable:
             self.close()
         except Exception:  # noqa: S110 - best effort at interpreter teardown
             pass
+
+
+def open_node(path: str, hint: str) -> int:
+    """Open a device node read-write; a missing node raises DriverNotLoaded with ``hint``."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise DriverNotLoaded(f"{path} does not exist: {hint}") from None

@@ -17,4 +17,10 @@ except ImportError as exc:  # pragma: no cover - depends on the build
 ffi: Any = _ext.ffi
 lib: Any = _ext.lib
 
-__all__ = ["ffi", "lib"]
+# The CPython entry points of the hot paths (see gpc_install in _build.py);
+# None where installing them failed, and callers fall back to the cffi calls.
+_fast = lib.gpc_install() == 0
+gpc_bind: Any = getattr(_ext, "gpc_bind", None) if _fast else None
+cuda_buffer_id: Any = getattr(_ext, "cuda_buffer_id", None) if _fast else None
+
+__all__ = ["cuda_buffer_id", "ffi", "gpc_bind", "lib"]

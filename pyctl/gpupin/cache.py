@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from ._native import ffi, lib
+from ._native import ffi, gpc_bind, lib
 from .errors import BarExhausted, BudgetExceeded, GpupinError, InvalidArgument, NotGpuMemory, UnknownHandle
 from .memory import MemoryProvider
 
@@ -215,6 +215,10 @@ class RegistrationCache:
             # Through a proxy: a bound method stored on self would be a reference cycle,
             # keeping the cache (and its hold on the validity map) alive until a GC pass.
             self.fast_lookup = functools.partial(RegistrationCache.lookup, weakref.proxy(self))
+        elif gpc_bind is not None:
+            # One vectorcall into C; it holds self._c, so the core outlives any copy of it.
+            addr = int(ffi.cast("uintptr_t", self._c))
+            self.fast_lookup = gpc_bind((addr, self._c, InvalidArgument))
         else:
             self.fast_lookup = functools.partial(self._lookup, self._c)
 
@@ -504,7 +508,7 @@ class RegistrationCache:
                     self._st.unpins += 1
             self._ents, self._free_ids = [], []
             self.fast_lookup = _closed_lookup
-            ffi.release(self._c)
+            lib.gpc_close(self._c)     # a saved fast_lookup now raises; freed with self._c
             if self._map_buf is not None:
                 ffi.release(self._map_buf)
                 self._map_buf = None

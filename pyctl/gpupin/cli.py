@@ -156,6 +156,9 @@ def cmd_load(s: Session, a: argparse.Namespace) -> Result:
     if not kmod.is_loaded("gpupin"):
         kmod.load(kmod.module_file("gpupin"), params)
         loaded.append("gpupin")
+    if a.peer and not kmod.is_loaded("gpupin_peer"):
+        kmod.load(kmod.module_file("gpupin_peer"), {})
+        loaded.append("gpupin_peer")
     return {"loaded": loaded, "provider": "nvp2p_sim" if use_sim else "nvidia"}
 
 
@@ -164,7 +167,7 @@ def cmd_unload(s: Session, a: argparse.Namespace) -> Result:
 
     s.close()
     done = []
-    for m in ("gpupin", "nvp2p_sim"):
+    for m in ("gpupin_peer", "gpupin", "nvp2p_sim"):
         if kmod.is_loaded(m):
             kmod.unload(m)
             done.append(m)
@@ -328,8 +331,10 @@ def build_parser() -> _Parser:
     add("status", cmd_status, "module state, ABI, provider, capabilities and limits")
     sp = add("load", cmd_load, "load nvp2p_sim (with --sim, or when nvidia is absent) and gpupin")
     sp.add_argument("--sim", action="store_true", help="use the simulator even if nvidia is loaded")
+    sp.add_argument("--peer", action="store_true",
+                    help="also load the example peer driver gpupin_peer (tests, demo)")
     sp.add_argument("params", nargs="*", help="gpupin parameters name=value; sim.name=value for the simulator")
-    add("unload", cmd_unload, "unload gpupin and the simulator")
+    add("unload", cmd_unload, "unload the peer example, gpupin and the simulator")
     sp = add("pin", cmd_pin, "pin [VA, VA+SIZE) (released when this process exits)")
     sp.add_argument("va", nargs="?", type=parse_int)
     sp.add_argument("size", nargs="?", type=parse_size)

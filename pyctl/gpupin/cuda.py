@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._native import ffi, lib
+from ._native import cuda_buffer_id, ffi, lib
 from .errors import DriverNotLoaded, GpupinError, NotGpuMemory
 from .memory import AllocationRange, ProviderBase
 
@@ -62,7 +62,7 @@ class CudaMemory(ProviderBase):
         self.device = device
         # The tag query on the hot path goes straight to libcuda (no cuda-python layer).
         self.direct_tag_query = lib.gp_cuda_open(int(self._buffer_id_attr)) == 0
-        self._direct = lib.gp_cuda_buffer_id_or_0
+        self._direct = cuda_buffer_id or lib.gp_cuda_buffer_id_or_0
         # VMM chunks: RANGE_* spans the whole reserved range, MAPPING_* the chunk
         # (measured on an H200, driver 580); cuda-python does not wrap MAPPING_*.
         self._mapping_attrs = tuple(int(getattr(P, n)) for n in (

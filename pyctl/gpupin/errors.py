@@ -62,6 +62,21 @@ class ModuleError(GpupinError):
     """Loading or unloading a kernel module failed."""
 
 
+class TransferAborted(GpupinError):
+    """A peer-driver transfer stopped because the GPU memory went away (ENODEV or EIO).
+
+    ``done`` is the number of bytes moved before it stopped; for a read,
+    ``partial`` holds them.
+    """
+
+    done: int = 0
+    partial: bytes = b""
+
+    def __init__(self, message: str, err: int | None = None, done: int = 0) -> None:
+        super().__init__(message, err)
+        self.done = done
+
+
 _HINTS = {
     errno.EINVAL: "check the arguments (flags and reserved fields must be 0, size > 0)",
     errno.ENOENT: "the handle is not (or no longer) a pin of this file",

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ._closable import open_node
 from ._native import ffi, lib
 from .errors import DriverNotLoaded, InvalidArgument, NotGpuMemory, from_errno
 from .memory import AllocationRange, ProviderBase
@@ -30,11 +31,13 @@ class SimStats:
     callbacks_run: int
     tables_not_freed: int
     mappings_not_freed: int
+    quarantine_bytes: int
+    poison_errors: int
 
     def leaks(self) -> dict[str, int]:
         """Counters that must be 0 once everything is released, and are not."""
         keys = ("pinned_pages", "bar_bytes", "live_callbacks", "page_tables", "dma_mappings",
-                "tables_not_freed", "mappings_not_freed")
+                "tables_not_freed", "mappings_not_freed", "poison_errors")
         return {k: getattr(self, k) for k in keys if getattr(self, k)}
 
 
@@ -48,12 +51,7 @@ class SimMemory(ProviderBase):
     name = "nvp2p_sim"
 
     def __init__(self, path: str = SIM_PATH) -> None:
-        try:
-            self._fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise DriverNotLoaded(
-                f"{path} does not exist: load the simulator with 'gpupin load --sim'"
-            ) from None
+        self._fd = open_node(path, "load the simulator with 'gpupin load --sim'")
         self.sync_memops_calls = 0
 
     def close(self) -> None:

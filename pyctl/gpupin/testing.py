@@ -24,6 +24,7 @@ from .device import Device
 from .errors import ModuleError
 from .kmod import ko_dir
 from .memory import MemoryProvider
+from .peer import Peer
 from .sim import SimMemory, set_sim_param, sim_stats
 
 NATIVE = os.environ.get("GPUPIN_NATIVE") == "1"
@@ -98,6 +99,26 @@ def sim(leakcheck: None) -> Iterator[SimMemory]:
     mem = SimMemory()
     yield mem
     mem.close()
+
+
+def load_peer() -> None:
+    """Load the example peer driver for the PCI device the tests map for."""
+    if not kmod.is_loaded("gpupin_peer"):
+        devs = sorted(os.listdir("/sys/bus/pci/devices"))
+        if not devs:
+            _unavailable("no PCI device for the peer driver to map for")
+        kmod.load(str(ko_dir() / "gpupin_peer.ko"), {"pci": devs[-1]})
+
+
+@pytest.fixture
+def peer(leakcheck: None) -> Iterator[Peer]:
+    """An open /dev/gpupin_peer (the example peer driver), simulator only."""
+    if NATIVE:
+        pytest.skip("the example peer driver copies through host pages: simulator only")
+    load_peer()
+    p = Peer()
+    yield p
+    p.close()
 
 
 @pytest.fixture

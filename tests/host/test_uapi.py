@@ -20,7 +20,7 @@ def c_sizes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, int]:
     src = d / "sizes.c"
     body = "\n".join(f'printf("{s} %zu\\n", sizeof(struct {s}));' for s in STRUCTS)
     src.write_text('#include <stdio.h>\n#include <linux/types.h>\n#include "gpupin.h"\n'
-                   f'#include "nvp2p_sim.h"\nint main(void) {{ {body} return 0; }}\n')
+                   f'#include "nvp2p_sim.h"\n#include "gpupin_peer.h"\nint main(void) {{ {body} return 0; }}\n')
     exe = d / "sizes"
     subprocess.run(["cc", "-Wall", "-Werror", "-I", str(ROOT / "include/uapi"), "-o", str(exe), str(src)],
                    check=True)
@@ -46,7 +46,12 @@ IOCTLS = {
     "GPUPIN_IOC_GET_PAGES": ("gpupin_get_pages", 1), "GPUPIN_IOC_DMA_MAP": ("gpupin_dma_map", 3),
     "GPUPIN_IOC_DMA_ADDRS": ("gpupin_dma_addrs", 1), "GPUPIN_IOC_DMA_UNMAP": ("gpupin_dma_unmap", 1),
     "NVP2P_SIM_IOC_ALLOC": ("nvp2p_sim_alloc", 3), "NVP2P_SIM_IOC_STATS": ("nvp2p_sim_stats", 2),
+    "GPUPIN_PEER_IOC_XFER": ("gpupin_peer_xfer", 3), "GPUPIN_PEER_IOC_HOLD": ("gpupin_peer_hold", 3),
+    "GPUPIN_PEER_IOC_RELEASE": ("gpupin_peer_release", 1),
+    "GPUPIN_PEER_IOC_STATUS": ("gpupin_peer_status", 2),
 }
+MAGICS = {"GPUPIN_PEER_IOC_": "GPUPIN_PEER_IOC_MAGIC", "GPUPIN_IOC_": "GPUPIN_IOC_MAGIC",
+          "NVP2P_SIM_IOC_": "NVP2P_SIM_IOC_MAGIC"}
 
 
 @pytest.mark.parametrize("name", sorted(IOCTLS))
@@ -55,7 +60,7 @@ def test_ioctl_numbers_encode_the_struct(name: str) -> None:
     nr = getattr(lib, name)
     assert (nr >> 16) & 0x3FFF == ffi.sizeof(f"struct {struct}"), "size field is the struct's, not a pointer's"
     assert nr >> 30 == direction
-    magic = lib.GPUPIN_IOC_MAGIC if name.startswith("GPUPIN") else lib.NVP2P_SIM_IOC_MAGIC
+    magic = next(getattr(lib, m) for prefix, m in MAGICS.items() if name.startswith(prefix))
     assert (nr >> 8) & 0xFF == magic
 
 

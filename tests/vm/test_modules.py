@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.vm, pytest.mark.simonly]
 
 
 def unload_all() -> None:
-    for m in ("gpupin", "nvp2p_sim"):
+    for m in ("gpupin_peer", "gpupin", "nvp2p_sim"):
         if kmod.is_loaded(m):
             kmod.unload(m)
 

@@ -1,0 +1,384 @@
+// SPDX-License-Identifier: (GPL-2.0 OR MIT)
+/*
+ * gpupin_peer: an example third-party driver built on gpupin's kernel API
+ * (include/gpupin/gpupin.h).  /dev/gpupin_peer behaves like a DMA engine of
+ * a PCI device: it maps the user's pin for that device and copies between
+ * the pinned pages and a user buffer, one GPU page at a time.  The "engine"
+ * is the CPU: it turns each bus address back into a page, which works where
+ * bus addresses are physical addresses (no IOMMU, host memory - the
+ * simulator in a VM) and is checked page by page against the page table.
+ *
+ * Loaded only by tests and the demo.  Holds (GPUPIN_PEER_IOC_HOLD) stand for
+ * registered memory regions that a driver keeps between transfers.
+ */
+#define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
+
+#include <linux/atomic.h>
+#include <linux/delay.h>
+#include <linux/err.h>
+#include <linux/fs.h>
+#include <linux/highmem.h>
+#include <linux/miscdevice.h>
+#include <linux/module.h>
+#include <linux/moduleparam.h>
+#include <linux/mutex.h>
+#include <linux/pci.h>
+#include <linux/slab.h>
+#include <linux/uaccess.h>
+#include <linux/xarray.h>
+#include <gpupin/gpupin.h>
+#include "../../include/uapi/gpupin_peer.h"
+
+#define PEER_MAX_HOLDS 1024
+
+static char *peer_pci;
+module_param_named(pci, peer_pci, charp, 0444);
+MODULE_PARM_DESC(pci, "PCI device (DDDD:BB:DD.F) whose DMA mappings are used (default: the first one)");
+
+static unsigned int peer_chunk_delay_us;
+module_param_named(chunk_delay_us, peer_chunk_delay_us, uint, 0644);
+MODULE_PARM_DESC(chunk_delay_us, "Pause after each GPU page of a transfer, to let tests race it (default 0)");
+
+static struct pci_dev *peer_pdev;	/* set at load, reference held */
+
+struct peer_file {
+	struct mutex lock;		/* holds and the counters below */
+	struct xarray holds;		/* hold id -> peer_hold */
+	u32 next_id;
+	atomic_t notified;		/* holds whose memory went away */
+	u64 transfers;
+	u64 aborted;
+};
+
+struct peer_hold {
+	struct gpupin_ref *ref;
+	struct peer_file *pf;
+	bool notified;
+};
+
+/* A transfer in progress: the notifier stops it at the next page. */
+struct peer_xfer_state {
+	bool stop;
+};
+
+static void peer_xfer_notify(void *priv)
+{
+	struct peer_xfer_state *st = priv;
+
+	WRITE_ONCE(st->stop, true);
+}
+
+static void peer_hold_notify(void *priv)
+{
+	struct peer_hold *h = priv;
+
+	/* A real driver would quiesce its DMA queue for this region here. */
+	WRITE_ONCE(h->notified, true);
+	atomic_inc(&h->pf->notified);
+}
+
+/*
+ * Copy @n bytes between @bounce and the GPU page @idx of @ref, starting
+ * @off bytes into it, through the DMA mapping.  Inside an access section.
+ */
+static int peer_copy_page(struct gpupin_ref *ref, u32 idx, u32 off, void *bounce, u32 n,
+			  bool to_gpu)
+{
+	dma_addr_t bus = gpupin_ref_dma_addr(ref, idx);
+	u64 phys = gpupin_ref_page_phys(ref, idx);
+	u32 done = 0;
+
+	/* The CPU "engine" needs bus == physical, and RAM behind it. */
+	if (!bus || bus != phys) {
+		pr_warn_ratelimited("page %u: bus address is not the physical address\n", idx);
+		return -EOPNOTSUPP;
+	}
+	while (done < n) {
+		u64 pos = phys + off + done;
+		u32 in_page = offset_in_page(pos);
+		u32 len = min_t(u32, n - done, PAGE_SIZE - in_page);
+		struct page *page;
+		void *va;
+
+		if (!pfn_valid(PHYS_PFN(pos)))
+			return -EOPNOTSUPP;
+		page = pfn_to_page(PHYS_PFN(pos));
+		va = kmap_local_page(page);
+		if (to_gpu)
+			memcpy(va + in_page, bounce + done, len);
+		else
+			memcpy(bounce + done, va + in_page, len);
+		kunmap_local(va);
+		done += len;
+	}
+	return 0;
+}
+
+static int peer_transfer(struct gpupin_ref *ref, struct peer_xfer_state *st,
+			 struct gpupin_peer_xfer *arg)
+{
+	struct gpupin_ref_info info;
+	bool to_gpu = arg->flags & GPUPIN_PEER_TO_GPU;
+	void __user *ubuf = u64_to_user_ptr(arg->buf);
+	void *bounce;
+	u64 pos;
+	int ret;
+
+	ret = gpupin_ref_info(ref, &info);
+	if (ret)
+		return ret;
+	if (arg->offset > info.size || arg->length > info.size - arg->offset)
+		return -EINVAL;
+	ret = gpupin_ref_dma_map(ref, peer_pdev);
+	if (ret)
+		return ret;
+	bounce = kmalloc(info.page_size, GFP_KERNEL);
+	if (!bounce)
+		return -ENOMEM;
+	pos = info.va - info.aligned_va + arg->offset;
+	while (arg->done < arg->length) {
+		u32 off = pos & (info.page_size - 1);
+		u32 n = min_t(u64, arg->length - arg->done, info.page_size - off);
+		u32 idx = pos / info.page_size;
+
+		/* Never fault on user memory inside an access section. */
+		if (to_gpu && copy_from_user(bounce, ubuf + arg->done, n)) {
+			ret = -EFAULT;
+			break;
+		}
+		if (READ_ONCE(st->stop) || gpupin_access_begin(ref)) {
+			ret = arg->done ? -EIO : -ENODEV;
+			break;
+		}
+		ret = peer_copy_page(ref, idx, off, bounce, n, to_gpu);
+		gpupin_access_end(ref);
+		if (ret)
+			break;
+		if (!to_gpu && copy_to_user(ubuf + arg->done, bounce, n)) {
+			ret = -EFAULT;
+			break;
+		}
+		arg->done += n;
+		pos += n;
+		if (READ_ONCE(peer_chunk_delay_us))
+			fsleep(READ_ONCE(peer_chunk_delay_us));
+	}
+	kfree(bounce);
+	return ret;
+}
+
+static long peer_ioctl_xfer(struct peer_file *pf, struct gpupin_peer_xfer __user *uarg)
+{
+	struct peer_xfer_state st = { };
+	struct gpupin_peer_xfer arg;
+	struct gpupin_ref *ref;
+	long ret;
+
+	if (copy_from_user(&arg, uarg, sizeof(arg)))
+		return -EFAULT;
+	if ((arg.flags & ~GPUPIN_PEER_XFER_FLAGS_ALL) || arg.done ||
+	    arg.reserved[0] || arg.reserved[1] || !arg.length)
+		return -EINVAL;
+	ref = gpupin_ref_get(arg.gpupin_fd, arg.handle, peer_xfer_notify, &st);
+	if (IS_ERR(ref))
+		return PTR_ERR(ref);
+	ret = peer_transfer(ref, &st, &arg);
+	gpupin_ref_put(ref);
+	mutex_lock(&pf->lock);
+	if (!ret)
+		pf->transfers++;
+	else if (ret == -EIO || ret == -ENODEV)
+		pf->aborted++;
+	mutex_unlock(&pf->lock);
+	if (copy_to_user(&uarg->done, &arg.done, sizeof(arg.done)))
+		return -EFAULT;
+	return ret;
+}
+
+static long peer_ioctl_hold(struct peer_file *pf, struct gpupin_peer_hold __user *uarg)
+{
+	struct gpupin_peer_hold arg;
+	struct peer_hold *h;
+	u32 id;
+	int ret;
+
+	if (copy_from_user(&arg, uarg, sizeof(arg)))
+		return -EFAULT;
+	if (arg.flags || arg.hold_id || arg.pad || arg.reserved[0] || arg.reserved[1])
+		return -EINVAL;
+	h = kzalloc(sizeof(*h), GFP_KERNEL);
+	if (!h)
+		return -ENOMEM;
+	h->pf = pf;
+	h->ref = gpupin_ref_get(arg.gpupin_fd, arg.handle, peer_hold_notify, h);
+	if (IS_ERR(h->ref)) {
+		ret = PTR_ERR(h->ref);
+		goto err_free;
+	}
+	ret = gpupin_ref_dma_map(h->ref, peer_pdev);
+	if (ret)
+		goto err_put;
+	mutex_lock(&pf->lock);
+	ret = xa_alloc(&pf->holds, &id, h, XA_LIMIT(1, PEER_MAX_HOLDS), GFP_KERNEL);
+	mutex_unlock(&pf->lock);
+	if (ret)
+		goto err_put;
+	arg.hold_id = id;
+	if (copy_to_user(uarg, &arg, sizeof(arg)))
+		return -EFAULT;	/* the hold stays until close */
+	return 0;
+
+err_put:
+	gpupin_ref_put(h->ref);
+err_free:
+	kfree(h);
+	return ret;
+}
+
+static void peer_hold_free(struct peer_hold *h)
+{
+	if (READ_ONCE(h->notified))
+		atomic_dec(&h->pf->notified);
+	gpupin_ref_put(h->ref);
+	kfree(h);
+}
+
+static long peer_ioctl_release(struct peer_file *pf, struct gpupin_peer_release __user *uarg)
+{
+	struct gpupin_peer_release arg;
+	struct peer_hold *h;
+
+	if (copy_from_user(&arg, uarg, sizeof(arg)))
+		return -EFAULT;
+	if (arg.flags)
+		return -EINVAL;
+	mutex_lock(&pf->lock);
+	h = xa_erase(&pf->holds, arg.hold_id);
+	mutex_unlock(&pf->lock);
+	if (!h)
+		return -ENOENT;
+	peer_hold_free(h);
+	return 0;
+}
+
+static long peer_ioctl_status(struct peer_file *pf, struct gpupin_peer_status __user *uarg)
+{
+	struct gpupin_peer_status st = { };
+	struct peer_hold *h;
+	unsigned long id;
+
+	mutex_lock(&pf->lock);
+	xa_for_each(&pf->holds, id, h)
+		st.holds++;
+	st.transfers = pf->transfers;
+	st.aborted = pf->aborted;
+	mutex_unlock(&pf->lock);
+	st.notified = atomic_read(&pf->notified);
+	return copy_to_user(uarg, &st, sizeof(st)) ? -EFAULT : 0;
+}
+
+static long peer_ioctl(struct file *file, unsigned int cmd, unsigned long arg)
+{
+	struct peer_file *pf = file->private_data;
+	void __user *uarg = (void __user *)arg;
+
+	switch (cmd) {
+	case GPUPIN_PEER_IOC_XFER:
+		return peer_ioctl_xfer(pf, uarg);
+	case GPUPIN_PEER_IOC_HOLD:
+		return peer_ioctl_hold(pf, uarg);
+	case GPUPIN_PEER_IOC_RELEASE:
+		return peer_ioctl_release(pf, uarg);
+	case GPUPIN_PEER_IOC_STATUS:
+		return peer_ioctl_status(pf, uarg);
+	default:
+		return -ENOTTY;
+	}
+}
+
+static int peer_open(struct inode *inode, struct file *file)
+{
+	struct peer_file *pf = kzalloc(sizeof(*pf), GFP_KERNEL);
+
+	if (!pf)
+		return -ENOMEM;
+	mutex_init(&pf->lock);
+	xa_init_flags(&pf->holds, XA_FLAGS_ALLOC1);
+	atomic_set(&pf->notified, 0);
+	file->private_data = pf;
+	return 0;
+}
+
+static int peer_release(struct inode *inode, struct file *file)
+{
+	struct peer_file *pf = file->private_data;
+	struct peer_hold *h;
+	unsigned long id;
+
+	xa_for_each(&pf->holds, id, h) {
+		xa_erase(&pf->holds, id);
+		peer_hold_free(h);
+	}
+	xa_destroy(&pf->holds);
+	kfree(pf);
+	return 0;
+}
+
+static const struct file_operations peer_fops = {
+	.owner = THIS_MODULE,
+	.open = peer_open,
+	.release = peer_release,
+	.unlocked_ioctl = peer_ioctl,
+	.compat_ioctl = compat_ptr_ioctl,
+	.llseek = noop_llseek,
+};
+
+static struct miscdevice peer_miscdev = {
+	.minor = MISC_DYNAMIC_MINOR,
+	.name = "gpupin_peer",
+	.fops = &peer_fops,
+	.mode = 0660,
+};
+
+static struct pci_dev *peer_find_pdev(void)
+{
+	unsigned int domain, bus, dev, fn;
+
+	if (!peer_pci || !*peer_pci)
+		return pci_get_device(PCI_ANY_ID, PCI_ANY_ID, NULL);
+	if (sscanf(peer_pci, "%x:%x:%x.%x", &domain, &bus, &dev, &fn) != 4 ||
+	    domain > 0xffff || bus > 0xff || dev > 0x1f || fn > 7)
+		return NULL;
+	return pci_get_domain_bus_and_slot(domain, bus, PCI_DEVFN(dev, fn));
+}
+
+static int __init peer_init(void)
+{
+	int ret;
+
+	peer_pdev = peer_find_pdev();
+	if (!peer_pdev) {
+		pr_err("no PCI device %s\n", peer_pci ? peer_pci : "at all");
+		return -ENODEV;
+	}
+	ret = misc_register(&peer_miscdev);
+	if (ret) {
+		pci_dev_put(peer_pdev);
+		return ret;
+	}
+	pr_info("DMA engine of %s ready\n", pci_name(peer_pdev));
+	return 0;
+}
+
+static void __exit peer_exit(void)
+{
+	misc_deregister(&peer_miscdev);
+	pci_dev_put(peer_pdev);
+}
+
+module_init(peer_init);
+module_exit(peer_exit);
+
+MODULE_LICENSE("Dual MIT/GPL");
+MODULE_DESCRIPTION("Example peer driver: DMA through GPU memory pinned by gpupin");
+MODULE_AUTHOR("gpupin developers");
