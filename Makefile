@@ -29,7 +29,7 @@ modules:
 
 clean:
 	-$(KMAKE) clean
-	rm -rf build pyctl/gpupin/_gpupin_cffi.* pyctl/gpupin/_gpupin_kmod.*
+	rm -rf build pyctl/gpupin/_gpupin_cffi.* pyctl/gpupin/_gpupin_kmod.* pyctl/gpupin/_gpupin_drm.*
 
 # Installs apt packages and the virtualenv; idempotent.
 setup:

@@ -18,10 +18,15 @@
 
 static void gpupin_map_destroy(struct gpupin_region *pin, struct gpupin_map *map)
 {
-	int ret = nvidia_p2p_dma_unmap_pages(map->pdev, pin->pt, map->m);
+	int ret;
 
-	if (ret)
-		pr_warn_ratelimited("dma_unmap_pages failed: %d\n", ret);
+	if (map->att.attach) {
+		gpupin_dmabuf_unmap(map);
+	} else {
+		ret = nvidia_p2p_dma_unmap_pages(map->pdev, pin->pt, map->m);
+		if (ret)
+			pr_warn_ratelimited("dma_unmap_pages failed: %d\n", ret);
+	}
 	pci_dev_put(map->pdev);
 	kfree(map);
 }
@@ -84,9 +89,56 @@ static struct gpupin_map *gpupin_map_find_locked(struct gpupin_region *pin, u32 
 }
 
 /*
+ * Put @map on @pin's list under a new id: -ENOSPC past the per-pin limit,
+ * -ENXIO for a dma-buf pin that is no longer PINNED.
+ */
+int gpupin_map_add(struct gpupin_region *pin, struct gpupin_map *map)
+{
+	int ret = 0;
+
+	spin_lock(&pin->lock);
+	if (pin->dmabuf && pin->state != GPUPIN_PIN_PINNED) {
+		ret = -ENXIO;
+	} else if (gpupin_map_count_locked(pin) >= GPUPIN_MAX_MAPS_PER_PIN) {
+		ret = -ENOSPC;
+	} else {
+		map->id = ++pin->next_map_id;
+		list_add_tail(&map->node, &pin->maps);
+	}
+	spin_unlock(&pin->lock);
+	return ret;
+}
+
+/* nv-p2p: nvidia_p2p_dma_map_pages, as an in-flight user of the pin. */
+static int gpupin_nvp2p_map(struct gpupin_region *pin, struct gpupin_map *map)
+{
+	int ret = gpupin_pin_use(pin);
+
+	if (ret)
+		return ret;
+	ret = nvidia_p2p_dma_map_pages(map->pdev, pin->pt, &map->m);
+	if (ret)
+		goto out;
+	if (!NVIDIA_P2P_DMA_MAPPING_VERSION_COMPATIBLE(map->m) ||
+	    map->m->entries != pin->entries) {
+		pr_warn_ratelimited("incompatible DMA mapping (version 0x%08x)\n",
+				    map->m->version);
+		ret = -EPROTO;
+	} else {
+		map->dma = map->m->dma_addresses;
+		ret = gpupin_map_add(pin, map);		/* others may have mapped meanwhile */
+	}
+	if (ret)
+		nvidia_p2p_dma_unmap_pages(map->pdev, pin->pt, map->m);
+out:
+	gpupin_pin_unuse(pin);
+	return ret;
+}
+
+/*
  * Map @pin's pages for @pdev and add the mapping to the pin, owned by user
- * space (@user) or by one kernel-API reference.  The caller is an in-flight
- * user of the pin.  Takes its own reference on @pdev.
+ * space (@user) or by one kernel-API reference.  The caller must not be an
+ * in-flight user.  Takes its own reference on @pdev.
  */
 int gpupin_map_create(struct gpupin_region *pin, struct pci_dev *pdev, bool user,
 		      struct gpupin_map **out)
@@ -103,51 +155,32 @@ int gpupin_map_create(struct gpupin_region *pin, struct pci_dev *pdev, bool user
 	map = gpupin_kzalloc(sizeof(*map), GFP_KERNEL);
 	if (!map)
 		return -ENOMEM;
+	map->pin = pin;
 	map->pdev = pci_dev_get(pdev);
-	ret = nvidia_p2p_dma_map_pages(map->pdev, pin->pt, &map->m);
-	if (ret)
-		goto out_free;
-	if (!NVIDIA_P2P_DMA_MAPPING_VERSION_COMPATIBLE(map->m) ||
-	    map->m->entries != pin->pt->entries) {
-		pr_warn_ratelimited("incompatible DMA mapping (version 0x%08x)\n",
-				    map->m->version);
-		nvidia_p2p_dma_unmap_pages(map->pdev, pin->pt, map->m);
-		ret = -EPROTO;
-		goto out_free;
-	}
 	map->user_owned = user;
 	map->drv_users = !user;
-	spin_lock(&pin->lock);
-	n = gpupin_map_count_locked(pin);
-	if (n < GPUPIN_MAX_MAPS_PER_PIN) {
-		map->id = ++pin->next_map_id;
-		list_add_tail(&map->node, &pin->maps);
-	}
-	spin_unlock(&pin->lock);
-	if (n >= GPUPIN_MAX_MAPS_PER_PIN) {	/* others mapped meanwhile */
-		nvidia_p2p_dma_unmap_pages(map->pdev, pin->pt, map->m);
-		ret = -ENOSPC;
-		goto out_free;
+	ret = pin->dmabuf ? gpupin_dmabuf_map(pin, map) : gpupin_nvp2p_map(pin, map);
+	if (ret) {
+		pci_dev_put(map->pdev);
+		kfree(map);
+		return ret;
 	}
 	atomic64_inc(&gpupin_stats.dma_maps);
 	*out = map;
 	return 0;
-
-out_free:
-	pci_dev_put(map->pdev);
-	kfree(map);
-	return ret;
 }
 
 /*
  * A kernel-API reference's mapping for @pdev: an existing one of the pin is
- * shared, else a new one is made.  The caller is an in-flight user.
+ * shared, else a new one is made.  The caller must not be an in-flight user.
  */
 int gpupin_map_for_driver(struct gpupin_region *pin, struct pci_dev *pdev,
 			  struct gpupin_map **out)
 {
 	struct gpupin_map *map, *found = NULL;
 
+	if (gpupin_pin_use(pin))
+		return -ENODEV;
 	spin_lock(&pin->lock);
 	list_for_each_entry(map, &pin->maps, node) {
 		if (map->pdev == pdev) {
@@ -157,6 +190,7 @@ int gpupin_map_for_driver(struct gpupin_region *pin, struct pci_dev *pdev,
 		}
 	}
 	spin_unlock(&pin->lock);
+	gpupin_pin_unuse(pin);
 	if (found) {
 		*out = found;
 		return 0;
@@ -165,23 +199,38 @@ int gpupin_map_for_driver(struct gpupin_region *pin, struct pci_dev *pdev,
 }
 
 /*
- * A kernel-API reference drops its share of mapping @id.  The caller is an
- * in-flight user of the pin.
+ * Destroy @map, taken off @pin's list by the caller, an in-flight user:
+ * nv-p2p mappings before the use ends (the free callback must not free the
+ * page table under dma_unmap_pages), dma-buf ones after it (unmapping takes
+ * the reservation lock, under which a revocation waits for in-flight users).
+ */
+static void gpupin_map_destroy_unuse(struct gpupin_region *pin, struct gpupin_map *map)
+{
+	if (map && !pin->dmabuf)
+		gpupin_map_destroy(pin, map);
+	gpupin_pin_unuse(pin);
+	if (map && pin->dmabuf)
+		gpupin_map_destroy(pin, map);
+}
+
+/*
+ * A kernel-API reference drops its share of mapping @id.  Nothing to do
+ * once the memory is gone: the mappings went (nv-p2p) or go at release.
  */
 void gpupin_map_drop_driver(struct gpupin_region *pin, u32 id)
 {
 	struct gpupin_map *map;
-	bool last = false;
 
+	if (gpupin_pin_use(pin))
+		return;
 	spin_lock(&pin->lock);
 	map = gpupin_map_find_locked(pin, id);
-	if (map && !--map->drv_users && !map->user_owned) {
+	if (map && !--map->drv_users && !map->user_owned)
 		list_del(&map->node);
-		last = true;
-	}
+	else
+		map = NULL;
 	spin_unlock(&pin->lock);
-	if (last)
-		gpupin_map_destroy(pin, map);
+	gpupin_map_destroy_unuse(pin, map);
 }
 
 long gpupin_ioctl_dma_map(struct gpupin_file *f, struct gpupin_dma_map __user *uarg)
@@ -204,14 +253,10 @@ long gpupin_ioctl_dma_map(struct gpupin_file *f, struct gpupin_dma_map __user *u
 	pdev = pci_get_domain_bus_and_slot(arg.pci_domain, arg.pci_bus, arg.pci_devfn);
 	if (!pdev)
 		goto out_put;
-	ret = gpupin_pin_use(pin);
+	ret = gpupin_map_create(pin, pdev, true, &map);
 	if (!ret) {
-		ret = gpupin_map_create(pin, pdev, true, &map);
-		if (!ret) {
-			arg.mapping_id = map->id;
-			arg.entries = map->m->entries;
-		}
-		gpupin_pin_unuse(pin);
+		arg.mapping_id = map->id;
+		arg.entries = pin->entries;
 	}
 	pci_dev_put(pdev);
 	/* On a fault the mapping stays; it goes away with the pin. */
@@ -241,7 +286,7 @@ long gpupin_ioctl_dma_addrs(struct gpupin_file *f, struct gpupin_dma_addrs __use
 	pin = gpupin_pin_lookup(f, arg.handle);
 	if (!pin)
 		return -ENOENT;
-	entries = pin->aligned_size >> GPU_BOUND_SHIFT;
+	entries = pin->entries;
 	ret = -EINVAL;
 	if (arg.first >= entries || arg.count > entries - arg.first)
 		goto out_put;
@@ -256,7 +301,7 @@ long gpupin_ioctl_dma_addrs(struct gpupin_file *f, struct gpupin_dma_addrs __use
 	map = gpupin_map_find_locked(pin, arg.mapping_id);
 	if (map) {
 		for (i = 0; i < arg.count; i++)
-			addrs[i] = map->m->dma_addresses[arg.first + i];
+			addrs[i] = map->dma[arg.first + i];
 	}
 	spin_unlock(&pin->lock);
 	gpupin_pin_unuse(pin);
@@ -276,7 +321,6 @@ long gpupin_ioctl_dma_unmap(struct gpupin_file *f, struct gpupin_dma_unmap __use
 	struct gpupin_dma_unmap arg;
 	struct gpupin_region *pin;
 	struct gpupin_map *map;
-	bool last = true;
 	int ret;
 
 	if (copy_from_user(&arg, uarg, sizeof(arg)))
@@ -293,18 +337,16 @@ long gpupin_ioctl_dma_unmap(struct gpupin_file *f, struct gpupin_dma_unmap __use
 	map = gpupin_map_find_locked(pin, arg.mapping_id);
 	if (map && !map->user_owned)
 		map = NULL;	/* a driver's own mapping */
+	ret = map ? 0 : -ENOENT;
 	if (map) {
 		map->user_owned = false;
 		if (map->drv_users)
-			last = false;	/* drivers still use it: theirs now */
+			map = NULL;	/* drivers still use it: theirs now */
 		else
 			list_del(&map->node);
 	}
 	spin_unlock(&pin->lock);
-	if (map && last)
-		gpupin_map_destroy(pin, map);
-	gpupin_pin_unuse(pin);
-	ret = map ? 0 : -ENOENT;
+	gpupin_map_destroy_unuse(pin, map);
 out_put:
 	gpupin_pin_put(pin);
 	return ret;

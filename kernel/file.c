@@ -5,6 +5,7 @@
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
+#include <linux/dma-mapping.h>
 #include <linux/fs.h>
 #include <linux/miscdevice.h>
 #include <linux/mm.h>
@@ -148,6 +149,8 @@ static long gpupin_ioctl(struct file *file, unsigned int cmd, unsigned long arg)
 		return gpupin_ioctl_dma_addrs(f, uarg);
 	case GPUPIN_IOC_DMA_UNMAP:
 		return gpupin_ioctl_dma_unmap(f, uarg);
+	case GPUPIN_IOC_PIN_DMABUF:
+		return gpupin_ioctl_pin_dmabuf(f, uarg);
 	default:
 		return -ENOTTY;
 	}
@@ -229,9 +232,22 @@ static struct miscdevice gpupin_miscdev = {
 	.mode = 0660,
 };
 
+/* The device gpupin imports dma-bufs with (no IOMMU translation, 64-bit). */
+struct device *gpupin_dma_device(void)
+{
+	return gpupin_miscdev.this_device;
+}
+
 int gpupin_file_init(void)
 {
-	return misc_register(&gpupin_miscdev);
+	int ret = misc_register(&gpupin_miscdev);
+
+	if (ret)
+		return ret;
+	ret = dma_coerce_mask_and_coherent(gpupin_miscdev.this_device, DMA_BIT_MASK(64));
+	if (ret)
+		misc_deregister(&gpupin_miscdev);
+	return ret;
 }
 
 void gpupin_file_exit(void)

@@ -119,6 +119,17 @@ struct gpupin_event_rec {
 	struct gpupin_event ev;
 };
 
+struct dma_buf;
+struct dma_buf_attachment;
+struct sg_table;
+
+/* One dma-buf attachment and its mapping. */
+struct gpupin_dmabuf_att {
+	struct dma_buf_attachment *attach;
+	struct sg_table *sgt;		/* NULL once unmapped; under the dma-buf's resv lock */
+	bool pinned;			/* dma_buf_pin()ned; under the resv lock */
+};
+
 struct gpupin_region {
 	struct kref ref;		/* handle table + temporary lookups */
 	struct gpupin_file *file;
@@ -131,7 +142,12 @@ struct gpupin_region {
 	u64 aligned_size;
 	u64 user_tag;
 	u64 created_ns;
-	struct nvidia_p2p_page_table *pt;
+	u32 page_shift;			/* GPU_BOUND_SHIFT (nv-p2p) or PAGE_SHIFT (dma-buf) */
+	u32 entries;			/* aligned_size >> page_shift */
+	struct nvidia_p2p_page_table *pt;	/* nv-p2p pins */
+	struct dma_buf *dmabuf;		/* dma-buf pins: a reference */
+	struct gpupin_dmabuf_att att;	/* dma-buf pins: gpupin's own import */
+	u64 *dmabuf_addrs;		/* dma-buf pins: per page, its address in our import */
 
 	spinlock_t lock;		/* see top of file */
 	enum gpupin_pin_state state;	/* under lock */
@@ -151,11 +167,14 @@ struct gpupin_region {
 
 struct gpupin_map {
 	struct list_head node;
+	struct gpupin_region *pin;	/* the pin it belongs to (no reference) */
 	u32 id;
 	bool user_owned;		/* made by DMA_MAP, not yet DMA_UNMAPped; under pin->lock */
 	unsigned int drv_users;		/* kernel-API references sharing it; under pin->lock */
 	struct pci_dev *pdev;		/* holds a reference */
-	struct nvidia_p2p_dma_mapping *m;
+	struct nvidia_p2p_dma_mapping *m;	/* nv-p2p pins */
+	struct gpupin_dmabuf_att att;	/* dma-buf pins: the peer's attachment */
+	u64 *dma;			/* per page: bus address for pdev */
 };
 
 /* pin.c */
@@ -166,6 +185,16 @@ long gpupin_ioctl_get_pages(struct gpupin_file *f, struct gpupin_get_pages __use
 struct gpupin_region *gpupin_pin_lookup(struct gpupin_file *f, u64 handle);
 struct gpupin_region *gpupin_pin_lookup_owned(struct gpupin_file *f, u64 handle, int *err);
 void gpupin_pin_uuid(const struct gpupin_region *pin, u8 uuid[16]);
+u64 gpupin_pin_page_addr(const struct gpupin_region *pin, u32 idx);
+void gpupin_pin_revoke(struct gpupin_region *pin);
+struct gpupin_region *gpupin_pin_alloc(struct gpupin_file *f, u64 va, u64 size, u64 aligned_va,
+				       u64 aligned_size, u64 user_tag, u32 page_shift);
+int gpupin_pin_reserve(struct gpupin_file *f, struct gpupin_region *pin);
+void gpupin_pin_unreserve(struct gpupin_file *f, struct gpupin_region *pin, int err);
+bool gpupin_pin_mark_pinned(struct gpupin_file *f, struct gpupin_region *pin);
+void gpupin_pin_release_pages(struct gpupin_region *pin, enum gpupin_pin_state from);
+int gpupin_pin_publish(struct gpupin_file *f, struct gpupin_region *pin, void __user *uarg,
+		       const void *arg, size_t len);
 void gpupin_pin_put(struct gpupin_region *pin);
 int gpupin_pin_use(struct gpupin_region *pin);
 void gpupin_pin_unuse(struct gpupin_region *pin);
@@ -182,9 +211,17 @@ void gpupin_free_maps_invalidated(struct gpupin_region *pin);
 u32 gpupin_map_count_locked(struct gpupin_region *pin);
 int gpupin_map_create(struct gpupin_region *pin, struct pci_dev *pdev, bool user,
 		      struct gpupin_map **out);
+int gpupin_map_add(struct gpupin_region *pin, struct gpupin_map *map);
 int gpupin_map_for_driver(struct gpupin_region *pin, struct pci_dev *pdev,
 			  struct gpupin_map **out);
 void gpupin_map_drop_driver(struct gpupin_region *pin, u32 id);
+
+/* dmabuf.c */
+long gpupin_ioctl_pin_dmabuf(struct gpupin_file *f, struct gpupin_pin_dmabuf __user *uarg);
+void gpupin_dmabuf_teardown(struct gpupin_region *pin);
+void gpupin_dmabuf_release(struct gpupin_region *pin);
+int gpupin_dmabuf_map(struct gpupin_region *pin, struct gpupin_map *map);
+void gpupin_dmabuf_unmap(struct gpupin_map *map);
 
 /* kapi.c */
 void gpupin_notify_refs(struct gpupin_region *pin);
@@ -204,5 +241,6 @@ int gpupin_file_init(void);
 void gpupin_file_exit(void);
 void gpupin_queue_event(struct gpupin_file *f, struct gpupin_event_rec *rec);
 struct gpupin_file *gpupin_file_of(struct file *file);
+struct device *gpupin_dma_device(void);
 
 #endif /* _GPUPIN_INTERNAL_H */

@@ -109,11 +109,8 @@ void gpupin_ref_put(struct gpupin_ref *ref)
 	struct gpupin_region *pin = ref->pin;
 	bool last;
 
-	if (ref->map_id && !gpupin_pin_use(pin)) {
-		/* Otherwise the free callback already freed the mappings. */
+	if (ref->map_id)
 		gpupin_map_drop_driver(pin, ref->map_id);
-		gpupin_pin_unuse(pin);
-	}
 	mutex_lock(&pin->refs_lock);
 	list_del(&ref->node);
 	last = !--pin->nr_refs && pin->orphaned;
@@ -138,8 +135,8 @@ int gpupin_ref_info(struct gpupin_ref *ref, struct gpupin_ref_info *info)
 	info->va = pin->va;
 	info->size = pin->size;
 	info->aligned_va = pin->aligned_va;
-	info->page_size = GPU_BOUND_SIZE;
-	info->entries = pin->pt->entries;
+	info->page_size = BIT(pin->page_shift);
+	info->entries = pin->entries;
 	BUILD_BUG_ON(sizeof(info->gpu_uuid) != 16);
 	gpupin_pin_uuid(pin, info->gpu_uuid);
 	gpupin_pin_unuse(pin);
@@ -155,18 +152,20 @@ int gpupin_ref_dma_map(struct gpupin_ref *ref, struct pci_dev *pdev)
 
 	if (!pdev)
 		return -EINVAL;
-	if (gpupin_pin_use(pin))
-		return -ENODEV;
 	if (ref->map_id) {
+		if (gpupin_pin_use(pin))
+			return -ENODEV;
 		ret = ref->map->pdev == pdev ? 0 : -EBUSY;
-	} else {
-		ret = gpupin_map_for_driver(pin, pdev, &map);
-		if (!ret) {
-			ref->map = map;
-			ref->map_id = map->id;
-		}
+		gpupin_pin_unuse(pin);
+		return ret;
 	}
-	gpupin_pin_unuse(pin);
+	ret = gpupin_map_for_driver(pin, pdev, &map);
+	if (ret == -ENXIO)
+		return -ENODEV;
+	if (!ret) {
+		ref->map = map;
+		ref->map_id = map->id;
+	}
 	return ret;
 }
 EXPORT_SYMBOL_GPL(gpupin_ref_dma_map);
@@ -185,16 +184,14 @@ EXPORT_SYMBOL_GPL(gpupin_access_end);
 
 u64 gpupin_ref_page_phys(struct gpupin_ref *ref, u32 idx)
 {
-	struct nvidia_p2p_page_table *pt = ref->pin->pt;
-
-	return idx < pt->entries ? pt->pages[idx]->physical_address : 0;
+	return gpupin_pin_page_addr(ref->pin, idx);
 }
 EXPORT_SYMBOL_GPL(gpupin_ref_page_phys);
 
 dma_addr_t gpupin_ref_dma_addr(struct gpupin_ref *ref, u32 idx)
 {
-	if (!ref->map_id || idx >= ref->map->m->entries)
+	if (!ref->map_id || idx >= ref->pin->entries)
 		return 0;
-	return ref->map->m->dma_addresses[idx];
+	return ref->map->dma[idx];
 }
 EXPORT_SYMBOL_GPL(gpupin_ref_dma_addr);

@@ -55,7 +55,7 @@ bool gpupin_fail_alloc(void)
 atomic64_t gpupin_pinned_bytes = ATOMIC64_INIT(0);
 struct gpupin_stats gpupin_stats;
 char gpupin_provider[GPUPIN_NAME_LEN] = "nvidia";
-u32 gpupin_caps = GPUPIN_CAP_DMA_MAP;
+u32 gpupin_caps = GPUPIN_CAP_DMA_MAP | GPUPIN_CAP_DMABUF;
 
 /* Raise *v to @now if it is larger (a lock-free running maximum). */
 void gpupin_stat_max(atomic64_t *v, s64 now)

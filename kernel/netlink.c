@@ -135,8 +135,8 @@ static int gpupin_nl_fill_pin(struct sk_buff *skb, struct gpupin_region *pin, u3
 			      GPUPIN_NL_PIN_A_PAD) ||
 	    nla_put_u64_64bit(skb, GPUPIN_NL_PIN_A_ALIGNED_SIZE, pin->aligned_size,
 			      GPUPIN_NL_PIN_A_PAD) ||
-	    nla_put_u32(skb, GPUPIN_NL_PIN_A_ENTRIES, pin->aligned_size >> GPU_BOUND_SHIFT) ||
-	    nla_put_u32(skb, GPUPIN_NL_PIN_A_PAGE_SIZE, GPU_BOUND_SIZE) ||
+	    nla_put_u32(skb, GPUPIN_NL_PIN_A_ENTRIES, pin->entries) ||
+	    nla_put_u32(skb, GPUPIN_NL_PIN_A_PAGE_SIZE, BIT(pin->page_shift)) ||
 	    nla_put_u64_64bit(skb, GPUPIN_NL_PIN_A_CREATED_NS, pin->created_ns,
 			      GPUPIN_NL_PIN_A_PAD) ||
 	    nla_put_u64_64bit(skb, GPUPIN_NL_PIN_A_USER_TAG, pin->user_tag, GPUPIN_NL_PIN_A_PAD))

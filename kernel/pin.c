@@ -104,14 +104,17 @@ static void gpupin_set_state(struct gpupin_region *pin, enum gpupin_pin_state st
 }
 
 /*
- * The nv-p2p free callback: the GPU memory under the pin is being freed.
- * Runs with the GPU driver's locks held: takes only pin->lock and the file's
- * ev_lock, waits only for in-flight users, and never calls put_pages or
- * dma_unmap_pages.
+ * The memory under @pin is going away: stop new users, tell drivers holding
+ * references, wait for in-flight users, let @teardown drop the mappings, and
+ * report the invalidation.  With @always (the nv-p2p free callback, which
+ * must free the page table whatever the state) it runs from any state;
+ * otherwise only for a pin that is PINNING or PINNED.  Runs with the
+ * provider's locks held: takes only pin->lock, refs_lock and the file's
+ * ev_lock, and waits only for in-flight users.
  */
-static void gpupin_free_callback(void *data)
+static void gpupin_pin_invalidate(struct gpupin_region *pin, bool always,
+				  void (*teardown)(struct gpupin_region *pin))
 {
-	struct gpupin_region *pin = data;
 	struct gpupin_file *f = pin->file;
 	enum gpupin_pin_state prev;
 	struct gpupin_event_rec *rec;
@@ -119,6 +122,10 @@ static void gpupin_free_callback(void *data)
 
 	spin_lock(&pin->lock);
 	prev = pin->state;
+	if (!always && prev != GPUPIN_PIN_PINNED && prev != GPUPIN_PIN_PINNING) {
+		spin_unlock(&pin->lock);
+		return;
+	}
 	pin->state = GPUPIN_PIN_INVALIDATING;
 	spin_unlock(&pin->lock);
 
@@ -127,8 +134,7 @@ static void gpupin_free_callback(void *data)
 	/* No new user can start now; those running are short. */
 	wait_event(pin->wq, READ_ONCE(pin->inflight) == 0);
 
-	gpupin_free_maps_invalidated(pin);
-	nvidia_p2p_free_page_table(pin->pt);
+	teardown(pin);
 
 	/* Unpin (RELEASING) and a failed PIN (PINNING) account for themselves. */
 	if (prev == GPUPIN_PIN_PINNED) {
@@ -150,6 +156,28 @@ static void gpupin_free_callback(void *data)
 	gpupin_stat_max(&gpupin_stats.callback_max_ns, ktime_get_ns() - start);
 	/* Last touch: a waiting unpin may free the pin as soon as it sees this. */
 	gpupin_set_state(pin, GPUPIN_PIN_INVALIDATED);
+}
+
+/* The provider tore the mappings down: free their descriptors and the table. */
+static void gpupin_nvp2p_teardown(struct gpupin_region *pin)
+{
+	gpupin_free_maps_invalidated(pin);
+	nvidia_p2p_free_page_table(pin->pt);
+}
+
+/*
+ * The nv-p2p free callback: the GPU memory under the pin is being freed.
+ * Never calls put_pages or dma_unmap_pages.
+ */
+static void gpupin_free_callback(void *data)
+{
+	gpupin_pin_invalidate(data, true, gpupin_nvp2p_teardown);
+}
+
+/* dma-buf move_notify (reservation lock held): the exporter revokes the buffer. */
+void gpupin_pin_revoke(struct gpupin_region *pin)
+{
+	gpupin_pin_invalidate(pin, false, gpupin_dmabuf_teardown);
 }
 
 static bool gpupin_pin_settled(struct gpupin_region *pin)
@@ -180,7 +208,7 @@ static void gpupin_put_pages(struct gpupin_region *pin)
  * callback that is still running.  Process context; no gpupin lock held.
  * @from is the state that means "ours to release" (PINNED or PINNING).
  */
-static void gpupin_pin_release_pages(struct gpupin_region *pin, enum gpupin_pin_state from)
+void gpupin_pin_release_pages(struct gpupin_region *pin, enum gpupin_pin_state from)
 {
 	bool ours;
 
@@ -193,12 +221,18 @@ static void gpupin_pin_release_pages(struct gpupin_region *pin, enum gpupin_pin_
 	if (ours) {
 		wait_event(pin->wq, READ_ONCE(pin->inflight) == 0);
 		gpupin_unmap_all(pin);
-		gpupin_put_pages(pin);
+		if (pin->pt)
+			gpupin_put_pages(pin);
 		if (from == GPUPIN_PIN_PINNED)
 			atomic64_sub(pin->aligned_size, &gpupin_pinned_bytes);
 	}
 	/* put_pages returns only after a racing callback finished. */
 	wait_event(pin->wq, gpupin_pin_settled(pin));
+	if (pin->dmabuf) {
+		/* A revocation only unmapped: detach and let go here. */
+		gpupin_unmap_all(pin);
+		gpupin_dmabuf_release(pin);
+	}
 }
 
 /* Give back the slot and count of a pin that is out of the handle table. */
@@ -277,12 +311,29 @@ static int gpupin_check_table(struct gpupin_region *pin)
 		pr_warn_ratelimited("unsupported GPU page size type %u\n", pt->page_size);
 		return -EOPNOTSUPP;
 	}
-	if (pt->entries != pin->aligned_size >> GPU_BOUND_SHIFT) {
+	if (pt->entries != pin->entries) {
 		pr_warn_ratelimited("page table has %u entries for %llu bytes\n",
 				    pt->entries, pin->aligned_size);
 		return -EPROTO;
 	}
 	return 0;
+}
+
+static void gpupin_count_failure(int err)
+{
+	switch (err) {
+	case -ENOMEM:
+		atomic64_inc(&gpupin_stats.fail_enomem);
+		break;
+	case -ENOSPC:
+		atomic64_inc(&gpupin_stats.fail_enospc);
+		break;
+	case -EINVAL:
+		atomic64_inc(&gpupin_stats.fail_einval);
+		break;
+	default:
+		atomic64_inc(&gpupin_stats.fail_other);
+	}
 }
 
 /* Reserve @size bytes of the module-wide budget; -ENOSPC past it. */
@@ -316,7 +367,9 @@ static int gpupin_pin_validate(struct gpupin_pin *arg)
 	return 0;
 }
 
-static struct gpupin_region *gpupin_pin_alloc(struct gpupin_file *f, const struct gpupin_pin *arg)
+/* A new pin in state PINNING, not yet reserved. */
+struct gpupin_region *gpupin_pin_alloc(struct gpupin_file *f, u64 va, u64 size, u64 aligned_va,
+				       u64 aligned_size, u64 user_tag, u32 page_shift)
 {
 	struct gpupin_region *pin;
 
@@ -335,11 +388,13 @@ static struct gpupin_region *gpupin_pin_alloc(struct gpupin_file *f, const struc
 	mutex_init(&pin->refs_lock);
 	INIT_LIST_HEAD(&pin->refs);
 	pin->file = f;
-	pin->va = arg->va;
-	pin->size = arg->size;
-	pin->aligned_va = arg->aligned_va;
-	pin->aligned_size = arg->aligned_size;
-	pin->user_tag = arg->user_tag;
+	pin->va = va;
+	pin->size = size;
+	pin->aligned_va = aligned_va;
+	pin->aligned_size = aligned_size;
+	pin->user_tag = user_tag;
+	pin->page_shift = page_shift;
+	pin->entries = aligned_size >> page_shift;
 	pin->created_ns = ktime_get_real_ns();
 	pin->state = GPUPIN_PIN_PINNING;
 	return pin;
@@ -368,8 +423,38 @@ out:
 	return ret;
 }
 
-/* PINNING -> PINNED and valid in the map, unless the callback came first. */
-static bool gpupin_pin_mark_pinned(struct gpupin_file *f, struct gpupin_region *pin)
+/*
+ * Budget, slot and handle for a new pin; on failure the pin is freed and
+ * the failure counted.
+ */
+int gpupin_pin_reserve(struct gpupin_file *f, struct gpupin_region *pin)
+{
+	int ret = gpupin_budget_get(pin->aligned_size);
+
+	if (!ret) {
+		ret = gpupin_pin_account(f, pin);
+		if (!ret)
+			return 0;
+		atomic64_sub(pin->aligned_size, &gpupin_pinned_bytes);
+	}
+	if (ret == -ENOSPC)
+		gpupin_nl_budget_event(f, pin->aligned_size);
+	gpupin_count_failure(ret);
+	gpupin_pin_put(pin);
+	return ret;
+}
+
+/* Undo gpupin_pin_reserve() for a pin that failed with @err; frees it. */
+void gpupin_pin_unreserve(struct gpupin_file *f, struct gpupin_region *pin, int err)
+{
+	gpupin_pin_unaccount(f, pin);
+	atomic64_sub(pin->aligned_size, &gpupin_pinned_bytes);
+	gpupin_count_failure(err);
+	gpupin_pin_put(pin);
+}
+
+/* PINNING -> PINNED and valid in the map, unless the memory went first. */
+bool gpupin_pin_mark_pinned(struct gpupin_file *f, struct gpupin_region *pin)
 {
 	bool ok;
 
@@ -386,39 +471,67 @@ static bool gpupin_pin_mark_pinned(struct gpupin_file *f, struct gpupin_region *
 /* The pin's GPU UUID (zeros where the provider gives none). */
 void gpupin_pin_uuid(const struct gpupin_region *pin, u8 uuid[16])
 {
-	if (pin->pt->gpu_uuid)
+	if (pin->pt && pin->pt->gpu_uuid)
 		memcpy(uuid, pin->pt->gpu_uuid, 16);
 	else
 		memset(uuid, 0, 16);
+}
+
+/*
+ * Address of page @idx: its physical address (nv-p2p), or its bus address in
+ * gpupin's own import (dma-buf).  The caller is an in-flight user.
+ */
+u64 gpupin_pin_page_addr(const struct gpupin_region *pin, u32 idx)
+{
+	if (idx >= pin->entries)
+		return 0;
+	if (pin->pt)
+		return pin->pt->pages[idx]->physical_address;
+	return pin->dmabuf_addrs[idx];
 }
 
 static void gpupin_pin_fill(struct gpupin_pin *arg, const struct gpupin_region *pin)
 {
 	BUILD_BUG_ON(sizeof(arg->gpu_uuid) != 16);
 	arg->handle = pin->handle;
-	arg->page_size = GPU_BOUND_SIZE;
-	arg->entries = pin->pt->entries;
+	arg->page_size = BIT(pin->page_shift);
+	arg->entries = pin->entries;
 	gpupin_pin_uuid(pin, arg->gpu_uuid);
 	arg->slot = pin->slot;
 	arg->pin_flags = pin->flags;
 	arg->valid_word = pin->handle;
 }
 
-static void gpupin_count_failure(int err)
+/*
+ * Make a PINNED pin visible: into the handle table, its result to user
+ * space (@len bytes of @arg to @uarg), events and counters.  On failure the
+ * pin is torn down again.
+ */
+int gpupin_pin_publish(struct gpupin_file *f, struct gpupin_region *pin, void __user *uarg,
+		       const void *arg, size_t len)
 {
-	switch (err) {
-	case -ENOMEM:
-		atomic64_inc(&gpupin_stats.fail_enomem);
-		break;
-	case -ENOSPC:
-		atomic64_inc(&gpupin_stats.fail_enospc);
-		break;
-	case -EINVAL:
-		atomic64_inc(&gpupin_stats.fail_einval);
-		break;
-	default:
-		atomic64_inc(&gpupin_stats.fail_other);
+	int ret;
+
+	mutex_lock(&f->lock);
+	ret = xa_insert(&f->pins, pin->handle, pin, GFP_KERNEL);
+	mutex_unlock(&f->lock);
+	if (ret) {
+		gpupin_pin_destroy(f, pin, GPUPIN_NL_REASON_UNPIN);
+		return ret;
 	}
+	if (copy_to_user(uarg, arg, len)) {
+		/* Nobody learnt the handle: undo the pin. */
+		mutex_lock(&f->lock);
+		xa_erase(&f->pins, pin->handle);
+		mutex_unlock(&f->lock);
+		gpupin_pin_destroy(f, pin, GPUPIN_NL_REASON_UNPIN);
+		return -EFAULT;
+	}
+	gpupin_dbg("pin %llu: %llu bytes\n", pin->handle, pin->aligned_size);
+	atomic64_inc(&gpupin_stats.pins);
+	gpupin_stat_max(&gpupin_stats.bytes_peak, atomic64_read(&gpupin_pinned_bytes));
+	gpupin_nl_pin_event(pin, GPUPIN_NL_CMD_PINNED, 0);
+	return 0;
 }
 
 long gpupin_ioctl_pin(struct gpupin_file *f, struct gpupin_pin __user *uarg)
@@ -439,16 +552,16 @@ long gpupin_ioctl_pin(struct gpupin_file *f, struct gpupin_pin __user *uarg)
 	if (persistent && !(gpupin_caps & GPUPIN_CAP_PERSISTENT))
 		return -EOPNOTSUPP;
 
-	pin = gpupin_pin_alloc(f, &arg);
-	if (!pin)
+	pin = gpupin_pin_alloc(f, arg.va, arg.size, arg.aligned_va, arg.aligned_size,
+			       arg.user_tag, GPU_BOUND_SHIFT);
+	if (!pin) {
+		gpupin_count_failure(-ENOMEM);
 		return -ENOMEM;
+	}
 	pin->flags = persistent ? GPUPIN_PIN_PERSISTENT : 0;
-	ret = gpupin_budget_get(pin->aligned_size);
+	ret = gpupin_pin_reserve(f, pin);
 	if (ret)
-		goto err_free;
-	ret = gpupin_pin_account(f, pin);
-	if (ret)
-		goto err_budget;
+		return ret;
 
 #ifdef NVIDIA_P2P_CAP_GET_PAGES_PERSISTENT_API
 	if (persistent)
@@ -460,47 +573,21 @@ long gpupin_ioctl_pin(struct gpupin_file *f, struct gpupin_pin __user *uarg)
 					   &pin->pt, gpupin_free_callback, pin);
 	if (ret) {
 		gpupin_dbg("get_pages failed: %d\n", ret);
-		goto err_unaccount;
+		pin->pt = NULL;
+		goto err_unreserve;
 	}
 	ret = gpupin_check_table(pin);
 	if (!ret && !gpupin_pin_mark_pinned(f, pin))
 		ret = -ENXIO;	/* the memory was freed while we pinned it */
 	if (ret) {
 		gpupin_pin_release_pages(pin, GPUPIN_PIN_PINNING);
-		goto err_unaccount;
+		goto err_unreserve;
 	}
-	mutex_lock(&f->lock);
-	ret = xa_insert(&f->pins, pin->handle, pin, GFP_KERNEL);
-	mutex_unlock(&f->lock);
-	if (ret) {
-		gpupin_pin_destroy(f, pin, GPUPIN_NL_REASON_UNPIN);
-		return ret;
-	}
-
 	gpupin_pin_fill(&arg, pin);
-	if (copy_to_user(uarg, &arg, sizeof(arg))) {
-		/* Nobody learnt the handle: undo the pin. */
-		mutex_lock(&f->lock);
-		xa_erase(&f->pins, pin->handle);
-		mutex_unlock(&f->lock);
-		gpupin_pin_destroy(f, pin, GPUPIN_NL_REASON_UNPIN);
-		return -EFAULT;
-	}
-	gpupin_dbg("pin %llu: %llu bytes\n", pin->handle, pin->aligned_size);
-	atomic64_inc(&gpupin_stats.pins);
-	gpupin_stat_max(&gpupin_stats.bytes_peak, atomic64_read(&gpupin_pinned_bytes));
-	gpupin_nl_pin_event(pin, GPUPIN_NL_CMD_PINNED, 0);
-	return 0;
+	return gpupin_pin_publish(f, pin, uarg, &arg, sizeof(arg));
 
-err_unaccount:
-	gpupin_pin_unaccount(f, pin);
-err_budget:
-	atomic64_sub(pin->aligned_size, &gpupin_pinned_bytes);
-err_free:
-	if (ret == -ENOSPC)
-		gpupin_nl_budget_event(f, pin->aligned_size);
-	gpupin_count_failure(ret);
-	gpupin_pin_put(pin);
+err_unreserve:
+	gpupin_pin_unreserve(f, pin, ret);
 	return ret;
 }
 
@@ -545,8 +632,8 @@ long gpupin_ioctl_query(struct gpupin_file *f, struct gpupin_query __user *uarg)
 	arg.user_tag = pin->user_tag;
 	arg.pin_flags = pin->flags;
 	arg.slot = pin->slot;
-	arg.page_size = GPU_BOUND_SIZE;
-	arg.entries = pin->aligned_size >> GPU_BOUND_SHIFT;
+	arg.page_size = BIT(pin->page_shift);
+	arg.entries = pin->entries;
 	spin_lock(&pin->lock);
 	arg.state = pin->state == GPUPIN_PIN_PINNED ? GPUPIN_STATE_PINNED :
 						      GPUPIN_STATE_INVALIDATED;
@@ -575,8 +662,7 @@ long gpupin_ioctl_get_pages(struct gpupin_file *f, struct gpupin_get_pages __use
 	if (!pin)
 		return -ENOENT;
 	ret = -EINVAL;
-	if (arg.first >= pin->aligned_size >> GPU_BOUND_SHIFT ||
-	    arg.count > (pin->aligned_size >> GPU_BOUND_SHIFT) - arg.first)
+	if (arg.first >= pin->entries || arg.count > pin->entries - arg.first)
 		goto out_put;
 	ret = -ENOMEM;
 	addrs = gpupin_kvmalloc_array(arg.count, sizeof(*addrs), GFP_KERNEL);
@@ -586,7 +672,7 @@ long gpupin_ioctl_get_pages(struct gpupin_file *f, struct gpupin_get_pages __use
 	ret = gpupin_pin_use(pin);
 	if (!ret) {
 		for (i = 0; i < arg.count; i++)
-			addrs[i] = pin->pt->pages[arg.first + i]->physical_address;
+			addrs[i] = gpupin_pin_page_addr(pin, arg.first + i);
 		gpupin_pin_unuse(pin);
 		if (copy_to_user(u64_to_user_ptr(arg.addrs), addrs,
 				 array_size(arg.count, sizeof(*addrs))))

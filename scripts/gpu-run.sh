@@ -14,7 +14,7 @@ export PYTHONPATH=/tmp/gpupin-deps:$ROOT/pyctl
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import cuda.bindings, sys; print('cuda-bindings', cuda.bindings.__version__, 'python', sys.version.split()[0])" \
 	| tee -a "$OUT/gpu.txt"
-python3 -m pytest -q -p no:cacheprovider -rs tests/gpu 2>&1 | tee "$OUT/gpu-tests.txt"
+python3 -m pytest -q -p no:cacheprovider -rsP tests/gpu 2>&1 | tee "$OUT/gpu-tests.txt"
 rc=${PIPESTATUS[0]}
 python3 -m gpupin.bench --only-cuda --out "$OUT/bench-gpu.json" 2>&1 | tee "$OUT/bench-gpu.txt"
 exit "$rc"

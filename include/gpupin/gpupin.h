@@ -44,7 +44,7 @@ struct gpupin_ref;
  * @va: the GPU virtual address the user pinned
  * @size: the size the user pinned
  * @aligned_va: @va rounded down to @page_size; page 0 starts here
- * @page_size: bytes per page (64 KiB)
+ * @page_size: bytes per page (64 KiB; the CPU page size for dma-buf pins)
  * @entries: number of pages
  * @gpu_uuid: the GPU the pages belong to
  */
@@ -103,7 +103,9 @@ int gpupin_ref_info(struct gpupin_ref *ref, struct gpupin_ref_info *info);
  * device fails with -EBUSY.
  * Context: process context; may sleep.
  * Return: 0, -ENODEV when the memory is gone, -ENOSPC past the per-pin
- * mapping limit, or the provider's error.
+ * mapping limit, or the provider's error - which is also what a call racing
+ * the GPU memory's free gets before the notifier has run (the simulator
+ * answers -EINVAL for memory it is freeing).
  */
 int gpupin_ref_dma_map(struct gpupin_ref *ref, struct pci_dev *pdev);
 
@@ -129,6 +131,8 @@ void gpupin_access_end(struct gpupin_ref *ref);
  * @ref: the reference, inside an access section
  * @idx: page index, below &gpupin_ref_info.entries
  *
+ * For a dma-buf pin (GPUPIN_IOC_PIN_DMABUF) this is the page's bus address
+ * in gpupin's own import (a device without IOMMU translation).
  * Return: the address, or 0 for an index out of range.
  */
 u64 gpupin_ref_page_phys(struct gpupin_ref *ref, u32 idx);

@@ -30,6 +30,7 @@
 #define GPUPIN_CAP_PERSISTENT 0x1
 #define GPUPIN_CAP_DMA_MAP 0x2
 #define GPUPIN_CAP_SIMULATOR 0x4
+#define GPUPIN_CAP_DMABUF 0x8		/* GPUPIN_IOC_PIN_DMABUF */
 
 struct gpupin_info {
 	__u32 abi_version;
@@ -49,6 +50,8 @@ struct gpupin_info {
 /* gpupin_pin.flags (in) and .pin_flags (out) */
 #define GPUPIN_PIN_PERSISTENT 0x1
 #define GPUPIN_PIN_FLAGS_ALL 0x1
+/* .pin_flags (out) only: the pin imports a dma-buf (GPUPIN_IOC_PIN_DMABUF) */
+#define GPUPIN_PIN_DMABUF 0x2
 
 struct gpupin_pin {
 	__u64 va;
@@ -137,7 +140,7 @@ struct gpupin_dma_unmap {
 };
 
 /* gpupin_event.reason */
-#define GPUPIN_INVAL_FREED 1	/* the GPU memory was freed (free callback) */
+#define GPUPIN_INVAL_FREED 1	/* the GPU memory was freed, or its dma-buf revoked */
 #define GPUPIN_INVAL_OVERFLOW 2	/* records were lost: revalidate every pin */
 
 /* One record per invalidated pin, read() from the file; poll() says when. */
@@ -149,6 +152,32 @@ struct gpupin_event {
 	__u64 reserved;
 };
 
+/*
+ * Pin [offset, offset + size) of a dma-buf (fd) by importing it: offset is
+ * page aligned, size > 0 and within the buffer.  The result is a pin like
+ * PIN's, with page_size = the CPU page size and pin_flags GPUPIN_PIN_DMABUF;
+ * va and aligned_va are offsets into the buffer.  The pin holds the buffer:
+ * user space may close fd.  If the exporter revokes the buffer (move_notify)
+ * the pin is invalidated as by the nv-p2p free callback.
+ */
+struct gpupin_pin_dmabuf {
+	__s32 fd;
+	__u32 flags;
+	__u64 offset;
+	__u64 size;
+	__u64 user_tag;
+	__u64 handle;			/* out, as in gpupin_pin ... */
+	__u64 aligned_va;
+	__u64 aligned_size;
+	__u32 page_size;
+	__u32 entries;
+	__u8 gpu_uuid[16];		/* zero: a dma-buf names no GPU */
+	__u32 slot;
+	__u32 pin_flags;
+	__u64 valid_word;		/* ... out */
+	__u64 reserved[2];
+};
+
 #define GPUPIN_IOC_INFO _IOWR(GPUPIN_IOC_MAGIC, 0x00, struct gpupin_info)
 #define GPUPIN_IOC_PIN _IOWR(GPUPIN_IOC_MAGIC, 0x01, struct gpupin_pin)
 #define GPUPIN_IOC_UNPIN _IOW(GPUPIN_IOC_MAGIC, 0x02, struct gpupin_unpin)
@@ -157,5 +186,6 @@ struct gpupin_event {
 #define GPUPIN_IOC_DMA_MAP _IOWR(GPUPIN_IOC_MAGIC, 0x05, struct gpupin_dma_map)
 #define GPUPIN_IOC_DMA_ADDRS _IOW(GPUPIN_IOC_MAGIC, 0x06, struct gpupin_dma_addrs)
 #define GPUPIN_IOC_DMA_UNMAP _IOW(GPUPIN_IOC_MAGIC, 0x07, struct gpupin_dma_unmap)
+#define GPUPIN_IOC_PIN_DMABUF _IOWR(GPUPIN_IOC_MAGIC, 0x08, struct gpupin_pin_dmabuf)
 
 #endif /* _UAPI_GPUPIN_H */

@@ -51,6 +51,20 @@ struct nvp2p_sim_rw {
 	__u32 pad;
 };
 
+/*
+ * Export the allocation holding va as a dma-buf (a dynamic exporter: it
+ * revokes the buffer through move_notify when the allocation is freed).
+ * fd (out) is O_CLOEXEC; base and size (out) say what it covers.
+ */
+struct nvp2p_sim_export {
+	__u64 va;
+	__u32 flags;
+	__s32 fd;
+	__u64 base;
+	__u64 size;
+	__u64 reserved[2];
+};
+
 struct nvp2p_sim_stats {
 	__u64 pinned_pages;
 	__u64 bar_bytes;
@@ -65,7 +79,9 @@ struct nvp2p_sim_stats {
 	__u64 mappings_not_freed;
 	__u64 quarantine_bytes;		/* freed memory held poisoned */
 	__u64 poison_errors;		/* freed 64 KiB chunks written after the free */
-	__u64 reserved[3];
+	__u64 dmabuf_exports;		/* live dma-bufs exported by EXPORT */
+	__u64 dmabuf_mappings;		/* their attachments' live mappings */
+	__u64 reserved[1];
 };
 
 #define NVP2P_SIM_IOC_ALLOC _IOWR(NVP2P_SIM_IOC_MAGIC, 0x00, struct nvp2p_sim_alloc)
@@ -73,5 +89,6 @@ struct nvp2p_sim_stats {
 #define NVP2P_SIM_IOC_QUERY _IOWR(NVP2P_SIM_IOC_MAGIC, 0x02, struct nvp2p_sim_query)
 #define NVP2P_SIM_IOC_RW _IOW(NVP2P_SIM_IOC_MAGIC, 0x03, struct nvp2p_sim_rw)
 #define NVP2P_SIM_IOC_STATS _IOR(NVP2P_SIM_IOC_MAGIC, 0x04, struct nvp2p_sim_stats)
+#define NVP2P_SIM_IOC_EXPORT _IOWR(NVP2P_SIM_IOC_MAGIC, 0x05, struct nvp2p_sim_export)
 
 #endif /* _UAPI_NVP2P_SIM_H */

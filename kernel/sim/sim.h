@@ -10,6 +10,8 @@
  *                           those calls and takes it in its callback
  *                           deadlocks here as it would on real hardware.
  *   ctx->lock (mutex)     - one context's allocation list (alloc/free/rw).
+ *   dma-buf reservation locks - of the simulator's exports; held while
+ *                           importers' move_notify run (revocation).
  *   sim_quarantine_lock (mutex) - the poisoned quarantine of freed chunks
  *                           (sim_poison.c); taken with no other sim lock held.
  *   sim_lock (spinlock)   - the context list, the pin registry, every pin's
@@ -73,6 +75,7 @@ struct sim_alloc {
 	unsigned long nchunks;
 	struct page **chunks;
 	struct list_head pins;		/* callback pins, under sim_lock */
+	struct list_head exports;	/* sim_export (sim_dmabuf.c), under sim_lock */
 };
 
 enum sim_pin_state {
@@ -116,6 +119,11 @@ const char *nvp2p_sim_provider(void);
 struct sim_pin *sim_pin_lookup_locked(struct nvidia_p2p_page_table *pt);
 void sim_pin_put(struct sim_pin *pin);
 void sim_run_callbacks(struct list_head *claimed);
+
+/* sim_dmabuf.c */
+long sim_ioctl_export(struct sim_ctx *ctx, struct nvp2p_sim_export __user *uarg);
+void sim_revoke_exports(struct sim_alloc *alloc);
+struct sim_alloc *sim_ctx_find(struct sim_ctx *ctx, u64 va);
 
 /* sim_poison.c */
 void sim_poison_free_chunks(struct page **chunks, unsigned long nchunks);

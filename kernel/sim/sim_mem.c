@@ -85,7 +85,7 @@ struct sim_alloc *sim_find_alloc_locked(u64 va, u64 len, int *err)
 }
 
 /* Allocation of @ctx containing @va; caller holds ctx->lock. */
-static struct sim_alloc *sim_ctx_find(struct sim_ctx *ctx, u64 va)
+struct sim_alloc *sim_ctx_find(struct sim_ctx *ctx, u64 va)
 {
 	struct sim_alloc *alloc;
 
@@ -118,6 +118,7 @@ static int sim_ioctl_alloc(struct sim_ctx *ctx, struct nvp2p_sim_alloc __user *u
 		return -ENOMEM;
 	kref_init(&alloc->ref);
 	INIT_LIST_HEAD(&alloc->pins);
+	INIT_LIST_HEAD(&alloc->exports);
 	alloc->size = size;
 	/* Counted from here on; sim_alloc_release() uncounts it. */
 	spin_lock(&sim_lock);
@@ -197,6 +198,7 @@ static void sim_free_alloc(struct sim_alloc *alloc)
 	}
 	spin_unlock(&sim_lock);
 	sim_run_callbacks(&claimed);
+	sim_revoke_exports(alloc);
 	sim_alloc_put(alloc);
 }
 
@@ -312,6 +314,8 @@ static long sim_ioctl(struct file *file, unsigned int cmd, unsigned long arg)
 		return sim_ioctl_query(ctx, uarg);
 	case NVP2P_SIM_IOC_RW:
 		return sim_ioctl_rw(ctx, uarg);
+	case NVP2P_SIM_IOC_EXPORT:
+		return sim_ioctl_export(ctx, uarg);
 	case NVP2P_SIM_IOC_STATS:
 		return sim_ioctl_stats(uarg);
 	default:

@@ -616,6 +616,25 @@ kmodbuilder.cdef(LIBKMOD_CDEF)
 kmodbuilder.set_source("gpupin._gpupin_kmod", "#include <libkmod.h>", libraries=["kmod"],
                        extra_compile_args=["-O2", "-Wall"])
 
+# DRM dumb buffers and PRIME export (vgem, a second dma-buf exporter for tests), from
+# libdrm's copy of the DRM UAPI; built only where that header is installed.
+DRM_HEADER = Path("/usr/include/libdrm/drm.h")
+DRM_CDEF = """
+struct drm_mode_create_dumb { uint32_t height; uint32_t width; uint32_t bpp; uint32_t flags;
+                              uint32_t handle; uint32_t pitch; uint64_t size; ...; };
+struct drm_prime_handle { uint32_t handle; uint32_t flags; int32_t fd; ...; };
+struct drm_gem_close { uint32_t handle; ...; };
+#define DRM_IOCTL_MODE_CREATE_DUMB ...
+#define DRM_IOCTL_PRIME_HANDLE_TO_FD ...
+#define DRM_IOCTL_GEM_CLOSE ...
+#define DRM_CLOEXEC ...
+#define DRM_RDWR ...
+"""
+drmbuilder = FFI()
+drmbuilder.cdef(DRM_CDEF)
+drmbuilder.set_source("gpupin._gpupin_drm", "#include <fcntl.h>\n#include <drm.h>\n#include <drm_mode.h>",
+                      include_dirs=[str(DRM_HEADER.parent)], extra_compile_args=["-O2", "-Wall"])
+
 if __name__ == "__main__":
     import os
     import sys
@@ -624,3 +643,5 @@ if __name__ == "__main__":
     ffibuilder.compile(tmpdir=str(HERE.parent), verbose="-v" in sys.argv)
     if "--no-kmod" not in sys.argv:
         kmodbuilder.compile(tmpdir=str(HERE.parent), verbose="-v" in sys.argv)
+    if DRM_HEADER.exists():
+        drmbuilder.compile(tmpdir=str(HERE.parent), verbose="-v" in sys.argv)

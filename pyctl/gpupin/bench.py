@@ -17,6 +17,7 @@ against the simulator; ``--cuda`` adds the tag query on a real GPU.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import statistics
@@ -24,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ._native import lib
 from .cache import RegistrationCache
 from .fake import FakeDevice, FakeMemory
 
@@ -60,6 +62,20 @@ def per_op_ns(fn: Callable[[int], None], n: int, reps: int) -> float:
     return statistics.median(samples)
 
 
+def interleaved_ns(loops: dict[str, Callable[[int], None]], n: int, reps: int) -> dict[str, float]:
+    """``per_op_ns`` for several loops measured in turn, batch by batch, so that drifts of
+    the machine (clock boost, other tenants) fall on all of them alike."""
+    for fn in loops.values():
+        fn(min(n, 1000))  # warm up
+    samples: dict[str, list[float]] = {k: [] for k in loops}
+    for _ in range(reps):
+        for k, fn in loops.items():
+            t = time.perf_counter_ns()
+            fn(n)
+            samples[k].append((time.perf_counter_ns() - t) / n)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
 def _cached(regions: int, validate: str, size: int = 1 << 16) -> tuple[RegistrationCache, list[int]]:
     mem = FakeMemory()
     dev = FakeDevice(mem, slots=max(1 << 12, 2 * regions))
@@ -70,10 +86,11 @@ def _cached(regions: int, validate: str, size: int = 1 << 16) -> tuple[Registrat
     return cache, ptrs
 
 
-def hit_loop(cache: RegistrationCache, ptrs: list[int]) -> Callable[[int], None]:
+def hit_loop(cache: RegistrationCache, ptrs: list[int],
+             lookup: Callable[[int, int], int] | None = None) -> Callable[[int], None]:
     """The hot path: one C call (lookup + validity + reference) per hit."""
     seq = [ptrs[i % len(ptrs)] + 64 for i in range(4096)]
-    lookup = cache.fast_lookup
+    lookup = lookup or cache.fast_lookup
 
     def run(n: int) -> None:
         s = seq
@@ -134,21 +151,23 @@ def tag_loop(buffer_id: Callable[[int], int], ptrs: list[int]) -> Callable[[int]
 
 
 def bench_hit(reps: int, n: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    base = None
+    loops: dict[str, Callable[[int], None]] = {}
+    caches = {}
     for mode in ("kernel", "tag", "both"):
         cache, ptrs = _cached(100, mode)
-        out[f"hit_{mode}_ns"] = per_op_ns(hit_loop(cache, ptrs), n, reps)
+        caches[mode] = (cache, ptrs)
         # lookup() leaves references behind; they do not change the hit path's cost.
-        if base is None:
-            base = (cache, ptrs)
+        loops[f"hit_{mode}_ns"] = hit_loop(cache, ptrs)
     cache, ptrs = _cached(100, "kernel")
-    out["hit_release_kernel_ns"] = per_op_ns(hit_release_loop(cache, ptrs), n, reps)
-    out["acquire_release_kernel_ns"] = per_op_ns(acquire_loop(cache, ptrs), n, reps)
-    assert base is not None
-    cache, ptrs = base
-    out["dict_lookup_ns"] = per_op_ns(dict_loop(ptrs), n, reps)
-    out["tag_query_ns"] = per_op_ns(tag_loop(cache.memory.buffer_id, ptrs), n, reps)
+    # The same lookup as an ordinary cffi call (the hot path before the vectorcall entry point).
+    cffi_lookup = functools.partial(lib.gpc_lookup, cache._c)
+    loops["hit_kernel_cffi_ns"] = hit_loop(cache, ptrs, cffi_lookup)
+    loops["hit_release_kernel_ns"] = hit_release_loop(cache, ptrs)
+    loops["acquire_release_kernel_ns"] = acquire_loop(cache, ptrs)
+    cache, ptrs = caches["kernel"]
+    loops["dict_lookup_ns"] = dict_loop(ptrs)
+    loops["tag_query_ns"] = tag_loop(cache.memory.buffer_id, ptrs)
+    out: dict[str, Any] = dict(interleaved_ns(loops, n, reps))
     out["kernel_hit_over_dict"] = out["hit_kernel_ns"] / out["dict_lookup_ns"]
     out["tag_hit_over_tag_query"] = out["hit_tag_ns"] / out["tag_query_ns"]
     return out
@@ -244,22 +263,34 @@ def bench_vm(reps: int) -> dict[str, Any]:
 
 def bench_cuda(reps: int, n: int) -> dict[str, Any]:
     """Tag queries and tag-mode hits on a real GPU (no kernel module needed: FakeDevice pins)."""
-    from ._native import lib
+    from ._native import cuda_buffer_id
     from .cuda import CudaMemory
 
     mem = CudaMemory()
     ptrs = [mem.alloc(1 << 20) for _ in range(8)]
-    out: dict[str, Any] = {"cuda_direct_available": mem.direct_tag_query}
+    out: dict[str, Any] = {"cuda_direct_available": mem.direct_tag_query,
+                           "direct_binding": "vectorcall" if cuda_buffer_id else "cffi"}
+    caches = []
     try:
-        out["cuda_python_tag_query_ns"] = per_op_ns(tag_loop(mem.buffer_id_cuda_python, ptrs), n, reps)
-        out["direct_tag_query_ns"] = per_op_ns(tag_loop(lib.gp_cuda_buffer_id_or_0, ptrs), n, reps)
-        out["direct_tag_query_wrapped_ns"] = per_op_ns(tag_loop(mem.buffer_id, ptrs), n, reps)
-        out["cuda_dict_lookup_ns"] = per_op_ns(dict_loop(ptrs), n, reps)
+        # The direct query CudaMemory uses: the vectorcall entry point (cffi where it is missing);
+        # for information the same libcuda call through an ordinary cffi call and through
+        # CudaMemory.buffer_id.  All measured in turn (interleaved_ns).
+        direct = cuda_buffer_id or lib.gp_cuda_buffer_id_or_0
+        loops = {
+            "cuda_python_tag_query_ns": tag_loop(mem.buffer_id_cuda_python, ptrs),
+            "direct_tag_query_ns": tag_loop(direct, ptrs),
+            "direct_tag_query_cffi_ns": tag_loop(lib.gp_cuda_buffer_id_or_0, ptrs),
+            "direct_tag_query_wrapped_ns": tag_loop(mem.buffer_id, ptrs),
+            "cuda_dict_lookup_ns": dict_loop(ptrs),
+        }
         for mode in ("tag", "both"):
             cache = RegistrationCache(FakeDevice(mem), mem, validate=mode)
             for p in ptrs:
                 cache.acquire(p, 8).release()
-            out[f"cuda_hit_{mode}_ns"] = per_op_ns(hit_loop(cache, ptrs), n, reps)
+            caches.append(cache)
+            loops[f"cuda_hit_{mode}_ns"] = hit_loop(cache, ptrs)
+        out.update(interleaved_ns(loops, n, reps))
+        for cache in caches:
             cache.purge()
         out["direct_over_cuda_python"] = out["direct_tag_query_ns"] / out["cuda_python_tag_query_ns"]
         out["cuda_tag_hit_over_direct_query"] = out["cuda_hit_tag_ns"] / out["direct_tag_query_ns"]

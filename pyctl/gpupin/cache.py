@@ -30,6 +30,7 @@ from .memory import MemoryProvider
 
 GPU_PAGE = 1 << 16
 Validate = Literal["both", "kernel", "tag"]
+Backend = Literal["nvp2p", "dmabuf", "auto"]
 
 
 class DeviceLike(Protocol):
@@ -166,9 +167,11 @@ class RegistrationCache:
         validate: Validate = "both",
         whole_allocation: bool = True,
         sync_memops: bool = True,
+        backend: Backend = "nvp2p",
     ) -> None:
         if validate not in ("both", "kernel", "tag"):
             raise InvalidArgument(f"validate={validate!r}: use 'both', 'kernel' or 'tag'")
+        self.backend = _pick_backend(backend, device, memory)
         if max_bytes < 0 or max_regions < 0:
             raise InvalidArgument("max_bytes and max_regions must be >= 0 (0 = unlimited)")
         self.device = device
@@ -353,11 +356,21 @@ class RegistrationCache:
                     f"max_regions={self.max_regions}): release registrations first")
             st.evictions_limit += 1
 
+    def _pin_once(self, start: int, size: int, base: int) -> Any:
+        if self.backend == "nvp2p":
+            return self.device.pin(start, size, user_tag=base)
+        # dma-buf: the whole allocation's buffer; the pin keeps it, so the fd can go.
+        fd = self.memory.export_dmabuf(base)   # type: ignore[attr-defined]
+        try:
+            return self.device.pin_dmabuf(fd, user_tag=base)   # type: ignore[attr-defined]
+        finally:
+            os.close(fd)
+
     def _pin(self, start: int, size: int, tag: int) -> Any:
         st = self._st
         while True:
             try:
-                return self.device.pin(start, size, user_tag=tag)
+                return self._pin_once(start, size, tag)
             except (BarExhausted, BudgetExceeded) as exc:
                 st.pin_failures += 1
                 self._drain_locked()
@@ -521,6 +534,24 @@ class RegistrationCache:
 
     def __len__(self) -> int:
         return len(self._indexed)
+
+
+def _pick_backend(backend: str, device: Any, memory: Any) -> str:
+    """nvp2p, dmabuf, or for auto the dma-buf path where device and memory both offer it."""
+    if backend not in ("nvp2p", "dmabuf", "auto"):
+        raise InvalidArgument(f"backend={backend!r}: use 'nvp2p', 'dmabuf' or 'auto'")
+    if backend == "nvp2p":
+        return backend
+    dev_ok = hasattr(device, "pin_dmabuf") and bool(getattr(device.info(), "dmabuf", False))
+    mem_ok = callable(getattr(memory, "export_dmabuf", None))
+    if dev_ok and mem_ok:
+        return "dmabuf"
+    if backend == "auto":
+        return "nvp2p"
+    raise InvalidArgument(
+        "backend='dmabuf': " + ("the device has no PIN_DMABUF (update gpupin.ko)" if not dev_ok else
+                                f"{type(memory).__name__} cannot export dma-bufs") +
+        "; use backend='nvp2p' or 'auto'")
 
 
 def _closed_lookup(ptr: int, size: int) -> int:

@@ -7,6 +7,7 @@ device memory only.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ._native import cuda_buffer_id, ffi, lib
@@ -99,6 +100,24 @@ class CudaMemory(ProviderBase):
                     lib.gp_cuda_attr_u64(ptr, self._mapping_attrs[1], out + 1) == 0 and out[1]:
                 base, length = int(out[0]), int(out[1])
         return AllocationRange(base, length, int(buf_id))
+
+    def export_dmabuf(self, ptr: int) -> int:
+        """A dma-buf fd for the allocation holding ``ptr`` (cuMemGetHandleForAddressRange).
+
+        The range is the allocation (the VMM chunk for VMM memory), rounded up to the host
+        page size as the call requires; the caller closes the fd.
+        """
+        r = self.range_of(ptr)
+        page = os.sysconf("SC_PAGE_SIZE")
+        size = -(-r.size // page) * page
+        cu = self._cu
+        kind = cu.CUmemRangeHandleType.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
+        err, fd = cu.cuMemGetHandleForAddressRange(r.base, size, kind, 0)
+        if err != self._ok:
+            raise GpupinError(
+                f"cuMemGetHandleForAddressRange({r.base:#x}, {size}, DMA_BUF_FD) failed: {err.name}; "
+                "dma-buf export needs the open kernel modules (R515+) and a GPU that supports it")
+        return int(fd)
 
     def buffer_id(self, ptr: int) -> int:
         """The allocation's buffer id, queried directly through libcuda when possible."""

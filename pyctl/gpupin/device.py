@@ -80,6 +80,10 @@ class Info:
     def simulator(self) -> bool:
         return bool(self.caps & lib.GPUPIN_CAP_SIMULATOR)
 
+    @property
+    def dmabuf(self) -> bool:
+        return bool(self.caps & lib.GPUPIN_CAP_DMABUF)
+
 
 @dataclass(frozen=True)
 class PinState:
@@ -94,6 +98,7 @@ class PinState:
     dma_mappings: int
     persistent: bool
     slot: int
+    dmabuf: bool = False
 
 
 @dataclass(frozen=True)
@@ -119,7 +124,7 @@ class Pin:
 
     __slots__ = (
         "device", "handle", "va", "size", "aligned_va", "aligned_size", "page_size",
-        "entries", "gpu_uuid", "slot", "valid_word", "persistent", "user_tag",
+        "entries", "gpu_uuid", "slot", "valid_word", "persistent", "user_tag", "dmabuf",
     )
 
     def __init__(self, device: Device, c: Any, va: int, size: int, user_tag: int) -> None:
@@ -136,6 +141,7 @@ class Pin:
         self.slot: int = c.slot
         self.valid_word: int = c.valid_word
         self.persistent = bool(c.pin_flags & lib.GPUPIN_PIN_PERSISTENT)
+        self.dmabuf = bool(c.pin_flags & lib.GPUPIN_PIN_DMABUF)
 
     def is_valid(self) -> bool:
         """True while the kernel has not invalidated or released the pin."""
@@ -274,6 +280,38 @@ class Device(Closable):
             self._map_words()
         return Pin(self, c, va, size, user_tag)
 
+    def pin_dmabuf(self, fd: int, size: int | None = None, *, offset: int = 0,
+                   user_tag: int = 0) -> Pin:
+        """Pin [offset, offset + size) of the dma-buf ``fd`` (default: to its end) by importing it.
+
+        The pin holds the buffer, so ``fd`` may be closed afterwards.  Its ``va`` is ``offset``;
+        pages are CPU pages.  If the exporter revokes the buffer the pin is invalidated.
+        """
+        if size is None:
+            try:
+                size = os.lseek(fd, 0, os.SEEK_END) - offset
+            except OSError as exc:
+                raise from_errno(exc.errno or errno.EBADF, "PIN_DMABUF", f"fd={fd}", hint=(
+                    "the fd is not an open dma-buf")) from None
+        if size <= 0 or offset < 0 or offset + size - 1 > U64_MAX or not 0 <= user_tag <= U64_MAX:
+            raise InvalidArgument(f"PIN_DMABUF(fd={fd}, offset={offset}, size={size}): "
+                                  "size must be > 0 and the range inside 64-bit space")
+        c = ffi.new("struct gpupin_pin_dmabuf *")
+        c.fd, c.offset, c.size, c.user_tag = fd, offset, size, user_tag
+        desc = f"fd={fd}, offset={offset}, size={size}"
+        ret = lib.gpupin_call(self.fileno(), lib.GPUPIN_IOC_PIN_DMABUF, c)
+        if ret == -errno.EINVAL:
+            raise from_errno(errno.EINVAL, "PIN_DMABUF", desc, hint=(
+                "fd must be a dma-buf, offset page aligned, and [offset, offset + size) inside it"))
+        if ret == -errno.EBADF:
+            raise from_errno(errno.EBADF, "PIN_DMABUF", desc, cls=InvalidArgument,
+                             hint="fd is not an open file descriptor")
+        if ret < 0:
+            raise from_errno(-ret, "PIN_DMABUF", desc)
+        if self._words is None:
+            self._map_words()
+        return Pin(self, c, offset, size, user_tag)
+
     def unpin(self, handle: int | Pin) -> None:
         h = handle.handle if isinstance(handle, Pin) else handle
         c = ffi.new("struct gpupin_unpin *")
@@ -290,6 +328,7 @@ class Device(Closable):
             aligned_va=c.aligned_va, aligned_size=c.aligned_size, user_tag=c.user_tag,
             entries=c.entries, dma_mappings=c.dma_mappings,
             persistent=bool(c.pin_flags & lib.GPUPIN_PIN_PERSISTENT), slot=c.slot,
+            dmabuf=bool(c.pin_flags & lib.GPUPIN_PIN_DMABUF),
         )
 
     def get_pages(self, handle: int | Pin, first: int = 0, count: int | None = None) -> list[int]:

@@ -2,7 +2,9 @@
 
 A provider answers, for a device pointer, the allocation that holds it (base
 and size) and its buffer id, which changes whenever the allocation is freed
-and another takes its place.  The registration cache and the tests use only
+and another takes its place.  Providers that can also export an allocation as
+a dma-buf have ``export_dmabuf(ptr) -> fd`` (the registration cache's dma-buf
+backend uses it).  The registration cache and the tests use only
 this interface; :class:`gpupin.sim.SimMemory` and
 :class:`gpupin.cuda.CudaMemory` implement it.
 """

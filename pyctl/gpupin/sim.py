@@ -33,11 +33,14 @@ class SimStats:
     mappings_not_freed: int
     quarantine_bytes: int
     poison_errors: int
+    dmabuf_exports: int
+    dmabuf_mappings: int
 
     def leaks(self) -> dict[str, int]:
         """Counters that must be 0 once everything is released, and are not."""
         keys = ("pinned_pages", "bar_bytes", "live_callbacks", "page_tables", "dma_mappings",
-                "tables_not_freed", "mappings_not_freed", "poison_errors")
+                "tables_not_freed", "mappings_not_freed", "poison_errors", "dmabuf_exports",
+                "dmabuf_mappings")
         return {k: getattr(self, k) for k in keys if getattr(self, k)}
 
 
@@ -125,6 +128,22 @@ class SimMemory(ProviderBase):
         c.va, c.len, c.buf = ptr, size, int(ffi.cast("uintptr_t", buf))
         self._call(lib.NVP2P_SIM_IOC_RW, c, "sim read", f"{ptr:#x}, {size} bytes")
         return bytes(out)
+
+    def export_dmabuf(self, ptr: int) -> int:
+        """Export the allocation holding ``ptr`` as a dma-buf; returns the fd (caller closes it).
+
+        The buffer covers the whole allocation (``range_of(ptr)``); freeing the allocation
+        revokes it.
+        """
+        c = ffi.new("struct nvp2p_sim_export *")
+        c.va = ptr
+        ret = lib.gpupin_call(self._fd, lib.NVP2P_SIM_IOC_EXPORT, c)
+        if ret == -errno.ENOENT:
+            raise NotGpuMemory(f"sim export({ptr:#x}): not simulated device memory of this context",
+                               errno.ENOENT)
+        if ret < 0:
+            raise from_errno(-ret, "sim export", f"{ptr:#x}")
+        return int(c.fd)
 
     def stats(self) -> SimStats:
         return sim_stats(self._fd)

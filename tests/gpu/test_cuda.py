@@ -225,3 +225,38 @@ def test_same_va_on_another_gpu(cu) -> None:  # type: ignore[no-untyped-def]
         g1.free(b)
         g0.close()
         g1.close()
+
+
+def test_dmabuf_export_of_each_kind(cuda, cu) -> None:  # type: ignore[no-untyped-def]
+    """cuMemGetHandleForAddressRange(DMA_BUF_FD) for cuMemAlloc, a VMM chunk and pool memory."""
+    import os
+
+    sizes = {}
+
+    def export(ptr: int) -> int:
+        fd = cuda.export_dmabuf(ptr)
+        try:
+            return os.lseek(fd, 0, os.SEEK_END)
+        finally:
+            os.close(fd)
+
+    a = cuda.alloc(3 * MiB)
+    sizes["cuMemAlloc"] = (export(a + 100), cuda.range_of(a).size)
+    cuda.free(a)
+    v = Vmm(cu)
+    try:
+        sizes["vmm_chunk"] = (export(v.base + v.chunk + 5), v.chunk)
+    finally:
+        v.close()
+    stream = ok(cu.cuStreamCreate(0))
+    try:
+        p = int(ok(cu.cuMemAllocAsync(2 * MiB, stream)))
+        ok(cu.cuStreamSynchronize(stream))
+        sizes["pool"] = (export(p), cuda.range_of(p).size)
+        ok(cu.cuMemFreeAsync(p, stream))
+        ok(cu.cuStreamSynchronize(stream))
+    finally:
+        ok(cu.cuStreamDestroy(stream))
+    print(f"dma-buf export sizes (buffer, allocation): {sizes}")
+    for kind, (buf, alloc) in sizes.items():
+        assert buf >= alloc, f"{kind}: the dma-buf ({buf}) is smaller than the allocation ({alloc})"

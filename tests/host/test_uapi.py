@@ -46,6 +46,7 @@ IOCTLS = {
     "GPUPIN_IOC_GET_PAGES": ("gpupin_get_pages", 1), "GPUPIN_IOC_DMA_MAP": ("gpupin_dma_map", 3),
     "GPUPIN_IOC_DMA_ADDRS": ("gpupin_dma_addrs", 1), "GPUPIN_IOC_DMA_UNMAP": ("gpupin_dma_unmap", 1),
     "NVP2P_SIM_IOC_ALLOC": ("nvp2p_sim_alloc", 3), "NVP2P_SIM_IOC_STATS": ("nvp2p_sim_stats", 2),
+    "GPUPIN_IOC_PIN_DMABUF": ("gpupin_pin_dmabuf", 3), "NVP2P_SIM_IOC_EXPORT": ("nvp2p_sim_export", 3),
     "GPUPIN_PEER_IOC_XFER": ("gpupin_peer_xfer", 3), "GPUPIN_PEER_IOC_HOLD": ("gpupin_peer_hold", 3),
     "GPUPIN_PEER_IOC_RELEASE": ("gpupin_peer_release", 1),
     "GPUPIN_PEER_IOC_STATUS": ("gpupin_peer_status", 2),
@@ -66,4 +67,4 @@ def test_ioctl_numbers_encode_the_struct(name: str) -> None:
 
 def test_ioctl_numbers_are_distinct() -> None:
     nrs = [getattr(lib, n) & 0xFFFF for n in dir(lib) if n.startswith("GPUPIN_IOC_") and n != "GPUPIN_IOC_MAGIC"]
-    assert len(nrs) == len(set(nrs)) == 8
+    assert len(nrs) == len(set(nrs)) == 9

@@ -1,6 +1,6 @@
 """Stateful fuzzing of gpupin's interfaces from 4 processes at once.
 
-Each process runs a seeded random walk over open/pin/unpin/query/get_pages/dma_map/dma_addrs/
+Each process runs a seeded random walk over open/pin/pin_dmabuf/unpin/query/get_pages/dma_map/dma_addrs/
 dma_unmap/mmap/poll/read/close/fork, simulator alloc/free, peer-driver transfers and netlink
 requests, with boundary and random values in every field (flags, padding, reserved words, sizes
 near 0, 64 KiB and 2^64, stale and foreign handles).  It keeps a model of what it owns and checks
@@ -47,6 +47,7 @@ ALLOWED = {
     "dma_addrs": {OK, -E.EINVAL, -E.ENOENT, -E.ENXIO, -E.ENOMEM, -E.EFAULT},
     "dma_unmap": {OK, -E.EINVAL, -E.ENOENT, -E.ENXIO, -E.EACCES},
     "info": {OK},
+    "pin_dmabuf": {OK, -E.EINVAL, -E.EBADF, -E.ENOSPC, -E.ENOMEM, -E.ENXIO, -E.ENODEV, -E.EACCES},
     "bad_cmd": {-E.ENOTTY},
     "peer": {OK, -E.EINVAL, -E.ENOENT, -E.ENODEV, -E.EIO, -E.EBADF, -E.EFAULT, -E.ENOSPC},
 }
@@ -139,6 +140,29 @@ class Walk:
         if rc == 0:
             assert c.handle not in self.pins and c.handle not in self.stale, "handle reused"
             assert self.dev._word(c.slot) == c.handle
+            self.pins[int(c.handle)] = (base, int(size))
+
+    def op_pin_dmabuf(self) -> None:
+        fd = -1
+        if self.allocs and self.maybe(0.8):
+            base = self.rng.choice(list(self.allocs))
+            fd = self.sim.export_dmabuf(base)
+            self.calls += 1
+            span = (self.allocs[base] + GPU_PAGE - 1) // GPU_PAGE * GPU_PAGE
+            off = self.rng.randrange(0, span, 4096) if self.maybe() else self.u64()
+            size = self.rng.randint(1, max(1, span - off)) if self.maybe() else self.u64()
+        else:
+            base, off, size = 0, self.u64(), self.u64()
+        c = ffi.new("struct gpupin_pin_dmabuf *")
+        c.fd = fd if self.maybe() else self.rng.choice([-1, 9999, self.dev.fileno(), self.peer_fd])
+        c.offset, c.size, c.user_tag = off, size, self.u64()
+        c.flags = 0 if self.maybe() else self.u32()
+        rc = int(lib.gpupin_call(self.dev.fileno(), lib.GPUPIN_IOC_PIN_DMABUF, c))
+        if fd >= 0:
+            os.close(fd)
+        self.check("pin_dmabuf", rc, -E.EINVAL if c.flags or size == 0 else None)
+        if rc == 0:
+            assert c.handle not in self.pins and c.handle not in self.stale, "handle reused"
             self.pins[int(c.handle)] = (base, int(size))
 
     def op_unpin(self) -> None:
@@ -285,7 +309,8 @@ class Walk:
         assert os.waitstatus_to_exitcode(status) == 0, "a forked child could use the parent's file"
 
     def run(self) -> None:
-        ops = [(self.op_alloc, 10), (self.op_free, 5), (self.op_pin, 20), (self.op_unpin, 8),
+        ops = [(self.op_alloc, 10), (self.op_free, 5), (self.op_pin, 20), (self.op_pin_dmabuf, 5),
+               (self.op_unpin, 8),
                (self.op_query, 8), (self.op_get_pages, 6), (self.op_dma_map, 5),
                (self.op_dma_addrs, 4), (self.op_dma_unmap, 4), (self.op_bad_cmd, 2),
                (self.op_events, 4), (self.op_mmap, 2), (self.op_peer, 5), (self.op_netlink, 1),

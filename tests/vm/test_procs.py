@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -152,3 +154,58 @@ def test_process_death_with_1000_pins(gpupin_loaded: None, leakcheck: None, how:
     proc.wait(timeout=120)
     s = sim_stats()
     assert s.page_tables == 0 and s.bar_bytes == 0 and s.pinned_pages == 0 and s.alloc_bytes == 0
+
+
+GPUPIN_GID = 4242   # stands for the "gpupin" group of packaging/99-gpupin.rules
+
+
+def test_udev_rule_gives_the_group_access() -> None:
+    rules = (Path(__file__).resolve().parents[2] / "packaging" / "99-gpupin.rules").read_text()
+    line = next(ln for ln in rules.splitlines() if ln.startswith('KERNEL=="gpupin"'))
+    assert 'GROUP="gpupin"' in line and 'MODE="0660"' in line
+
+
+def test_group_member_may_pin_but_sees_no_addresses(gpupin_loaded: None, leakcheck: None,
+                                                   sim_params, pci: str) -> None:  # type: ignore[no-untyped-def]
+    """What the udev rule gives a member of the gpupin group, as an unprivileged user."""
+    sim_params("gpupin", debug=True)     # the debug log must not leak addresses either
+    st = os.stat("/dev/gpupin")
+    os.chown("/dev/gpupin", 0, GPUPIN_GID)
+    mark = f"gpupin-privilege-test-{os.getpid()}"
+    with open("/dev/kmsg", "w") as kmsg:
+        kmsg.write(mark + "\n")
+    try:
+        def child() -> int:
+            from gpupin.netlink import Netlink
+
+            os.setgroups([GPUPIN_GID])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            with SimMemory() as sim, Device() as dev:
+                va = sim.alloc(GPU_PAGE)
+                pin = dev.pin(va, GPU_PAGE)
+                m = dev.dma_map(pin, pci)
+                if errno_of(lambda: dev.get_pages(pin)) != errno.EPERM:
+                    return 2
+                if errno_of(lambda: dev.dma_addrs(m)) != errno.EPERM:
+                    return 3
+                with Netlink() as nl:
+                    mine = nl.list_pins()
+                    if {(p.pid, p.handle) for p in mine} != {(os.getpid(), pin.handle)}:
+                        return 4
+                    if errno_of(nl.subscribe) != errno.EPERM:
+                        return 5
+                sim.free(va)
+                if [e.reason for e in dev.read_events()] != ["freed"]:
+                    return 6
+            return 0
+
+        assert in_child(child) == 0
+    finally:
+        os.chown("/dev/gpupin", st.st_uid, st.st_gid)
+    log = subprocess.run(["dmesg"], capture_output=True, text=True, check=True).stdout
+    ours = log[log.rindex(mark):]
+    lines = [ln for ln in ours.splitlines() if "gpupin:" in ln]
+    assert lines, "debug logging produced nothing to check"
+    for ln in lines:
+        assert not re.search(r"ffff[0-9a-f]{12}|0x[0-9a-f]{9,}", ln), f"address in the log: {ln}"

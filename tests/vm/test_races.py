@@ -1,4 +1,5 @@
-"""Races between the free callback and unpin/close/dma_unmap, and put_pages racing the callback.
+"""Races between the free callback and unpin, close, dma_unmap, queries, netlink dumps and peer
+driver transfers; put_pages racing the callback; SIGKILL in the middle of a pin.
 
 Counts default to CI size; GPUPIN_LONG=1 (make test-long) runs the full ones.
 """
@@ -6,12 +7,18 @@ Counts default to CI size; GPUPIN_LONG=1 (make test-long) runs the full ones.
 from __future__ import annotations
 
 import os
+import random
+import signal
 import threading
+import time
 
 import pytest
 
+import gpupin
 from conftest import GPU_PAGE
 from gpupin import Device, SimMemory, sim_stats
+from gpupin.netlink import Netlink
+from gpupin.peer import Peer
 
 pytestmark = [pytest.mark.vm, pytest.mark.simonly]
 LONG = os.environ.get("GPUPIN_LONG") == "1"
@@ -106,7 +113,7 @@ def test_dma_unmap_races_free(device: Device, sim: SimMemory, pci: str) -> None:
 
 def test_queries_race_free(device: Device, sim: SimMemory) -> None:
     """GET_PAGES/QUERY users in flight while the callback waits for them."""
-    n = 2000 if LONG else 400
+    n = ITER if LONG else 400
     vas = [sim.alloc(GPU_PAGE) for _ in range(n)]
     pins = [device.pin(va, GPU_PAGE) for va in vas]
 
@@ -123,3 +130,94 @@ def test_queries_race_free(device: Device, sim: SimMemory) -> None:
     for p in pins:
         device.unpin(p)
     device.read_events()
+
+
+def test_netlink_dump_races_free(device: Device, sim: SimMemory) -> None:
+    """GET_PINS dumps walking pins while their callbacks run."""
+    n = ITER if LONG else 2000
+    seen = 0
+    with Netlink() as nl:
+        for _ in range(n // BATCH):
+            vas = [sim.alloc(GPU_PAGE) for _ in range(BATCH)]
+            pins = [device.pin(va, GPU_PAGE) for va in vas]
+            done = threading.Event()
+
+            def dump() -> None:
+                nonlocal seen
+                while not done.is_set():
+                    for p in nl.list_pins():
+                        assert p.state in ("pinned", "invalidated")
+                        seen += 1
+
+            def free_all() -> None:
+                for va in vas:
+                    sim.free(va)
+                done.set()
+
+            run_pair(free_all, dump)
+            for p in pins:
+                device.unpin(p)
+            device.read_events()
+    assert sim_stats().page_tables == 0
+    print(f"{n} frees raced netlink dumps that reported {seen} pins")
+
+
+def test_peer_transfers_race_free(device: Device, sim: SimMemory, peer: Peer) -> None:
+    """Driver accesses (kernel API) in flight while the callback notifies and waits for them."""
+    n = ITER if LONG else 1000
+    completed = aborted = refused = 0
+    for _ in range(n // 100):
+        vas = [sim.alloc(2 * GPU_PAGE) for _ in range(100)]
+        pins = [device.pin(va, 2 * GPU_PAGE) for va in vas]
+        refused_pins = []
+
+        def transfers() -> None:
+            nonlocal completed, aborted
+            for p in pins:
+                try:
+                    peer.read(device, p, GPU_PAGE - 512, 1024)   # spans both GPU pages
+                    completed += 1
+                except gpupin.TransferAborted as exc:
+                    assert exc.errno in (19, 5)    # ENODEV, EIO
+                    aborted += 1
+                except gpupin.InvalidArgument:
+                    # The provider refuses dma_map_pages once it started freeing the memory,
+                    # which can be before gpupin's callback (and the peer's notifier) ran.
+                    refused_pins.append(p)
+
+        run_pair(lambda: [sim.free(va) for va in vas], transfers)
+        assert all(device.query(p).state == "invalidated" for p in refused_pins)
+        refused += len(refused_pins)
+        for p in pins:
+            device.unpin(p)
+        device.read_events()
+        s = sim_stats()
+        assert s.page_tables == 0 and s.dma_mappings == 0 and s.poison_errors == 0
+    assert completed + aborted + refused == n
+    print(f"{n} peer transfers raced frees: {completed} completed, {aborted} stopped cleanly, "
+          f"{refused} refused by the provider mid-free")
+
+
+def test_sigkill_during_pin(gpupin_loaded: None, leakcheck: None, sim_params) -> None:  # type: ignore[no-untyped-def]
+    """A process killed while its PIN is inside get_pages leaves nothing behind."""
+    sim_params(pin_latency_us=3000)
+    n = ITER if LONG else 200
+    rng = random.Random(n)
+    for _ in range(n):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                sim = SimMemory()
+                dev = Device()
+                va = sim.alloc(4 * GPU_PAGE)
+                while True:
+                    dev.unpin(dev.pin(va, 4 * GPU_PAGE))
+            finally:
+                os._exit(0)
+        time.sleep(rng.random() * 0.02)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    s = sim_stats()
+    assert s.page_tables == 0 and s.bar_bytes == 0 and s.allocations == 0, s
+    with Device() as dev:
+        assert dev.info().pinned_bytes == 0

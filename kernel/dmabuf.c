@@ -1,0 +1,295 @@
+// SPDX-License-Identifier: (GPL-2.0 OR MIT)
+/*
+ * gpupin: the dma-buf backend - PIN_DMABUF imports a dma-buf (the path NVIDIA
+ * recommends after nv-p2p: cuMemGetHandleForAddressRange exports GPU memory
+ * as one) and makes it a pin like any other, and DMA_MAP of such a pin is a
+ * second attachment for the peer device.
+ *
+ * gpupin's own import uses the misc device (64-bit DMA mask) as importing
+ * device, attaches dynamically (allow_peer2peer, move_notify), and pins and
+ * maps under the reservation lock, which works the same on 6.1.y and 6.12.
+ * A move_notify from the exporter revokes the pin exactly as the nv-p2p
+ * free callback does (validity word, poll record, netlink event, driver
+ * notifiers) and unmaps every attachment of the pin; detaching waits for
+ * the release (unpin, close), since detach takes the reservation lock that
+ * move_notify runs under.
+ *
+ * Lock order: the dma-buf reservation lock comes before pin->refs_lock and
+ * pin->lock.  Nothing in gpupin takes it while an in-flight user
+ * (gpupin_pin_use) is held, because a revocation waits for those under it.
+ */
+#define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
+
+#include <linux/dma-buf.h>
+#include <linux/dma-mapping.h>
+#include <linux/dma-resv.h>
+#include <linux/err.h>
+#include <linux/mm.h>
+#include <linux/pci.h>
+#include <linux/scatterlist.h>
+#include <linux/slab.h>
+#include <linux/uaccess.h>
+#include "gpupin.h"
+
+MODULE_IMPORT_NS(DMA_BUF);
+
+static void gpupin_dmabuf_pin_moved(struct dma_buf_attachment *attach)
+{
+	gpupin_pin_revoke(attach->importer_priv);
+}
+
+static void gpupin_dmabuf_map_moved(struct dma_buf_attachment *attach)
+{
+	struct gpupin_map *map = attach->importer_priv;
+
+	gpupin_pin_revoke(map->pin);
+}
+
+/* gpupin's own import of a pinned buffer. */
+static const struct dma_buf_attach_ops gpupin_dmabuf_pin_ops = {
+	.allow_peer2peer = true,
+	.move_notify = gpupin_dmabuf_pin_moved,
+};
+
+/* A peer device's attachment (DMA_MAP, gpupin_ref_dma_map). */
+static const struct dma_buf_attach_ops gpupin_dmabuf_map_ops = {
+	.allow_peer2peer = true,
+	.move_notify = gpupin_dmabuf_map_moved,
+};
+
+/*
+ * Per-page bus addresses of [offset, offset + n pages) of a mapping, into
+ * @out.  Every segment must be page aligned.
+ */
+static int gpupin_sgt_addrs(struct sg_table *sgt, u64 offset, u32 n, u64 *out)
+{
+	struct scatterlist *sg;
+	u64 pos = 0, end = offset + ((u64)n << PAGE_SHIFT);
+	u32 filled = 0;
+	int i;
+
+	for_each_sgtable_dma_sg(sgt, sg, i) {
+		dma_addr_t addr = sg_dma_address(sg);
+		u64 len = sg_dma_len(sg);
+		u64 p;
+
+		if (!PAGE_ALIGNED(addr) || !PAGE_ALIGNED(len))
+			return -EOPNOTSUPP;
+		for (p = max(pos, offset); p < pos + len && p < end; p += PAGE_SIZE)
+			out[filled++] = addr + (p - pos);
+		pos += len;
+		if (pos >= end)
+			break;
+	}
+	return filled == n ? 0 : -EINVAL;
+}
+
+static void gpupin_att_unmap(struct gpupin_dmabuf_att *att)
+{
+	if (att->sgt) {
+		dma_buf_unmap_attachment(att->attach, att->sgt, DMA_BIDIRECTIONAL);
+		att->sgt = NULL;
+	}
+}
+
+/*
+ * Revocation (move_notify, reservation lock held, no in-flight user left):
+ * unmap gpupin's import and every peer attachment.  The map list cannot
+ * change now: adding needs the reservation lock and a PINNED pin, removing
+ * needs an in-flight user.
+ */
+void gpupin_dmabuf_teardown(struct gpupin_region *pin)
+{
+	struct gpupin_map *map;
+
+	dma_resv_assert_held(pin->dmabuf->resv);
+	gpupin_att_unmap(&pin->att);
+	list_for_each_entry(map, &pin->maps, node)
+		gpupin_att_unmap(&map->att);
+}
+
+/* Release, no lock held: unmap, unpin, detach and let go of the buffer. */
+void gpupin_dmabuf_release(struct gpupin_region *pin)
+{
+	struct dma_buf *dmabuf = pin->dmabuf;
+
+	if (pin->att.attach) {
+		dma_resv_lock(dmabuf->resv, NULL);
+		gpupin_att_unmap(&pin->att);
+		if (pin->att.pinned)
+			dma_buf_unpin(pin->att.attach);
+		pin->att.pinned = false;
+		dma_resv_unlock(dmabuf->resv);
+		dma_buf_detach(dmabuf, pin->att.attach);
+		pin->att.attach = NULL;
+	}
+	kvfree(pin->dmabuf_addrs);
+	pin->dmabuf_addrs = NULL;
+	pin->dmabuf = NULL;
+	dma_buf_put(dmabuf);
+}
+
+/* Import and map the buffer for gpupin's device; PINNING -> PINNED. */
+static int gpupin_dmabuf_import(struct gpupin_file *f, struct gpupin_region *pin)
+{
+	struct dma_buf *dmabuf = pin->dmabuf;
+	struct sg_table *sgt;
+	int ret;
+
+	pin->dmabuf_addrs = gpupin_kvmalloc_array(pin->entries, sizeof(u64), GFP_KERNEL);
+	if (!pin->dmabuf_addrs)
+		return -ENOMEM;
+	pin->att.attach = dma_buf_dynamic_attach(dmabuf, gpupin_dma_device(),
+						 &gpupin_dmabuf_pin_ops, pin);
+	if (IS_ERR(pin->att.attach)) {
+		ret = PTR_ERR(pin->att.attach);
+		pin->att.attach = NULL;
+		return ret;
+	}
+	dma_resv_lock(dmabuf->resv, NULL);
+	ret = dma_buf_pin(pin->att.attach);
+	if (ret)
+		goto out_unlock;
+	pin->att.pinned = true;
+	sgt = dma_buf_map_attachment(pin->att.attach, DMA_BIDIRECTIONAL);
+	if (IS_ERR(sgt)) {
+		ret = PTR_ERR(sgt);
+		goto out_unlock;
+	}
+	pin->att.sgt = sgt;
+	ret = gpupin_sgt_addrs(sgt, pin->aligned_va, pin->entries, pin->dmabuf_addrs);
+	if (!ret && !gpupin_pin_mark_pinned(f, pin))
+		ret = -ENXIO;	/* revoked while we imported it */
+out_unlock:
+	dma_resv_unlock(dmabuf->resv);
+	return ret;
+}
+
+long gpupin_ioctl_pin_dmabuf(struct gpupin_file *f, struct gpupin_pin_dmabuf __user *uarg)
+{
+	struct gpupin_pin_dmabuf arg;
+	struct gpupin_region *pin;
+	struct dma_buf *dmabuf;
+	u64 end, aligned_size;
+	int ret;
+
+	if (copy_from_user(&arg, uarg, sizeof(arg)))
+		return -EFAULT;
+	if (arg.flags || arg.reserved[0] || arg.reserved[1] || !arg.size ||
+	    !PAGE_ALIGNED(arg.offset) || check_add_overflow(arg.offset, arg.size, &end) ||
+	    end > U64_MAX - PAGE_SIZE)
+		return -EINVAL;
+	aligned_size = PAGE_ALIGN(end) - arg.offset;
+	if ((aligned_size >> PAGE_SHIFT) > U32_MAX)
+		return -EINVAL;
+	if (!gpupin_caller_owns(f))
+		return -EACCES;
+	dmabuf = dma_buf_get(arg.fd);
+	if (IS_ERR(dmabuf))
+		return PTR_ERR(dmabuf);	/* -EBADF, or -EINVAL: not a dma-buf */
+	if (end > dmabuf->size) {
+		dma_buf_put(dmabuf);
+		return -EINVAL;
+	}
+	pin = gpupin_pin_alloc(f, arg.offset, arg.size, arg.offset, aligned_size, arg.user_tag,
+			       PAGE_SHIFT);
+	if (!pin) {
+		dma_buf_put(dmabuf);
+		return -ENOMEM;
+	}
+	pin->flags = GPUPIN_PIN_DMABUF;
+	pin->dmabuf = dmabuf;	/* the pin's reference from here on */
+	ret = gpupin_pin_reserve(f, pin);
+	if (ret) {
+		dma_buf_put(dmabuf);
+		return ret;
+	}
+	ret = gpupin_dmabuf_import(f, pin);
+	if (ret) {
+		gpupin_dbg("dma-buf import failed: %d\n", ret);
+		gpupin_pin_release_pages(pin, GPUPIN_PIN_PINNING);
+		gpupin_pin_unreserve(f, pin, ret);
+		return ret;
+	}
+	arg.handle = pin->handle;
+	arg.aligned_va = pin->aligned_va;
+	arg.aligned_size = pin->aligned_size;
+	arg.page_size = PAGE_SIZE;
+	arg.entries = pin->entries;
+	memset(arg.gpu_uuid, 0, sizeof(arg.gpu_uuid));
+	arg.slot = pin->slot;
+	arg.pin_flags = pin->flags;
+	arg.valid_word = pin->handle;
+	return gpupin_pin_publish(f, pin, uarg, &arg, sizeof(arg));
+}
+
+/*
+ * DMA_MAP of a dma-buf pin: a dynamic attachment for the peer device,
+ * mapped and put on the pin's list under the reservation lock (so a
+ * revocation sees it).  Takes no in-flight use: a revocation waits for
+ * those while holding the lock this needs.
+ */
+int gpupin_dmabuf_map(struct gpupin_region *pin, struct gpupin_map *map)
+{
+	struct dma_buf *dmabuf = NULL;
+	struct sg_table *sgt;
+	int ret;
+
+	spin_lock(&pin->lock);
+	if (pin->state == GPUPIN_PIN_PINNED) {
+		dmabuf = pin->dmabuf;
+		get_dma_buf(dmabuf);
+	}
+	spin_unlock(&pin->lock);
+	if (!dmabuf)
+		return -ENXIO;
+	map->dma = gpupin_kvmalloc_array(pin->entries, sizeof(u64), GFP_KERNEL);
+	ret = -ENOMEM;
+	if (!map->dma)
+		goto out_put;
+	map->att.attach = dma_buf_dynamic_attach(dmabuf, &map->pdev->dev, &gpupin_dmabuf_map_ops, map);
+	if (IS_ERR(map->att.attach)) {
+		ret = PTR_ERR(map->att.attach);
+		map->att.attach = NULL;
+		goto out_free;
+	}
+	dma_resv_lock(dmabuf->resv, NULL);
+	sgt = dma_buf_map_attachment(map->att.attach, DMA_BIDIRECTIONAL);
+	if (IS_ERR(sgt)) {
+		ret = PTR_ERR(sgt);
+	} else {
+		map->att.sgt = sgt;
+		ret = gpupin_sgt_addrs(sgt, pin->aligned_va, pin->entries, map->dma);
+		if (!ret)
+			ret = gpupin_map_add(pin, map);
+		if (ret)
+			gpupin_att_unmap(&map->att);
+	}
+	dma_resv_unlock(dmabuf->resv);
+	if (ret) {
+		dma_buf_detach(dmabuf, map->att.attach);
+		map->att.attach = NULL;
+	}
+out_free:
+	if (ret) {
+		kvfree(map->dma);
+		map->dma = NULL;
+	}
+out_put:
+	dma_buf_put(dmabuf);
+	return ret;
+}
+
+/* Destroy a peer attachment that is off the pin's list. */
+void gpupin_dmabuf_unmap(struct gpupin_map *map)
+{
+	struct dma_buf *dmabuf = map->att.attach->dmabuf;
+
+	dma_resv_lock(dmabuf->resv, NULL);
+	gpupin_att_unmap(&map->att);
+	dma_resv_unlock(dmabuf->resv);
+	dma_buf_detach(dmabuf, map->att.attach);
+	map->att.attach = NULL;
+	kvfree(map->dma);
+	map->dma = NULL;
+}

@@ -1,0 +1,203 @@
+// SPDX-License-Identifier: (GPL-2.0 OR MIT)
+/*
+ * nvp2p_sim: simulated GPU memory exported as a dma-buf, the way
+ * cuMemGetHandleForAddressRange(CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD) exports
+ * real GPU memory.  The exporter is dynamic (pin/unpin, mappings made under
+ * the reservation lock), and revokes the buffer when the allocation is
+ * freed: every importer gets move_notify, later pins and mappings fail with
+ * -ENODEV.  The memory itself stays until the last reference to the buffer
+ * goes (the export holds the allocation), then is poisoned as any freed
+ * allocation is.
+ */
+#define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
+
+#include <linux/dma-buf.h>
+#include <linux/dma-mapping.h>
+#include <linux/dma-resv.h>
+#include <linux/err.h>
+#include <linux/fcntl.h>
+#include <linux/fs.h>
+#include <linux/module.h>
+#include <linux/scatterlist.h>
+#include <linux/slab.h>
+#include <linux/uaccess.h>
+#include "sim.h"
+
+MODULE_IMPORT_NS(DMA_BUF);
+
+struct sim_export {
+	struct list_head node;		/* alloc->exports, under sim_lock */
+	struct list_head revoke_node;	/* sim_revoke_exports() only */
+	struct sim_alloc *alloc;	/* holds a reference */
+	struct dma_buf *dmabuf;
+	bool revoked;			/* under the dma-buf's reservation lock */
+	unsigned int pins;		/* under the dma-buf's reservation lock */
+};
+
+static int sim_dmabuf_pin(struct dma_buf_attachment *attach)
+{
+	struct sim_export *exp = attach->dmabuf->priv;
+
+	dma_resv_assert_held(attach->dmabuf->resv);
+	if (exp->revoked)
+		return -ENODEV;
+	exp->pins++;
+	return 0;
+}
+
+static void sim_dmabuf_unpin(struct dma_buf_attachment *attach)
+{
+	struct sim_export *exp = attach->dmabuf->priv;
+
+	dma_resv_assert_held(attach->dmabuf->resv);
+	WARN_ON_ONCE(!exp->pins);
+	exp->pins--;
+}
+
+static struct sg_table *sim_dmabuf_map(struct dma_buf_attachment *attach,
+				       enum dma_data_direction dir)
+{
+	struct sim_export *exp = attach->dmabuf->priv;
+	struct sim_alloc *alloc = exp->alloc;
+	struct scatterlist *sg;
+	struct sg_table *sgt;
+	int ret, i;
+
+	dma_resv_assert_held(attach->dmabuf->resv);
+	if (exp->revoked)
+		return ERR_PTR(-ENODEV);
+	sgt = kzalloc(sizeof(*sgt), GFP_KERNEL);
+	if (!sgt)
+		return ERR_PTR(-ENOMEM);
+	ret = sg_alloc_table(sgt, alloc->nchunks, GFP_KERNEL);
+	if (ret)
+		goto err_free;
+	for_each_sgtable_sg(sgt, sg, i)
+		sg_set_page(sg, alloc->chunks[i], SIM_PAGE_SIZE, 0);
+	ret = dma_map_sgtable(attach->dev, sgt, dir, 0);
+	if (ret)
+		goto err_table;
+	spin_lock(&sim_lock);
+	sim_stats.dmabuf_mappings++;
+	spin_unlock(&sim_lock);
+	return sgt;
+
+err_table:
+	sg_free_table(sgt);
+err_free:
+	kfree(sgt);
+	return ERR_PTR(ret);
+}
+
+static void sim_dmabuf_unmap(struct dma_buf_attachment *attach, struct sg_table *sgt,
+			     enum dma_data_direction dir)
+{
+	dma_unmap_sgtable(attach->dev, sgt, dir, 0);
+	sg_free_table(sgt);
+	kfree(sgt);
+	spin_lock(&sim_lock);
+	sim_stats.dmabuf_mappings--;
+	spin_unlock(&sim_lock);
+}
+
+/* The last reference went: no importer is attached any more. */
+static void sim_dmabuf_release(struct dma_buf *dmabuf)
+{
+	struct sim_export *exp = dmabuf->priv;
+
+	WARN_ON_ONCE(exp->pins);
+	spin_lock(&sim_lock);
+	list_del(&exp->node);
+	sim_stats.dmabuf_exports--;
+	spin_unlock(&sim_lock);
+	sim_alloc_put(exp->alloc);
+	kfree(exp);
+}
+
+static const struct dma_buf_ops sim_dmabuf_ops = {
+	.pin = sim_dmabuf_pin,
+	.unpin = sim_dmabuf_unpin,
+	.map_dma_buf = sim_dmabuf_map,
+	.unmap_dma_buf = sim_dmabuf_unmap,
+	.release = sim_dmabuf_release,
+};
+
+long sim_ioctl_export(struct sim_ctx *ctx, struct nvp2p_sim_export __user *uarg)
+{
+	DEFINE_DMA_BUF_EXPORT_INFO(info);
+	struct nvp2p_sim_export arg;
+	struct sim_export *exp;
+	struct sim_alloc *alloc;
+	struct dma_buf *dmabuf;
+	int fd;
+
+	if (copy_from_user(&arg, uarg, sizeof(arg)))
+		return -EFAULT;
+	if (arg.flags || arg.fd || arg.base || arg.size || arg.reserved[0] || arg.reserved[1])
+		return -EINVAL;
+	exp = kzalloc(sizeof(*exp), GFP_KERNEL);
+	if (!exp)
+		return -ENOMEM;
+	mutex_lock(&ctx->lock);
+	alloc = sim_ctx_find(ctx, arg.va);
+	if (!alloc) {
+		mutex_unlock(&ctx->lock);
+		kfree(exp);
+		return -ENOENT;
+	}
+	kref_get(&alloc->ref);
+	exp->alloc = alloc;
+	info.ops = &sim_dmabuf_ops;
+	info.size = alloc->size;
+	info.flags = O_RDWR;
+	info.priv = exp;
+	dmabuf = dma_buf_export(&info);
+	if (IS_ERR(dmabuf)) {
+		mutex_unlock(&ctx->lock);
+		sim_alloc_put(alloc);
+		kfree(exp);
+		return PTR_ERR(dmabuf);
+	}
+	exp->dmabuf = dmabuf;
+	spin_lock(&sim_lock);
+	list_add_tail(&exp->node, &alloc->exports);
+	sim_stats.dmabuf_exports++;
+	spin_unlock(&sim_lock);
+	arg.base = alloc->va;
+	arg.size = alloc->size;
+	mutex_unlock(&ctx->lock);
+
+	fd = dma_buf_fd(dmabuf, O_CLOEXEC);
+	if (fd < 0) {
+		dma_buf_put(dmabuf);
+		return fd;
+	}
+	arg.fd = fd;
+	/* On a fault the fd stays open (it is installed); user space lost it. */
+	return copy_to_user(uarg, &arg, sizeof(arg)) ? -EFAULT : 0;
+}
+
+/*
+ * The allocation is being freed (sim_big_lock and its context's lock held,
+ * nv-p2p callbacks done): revoke every export of it.
+ */
+void sim_revoke_exports(struct sim_alloc *alloc)
+{
+	struct sim_export *exp, *tmp;
+	LIST_HEAD(todo);
+
+	spin_lock(&sim_lock);
+	list_for_each_entry(exp, &alloc->exports, node) {
+		/* Skip a buffer already on its way to release. */
+		if (get_file_rcu(exp->dmabuf->file))
+			list_add_tail(&exp->revoke_node, &todo);
+	}
+	spin_unlock(&sim_lock);
+	list_for_each_entry_safe(exp, tmp, &todo, revoke_node) {
+		dma_resv_lock(exp->dmabuf->resv, NULL);
+		exp->revoked = true;
+		dma_buf_move_notify(exp->dmabuf);
+		dma_resv_unlock(exp->dmabuf->resv);
+		dma_buf_put(exp->dmabuf);
+	}
+}

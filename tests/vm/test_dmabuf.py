@@ -1,0 +1,233 @@
+"""The dma-buf backend: PIN_DMABUF of buffers exported by the simulator (a dynamic exporter
+that revokes on free) and by vgem (a static one), read and written through the peer driver."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+import gpupin
+from conftest import EINVAL, GPU_PAGE, KiB, MiB, first_pci_device
+from gpupin import Device, SimMemory, kmod, sim_stats
+from gpupin._native import ffi, lib
+from gpupin.cache import RegistrationCache
+from gpupin.netlink import Netlink
+from gpupin.peer import Peer
+
+pytestmark = [pytest.mark.vm, pytest.mark.simonly]
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def pattern(n: int, seed: int = 0) -> bytes:
+    block = bytes(((i * 197 + seed * 13 + 5) % 253) for i in range(65519))
+    return (block * (n // len(block) + 1))[:n]
+
+
+def test_capability(device: Device) -> None:
+    assert device.info().dmabuf
+
+
+def test_sim_export_pinned_and_read_exactly(device: Device, sim: SimMemory, peer: Peer) -> None:
+    size = 3 * GPU_PAGE + 100
+    va = sim.alloc(size)
+    data = pattern(4 * GPU_PAGE, 1)
+    sim.write(va, data)
+    fd = sim.export_dmabuf(va + 5000)      # any address in the allocation exports all of it
+    assert os.lseek(fd, 0, os.SEEK_END) == 4 * GPU_PAGE
+    pin = device.pin_dmabuf(fd, user_tag=7)
+    os.close(fd)                           # the pin holds the buffer
+    assert pin.dmabuf and pin.page_size == PAGE and pin.entries == 4 * GPU_PAGE // PAGE
+    q = device.query(pin)
+    assert q.dmabuf and q.state == "pinned" and q.va == 0 and q.size == 4 * GPU_PAGE
+    assert pin.is_valid()
+    for off, n in ((0, 1), (12345, 100_000), (4 * GPU_PAGE - 7, 7), (PAGE - 1, 2)):
+        assert peer.read(device, pin, off, n) == data[off:off + n]
+    new = pattern(70_000, 2)
+    peer.write(device, pin, 3333, new)
+    assert sim.read(va + 3333, len(new)) == new
+    assert sim.read(va, 3333) == data[:3333]
+    s = sim_stats()
+    assert s.dmabuf_exports == 1 and s.dmabuf_mappings == 1   # gpupin's import
+    device.unpin(pin)
+    s = sim_stats()
+    assert s.dmabuf_exports == 0 and s.dmabuf_mappings == 0
+    sim.free(va)
+
+
+def test_offset_and_size(device: Device, sim: SimMemory, peer: Peer) -> None:
+    va = sim.alloc(4 * GPU_PAGE)
+    data = pattern(4 * GPU_PAGE, 3)
+    sim.write(va, data)
+    fd = sim.export_dmabuf(va)
+    try:
+        pin = device.pin_dmabuf(fd, 5000, offset=GPU_PAGE)
+    finally:
+        os.close(fd)
+    assert pin.va == GPU_PAGE and pin.aligned_size == 2 * PAGE and pin.entries == 2
+    assert peer.read(device, pin, 0, 5000) == data[GPU_PAGE:GPU_PAGE + 5000]
+    with pytest.raises(gpupin.InvalidArgument):
+        peer.read(device, pin, 4000, 1001)      # past the pinned 5000 bytes
+    device.unpin(pin)
+    sim.free(va)
+
+
+def test_dma_map_is_a_second_attachment(device: Device, sim: SimMemory) -> None:
+    va = sim.alloc(2 * GPU_PAGE)
+    fd = sim.export_dmabuf(va)
+    pin = device.pin_dmabuf(fd)
+    os.close(fd)
+    m = device.dma_map(pin, first_pci_device())
+    assert m.entries == pin.entries
+    assert sim_stats().dmabuf_mappings == 2
+    # Without an IOMMU both attachments see the pages at their physical addresses.
+    assert device.dma_addrs(m) == device.get_pages(pin)
+    device.dma_unmap(m)
+    assert sim_stats().dmabuf_mappings == 1
+    device.unpin(pin)
+    sim.free(va)
+
+
+def test_revoke_while_pinned(device: Device, sim: SimMemory, peer: Peer) -> None:
+    va = sim.alloc(2 * GPU_PAGE)
+    sim.write(va, pattern(2 * GPU_PAGE))
+    fd = sim.export_dmabuf(va)
+    pin = device.pin_dmabuf(fd, user_tag=99)
+    os.close(fd)
+    m = device.dma_map(pin, first_pci_device())
+    hold = peer.hold(device, pin)              # shares the user's mapping
+    with Netlink() as nl:
+        sim.free(va)                           # the exporter revokes: move_notify
+        assert not pin.is_valid()
+        assert [(e.handle, e.user_tag, e.reason) for e in device.read_events()] == [(pin.handle, 99, "freed")]
+        assert peer.status().notified == 1
+        (p,) = [p for p in nl.list_pins() if p.handle == pin.handle and p.pid == os.getpid()]
+        assert p.state == "invalidated"
+    s = sim_stats()
+    assert s.dmabuf_mappings == 0, "every attachment unmapped at the revocation"
+    assert s.dmabuf_exports == 1, "gpupin still holds the buffer until unpin"
+    with pytest.raises(gpupin.TransferAborted):
+        peer.read(device, pin, 0, 10)
+    with pytest.raises(gpupin.PinInvalidated):
+        device.dma_map(pin, first_pci_device())
+    assert device.query(pin).state == "invalidated"
+    peer.release(hold)
+    with pytest.raises(gpupin.PinInvalidated):
+        device.dma_unmap(m)
+    device.unpin(pin)
+    s = sim_stats()
+    assert s.dmabuf_exports == 0 and s.allocations == 0 and s.poison_errors == 0
+
+
+def test_revoke_during_transfer(device: Device, sim: SimMemory, peer: Peer, sim_params) -> None:  # type: ignore[no-untyped-def]
+    import threading
+    import time
+
+    sim_params("gpupin_peer", chunk_delay_us=5000)
+    size = 64 * PAGE
+    va = sim.alloc(size)
+    data = pattern(size, 4)
+    sim.write(va, data)
+    fd = sim.export_dmabuf(va)
+    pin = device.pin_dmabuf(fd, size)
+    os.close(fd)
+    t = threading.Thread(target=lambda: (time.sleep(0.1), sim.free(va)))
+    t.start()
+    with pytest.raises(gpupin.TransferAborted) as ei:
+        peer.read(device, pin, 0, size)
+    t.join()
+    assert 0 < ei.value.done < size and ei.value.partial == data[:ei.value.done]
+    device.unpin(pin)
+
+
+def test_user_closes_fd_while_pinned(device: Device, sim: SimMemory, peer: Peer) -> None:
+    va = sim.alloc(GPU_PAGE)
+    sim.write(va, b"kept")
+    fd = sim.export_dmabuf(va)
+    pin = device.pin_dmabuf(fd)
+    os.close(fd)
+    assert sim_stats().dmabuf_exports == 1
+    assert peer.read(device, pin, 0, 4) == b"kept"
+    device.close()          # release on close works as for nv-p2p pins
+    assert sim_stats().dmabuf_exports == 0
+    sim.free(va)
+
+
+def test_bad_fds_and_ranges(device: Device, sim: SimMemory) -> None:
+    va = sim.alloc(GPU_PAGE)
+    fd = sim.export_dmabuf(va)
+    try:
+        with open("/dev/null", "rb") as null:
+            with pytest.raises(gpupin.InvalidArgument, match="dma-buf"):
+                device.pin_dmabuf(null.fileno(), 4096)
+        with pytest.raises(gpupin.InvalidArgument, match="not an open file"):
+            device.pin_dmabuf(999, 4096)
+        with pytest.raises(gpupin.InvalidArgument, match="page aligned"):
+            device.pin_dmabuf(fd, 4096, offset=100)
+        with pytest.raises(gpupin.InvalidArgument, match="inside it"):
+            device.pin_dmabuf(fd, GPU_PAGE + 1)
+        with pytest.raises(gpupin.InvalidArgument, match="inside it"):
+            device.pin_dmabuf(fd, 4096, offset=GPU_PAGE)
+        with pytest.raises(gpupin.InvalidArgument, match="size must be > 0"):
+            device.pin_dmabuf(fd, 0)
+        def call(**fields: object) -> int:
+            c = ffi.new("struct gpupin_pin_dmabuf *")
+            c.fd, c.size = fd, 4096
+            for k, v in fields.items():
+                if k == "reserved":
+                    c.reserved[1] = v
+                else:
+                    setattr(c, k, v)
+            return int(lib.gpupin_call(device.fileno(), lib.GPUPIN_IOC_PIN_DMABUF, c))
+
+        assert call() == 0
+        assert call(flags=1) == EINVAL
+        assert call(reserved=1) == EINVAL
+        assert call(offset=2**64 - PAGE) == EINVAL
+        assert call(size=2**64 - 1) == EINVAL
+        assert call(fd=-1) == -errno.EBADF
+    finally:
+        os.close(fd)
+    assert device.info().file_pins == 1     # only the good one
+    device.close()
+    sim.free(va)
+
+
+def test_vgem_buffer_through_the_peer(device: Device, peer: Peer) -> None:
+    from gpupin.vgem import VgemBuffer
+
+    if not kmod.is_loaded("vgem"):
+        kmod.load("vgem")
+    buf = VgemBuffer(256 * KiB)
+    data = pattern(buf.size, 5)
+    buf.write(0, data)
+    pin = device.pin_dmabuf(buf.fd)
+    assert pin.entries == buf.size // PAGE
+    assert peer.read(device, pin, 1000, 200 * KiB) == data[1000:1000 + 200 * KiB]
+    new = pattern(5000, 6)
+    peer.write(device, pin, PAGE - 10, new)
+    buf.close()                              # the pin keeps the object
+    assert peer.read(device, pin, PAGE - 10, 5000) == new
+    device.unpin(pin)
+
+
+def test_cache_dmabuf_backend(device: Device, sim: SimMemory) -> None:
+    with RegistrationCache(device, sim, backend="auto", validate="both") as cache:
+        assert cache.backend == "dmabuf"
+        va = sim.alloc(MiB)
+        with cache.acquire(va + 100, 1000) as reg:
+            assert device.query(reg.handle).dmabuf
+        with cache.acquire(va, MiB) as reg:
+            pass
+        assert cache.stats().pins == 1 and cache.stats().hits == 1
+        sim.free(va)
+        va2 = sim.alloc(MiB)
+        assert va2 == va
+        with cache.acquire(va2, 10) as reg:
+            assert reg.valid
+        st = cache.stats()
+        assert st.pins == 2 and st.misses == 2
+        cache.purge()
+        sim.free(va2)
+    assert sim_stats().dmabuf_exports == 0
