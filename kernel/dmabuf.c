@@ -247,7 +247,8 @@ int gpupin_dmabuf_map(struct gpupin_region *pin, struct gpupin_map *map)
 	ret = -ENOMEM;
 	if (!map->dma)
 		goto out_put;
-	map->att.attach = dma_buf_dynamic_attach(dmabuf, &map->pdev->dev, &gpupin_dmabuf_map_ops, map);
+	map->att.attach = dma_buf_dynamic_attach(dmabuf, &map->pdev->dev,
+						 &gpupin_dmabuf_map_ops, map);
 	if (IS_ERR(map->att.attach)) {
 		ret = PTR_ERR(map->att.attach);
 		map->att.attach = NULL;

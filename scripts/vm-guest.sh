@@ -37,7 +37,7 @@ shell)
 	;;
 esac
 # Unload what is still loaded: catches leaks and unload bugs too.
-for m in gpupin_peer gpupin nvp2p_sim; do
+for m in gpupin_peer gpupin nvp2p_sim vgem; do
 	if [ -d "/sys/module/$m" ] && ! rmmod "$m"; then
 		echo "vm-guest: rmmod $m failed" >&2
 		rc=1

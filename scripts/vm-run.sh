@@ -25,6 +25,10 @@ mkdir -p "$UC"
 (cd "$ROOT" && cp Kbuild "$UC/" && find kernel include tests/kmod -name '*.[ch]' -exec cp --parents {} "$UC/" \;)
 make -s -C "$VM_KDIR" M="$UC" GPUPIN_NL_EVENTS=unicast NVIDIA_SRC=none modules >/dev/null
 
+# vgem (a second dma-buf exporter for the tests): from a kernel tree's build when booting one.
+VGEM_KO=
+[ -f "$VM_KDIR/drivers/gpu/drm/vgem/vgem.ko" ] && VGEM_KO="$VM_KDIR/drivers/gpu/drm/vgem/vgem.ko"
+
 rm -rf "$RESULTS"
 mkdir -p "$RESULTS"
 start=$(date +%s)
@@ -33,7 +37,8 @@ PATH="$VENV/bin:$PATH" timeout "${VM_TIMEOUT:-3000}" vng -r "$VM_KIMAGE" --disab
 	--cpus 2 --memory "$VM_MEM" --append "slub_debug=FZPU panic_on_warn=0" \
 	--rwdir "$RESULTS" --cwd "$ROOT" \
 	--exec "$(printf '%q ' env "GPUPIN_LONG=${GPUPIN_LONG:-}" "GPUPIN_TEST_TIMEOUT=${GPUPIN_TEST_TIMEOUT:-600}" \
-		"GPUPIN_CYCLES=${GPUPIN_CYCLES:-20}" "GPUPIN_KMEMLEAK=${GPUPIN_KMEMLEAK:-}" "$ROOT/scripts/vm-guest.sh" "$MODE" "$RESULTS" "${@:2}")" </dev/null
+		"GPUPIN_CYCLES=${GPUPIN_CYCLES:-20}" "GPUPIN_KMEMLEAK=${GPUPIN_KMEMLEAK:-}" \
+		"GPUPIN_VGEM_KO=$VGEM_KO" "$ROOT/scripts/vm-guest.sh" "$MODE" "$RESULTS" "${@:2}")" </dev/null
 rc=$?
 set -e
 echo "vm-run: guest finished with status $rc after $(( $(date +%s) - start )) s"

@@ -30,6 +30,11 @@
  * driver reference goes.  A reference never delays the free callback: when
  * the GPU memory is freed the pages go as soon as in-flight accesses end.
  * While any reference exists gpupin.ko cannot be unloaded.
+ *
+ * Pins made from a dma-buf (GPUPIN_IOC_PIN_DMABUF) work the same way: the
+ * notifier runs from the exporter's move_notify (the buffer's reservation
+ * lock held), pages are CPU pages, and gpupin_ref_page_phys() gives the bus
+ * address of gpupin's own import.
  */
 #ifndef _GPUPIN_KAPI_H
 #define _GPUPIN_KAPI_H
@@ -98,8 +103,9 @@ int gpupin_ref_info(struct gpupin_ref *ref, struct gpupin_ref_info *info);
  * @ref: the reference
  * @pdev: the device that will DMA to the pages
  *
- * Uses nvidia_p2p_dma_map_pages(); an existing mapping of the same pin for
- * @pdev is shared.  One mapping per reference: a second call for another
+ * Uses nvidia_p2p_dma_map_pages() (for a dma-buf pin: a dynamic attachment
+ * of the buffer to @pdev); an existing mapping of the same pin for @pdev is
+ * shared.  One mapping per reference: a second call for another
  * device fails with -EBUSY.
  * Context: process context; may sleep.
  * Return: 0, -ENODEV when the memory is gone, -ENOSPC past the per-pin

@@ -179,7 +179,7 @@ def cmd_unload(s: Session, a: argparse.Namespace) -> Result:
 def _pin_row(p: Pin) -> dict[str, Any]:
     return {"handle": p.handle, "va": hex(p.va), "size": p.size, "aligned_va": hex(p.aligned_va),
             "aligned_size": p.aligned_size, "entries": p.entries, "valid": p.is_valid(),
-            "persistent": p.persistent, "tag": p.user_tag}
+            "persistent": p.persistent, "dmabuf": p.dmabuf, "tag": p.user_tag}
 
 
 def cmd_pin(s: Session, a: argparse.Namespace) -> Result:
@@ -191,7 +191,16 @@ def cmd_pin(s: Session, a: argparse.Namespace) -> Result:
     if va is None:
         raise UsageError("pin: give VA and SIZE, or --sim-alloc SIZE")
     size = a.size if a.size is not None else (a.sim_alloc or 0)
-    p = s.device.pin(va, size, persistent=a.persistent, user_tag=a.tag)
+    if a.dmabuf:
+        # Through the dma-buf path: export the simulated allocation, import the range.
+        base = s.sim.range_of(va).base
+        fd = s.sim.export_dmabuf(va)
+        try:
+            p = s.device.pin_dmabuf(fd, size, offset=va - base, user_tag=a.tag)
+        finally:
+            os.close(fd)
+    else:
+        p = s.device.pin(va, size, persistent=a.persistent, user_tag=a.tag)
     s.pins[p.handle] = p
     s.vars["handle"] = str(p.handle)
     return _pin_row(p)
@@ -339,6 +348,9 @@ def build_parser() -> _Parser:
     sp.add_argument("va", nargs="?", type=parse_int)
     sp.add_argument("size", nargs="?", type=parse_size)
     sp.add_argument("--persistent", action="store_true")
+    sp.add_argument("--dmabuf", action="store_true",
+                    help="simulator: export the allocation as a dma-buf and pin by import "
+                         "(VA - allocation base must be page aligned)")
     sp.add_argument("--tag", type=parse_int, default=0, help="user tag reported with invalidations")
     sp.add_argument("--sim-alloc", type=parse_size, metavar="SIZE", help="allocate simulated memory and pin it")
     sp = add("unpin", cmd_unpin, "unpin a handle")

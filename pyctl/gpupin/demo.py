@@ -34,6 +34,27 @@ def pci_device() -> str | None:
     return devs[-1] if devs else None
 
 
+def _peer_and_dmabuf(dev: Device, mem: SimMemory) -> None:
+    from .peer import Peer, load_peer
+
+    load_peer()
+    va = mem.alloc(256 * KiB)
+    mem.write(va + 70_000, b"bytes the peer device reads by DMA")
+    pin = dev.pin(va, 256 * KiB)
+    with Peer() as peer:
+        print(f"   peer read via nv-p2p pin {pin.handle}: {peer.read(dev, pin, 70_000, 34)!r}")
+        fd = mem.export_dmabuf(va)
+        dpin = dev.pin_dmabuf(fd)
+        os.close(fd)
+        print(f"   dma-buf pin {dpin.handle}: {dpin.entries} pages of {dpin.page_size} bytes; peer read: "
+              f"{peer.read(dev, dpin, 70_000, 34)!r}")
+        mem.free(va)
+        print(f"   freed: nv-p2p pin valid {pin.is_valid()}, dma-buf pin valid {dpin.is_valid()}, "
+              f"records {[e.reason for e in dev.read_events()]}")
+    dev.unpin(pin)
+    dev.unpin(dpin)
+
+
 def main() -> int:
     say("1. Load the modules")
     use_sim = not kmod.is_loaded("nvidia")
@@ -96,12 +117,20 @@ def main() -> int:
     print(f"   now {st.pins} pins, {st.invalidations_kernel + st.invalidations_tag} invalidation caught, "
           f"{st.regions} regions, {st.bytes_pinned >> 20} MiB pinned")
 
-    say("5. Clean up")
+    say("5. A third-party driver and a dma-buf",
+        "gpupin_peer (an example driver on gpupin's kernel API) copies through the pin's DMA "
+        "mapping. The same memory exported as a dma-buf is pinned by import; freeing it revokes "
+        "the buffer and the pin is invalidated like an nv-p2p one.")
+    _peer_and_dmabuf(dev, mem)
+
+    say("6. Clean up")
     cache.purge()
     for b in bufs:
         mem.free(b)
     dev.close()
     mem.close()
+    if kmod.is_loaded("gpupin_peer"):
+        kmod.unload("gpupin_peer")
     leaks = sim_stats().leaks()
     print(f"   everything released; simulator counters: {leaks or 'all zero'}")
     return 1 if leaks else 0

@@ -14,9 +14,21 @@ from dataclasses import dataclass
 from ._closable import Closable, open_node
 from ._native import ffi, lib
 from .device import Device, Pin
-from .errors import InvalidArgument, PinInvalidated, TransferAborted, from_errno
+from .errors import DriverNotLoaded, InvalidArgument, PinInvalidated, TransferAborted, from_errno
 
 PEER_PATH = "/dev/gpupin_peer"
+
+
+def load_peer() -> None:
+    """Load gpupin_peer.ko (from the build tree, else installed) for the last PCI device."""
+    from . import kmod
+
+    if kmod.is_loaded("gpupin_peer"):
+        return
+    devs = sorted(os.listdir("/sys/bus/pci/devices")) if os.path.isdir("/sys/bus/pci/devices") else []
+    if not devs:
+        raise DriverNotLoaded("no PCI device for the example peer driver to map for")
+    kmod.load(kmod.module_file("gpupin_peer"), {"pci": devs[-1]})
 
 
 @dataclass(frozen=True)

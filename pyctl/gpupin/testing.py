@@ -24,7 +24,7 @@ from .device import Device
 from .errors import ModuleError
 from .kmod import ko_dir
 from .memory import MemoryProvider
-from .peer import Peer
+from .peer import Peer, load_peer
 from .sim import SimMemory, set_sim_param, sim_stats
 
 NATIVE = os.environ.get("GPUPIN_NATIVE") == "1"
@@ -99,15 +99,6 @@ def sim(leakcheck: None) -> Iterator[SimMemory]:
     mem = SimMemory()
     yield mem
     mem.close()
-
-
-def load_peer() -> None:
-    """Load the example peer driver for the PCI device the tests map for."""
-    if not kmod.is_loaded("gpupin_peer"):
-        devs = sorted(os.listdir("/sys/bus/pci/devices"))
-        if not devs:
-            _unavailable("no PCI device for the peer driver to map for")
-        kmod.load(str(ko_dir() / "gpupin_peer.ko"), {"pci": devs[-1]})
 
 
 @pytest.fixture

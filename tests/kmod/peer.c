@@ -237,9 +237,10 @@ err_free:
 
 static void peer_hold_free(struct peer_hold *h)
 {
+	/* After the put the notifier cannot run any more: read its mark then. */
+	gpupin_ref_put(h->ref);
 	if (READ_ONCE(h->notified))
 		atomic_dec(&h->pf->notified);
-	gpupin_ref_put(h->ref);
 	kfree(h);
 }
 

@@ -145,3 +145,11 @@ def test_shell_on_a_pty_with_completion(gpupin_loaded: None, leakcheck: None, tm
         os.close(fd)
     assert os.waitstatus_to_exitcode(status) == 0
     assert "status" in (tmp_path / "hist").read_text()
+
+
+def test_shell_pins_through_a_dmabuf(gpupin_loaded: None, leakcheck: None) -> None:
+    r = gp("shell", "-c", "sim alloc 1M; pin $va 8K --dmabuf --tag 5 --json; query $handle --json; "
+                          "sim free $va; query $handle --json; unpin $handle")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert '"dmabuf": true' in r.stdout and '"entries": 2' in r.stdout
+    assert '"state": "pinned"' in r.stdout and '"state": "invalidated"' in r.stdout
