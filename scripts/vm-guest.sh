@@ -16,7 +16,7 @@ if [ "${GPUPIN_KMEMLEAK:-}" = 1 ]; then
 fi
 case "$MODE" in
 test)
-	python -m pytest -q -p no:cacheprovider -o junit_family=xunit2 --timeout="${GPUPIN_TEST_TIMEOUT:-600}" \
+	python -m pytest -q -rP -p no:cacheprovider -o junit_family=xunit2 --timeout="${GPUPIN_TEST_TIMEOUT:-600}" \
 		--junitxml="$RESULTS/junit.xml" tests/vm "$@" 2>&1 | tee "$RESULTS/pytest.txt"
 	rc=${PIPESTATUS[0]}
 	;;

@@ -10,6 +10,7 @@
  *                           those calls and takes it in its callback
  *                           deadlocks here as it would on real hardware.
  *   ctx->lock (mutex)     - one context's allocation list (alloc/free/rw).
+ *   sim_exports_lock (mutex) - the allocations' export lists (sim_dmabuf.c).
  *   dma-buf reservation locks - of the simulator's exports; held while
  *                           importers' move_notify run (revocation).
  *   sim_quarantine_lock (mutex) - the poisoned quarantine of freed chunks
@@ -75,7 +76,7 @@ struct sim_alloc {
 	unsigned long nchunks;
 	struct page **chunks;
 	struct list_head pins;		/* callback pins, under sim_lock */
-	struct list_head exports;	/* sim_export (sim_dmabuf.c), under sim_lock */
+	struct list_head exports;	/* sim_export, under sim_exports_lock (sim_dmabuf.c) */
 };
 
 enum sim_pin_state {

@@ -25,9 +25,16 @@
 
 MODULE_IMPORT_NS(DMA_BUF);
 
+/*
+ * Guards every alloc->exports list, and keeps a listed buffer from being
+ * released while sim_revoke_exports() works on it (the release op takes it
+ * to unlist the buffer).  Order: after ctx->lock, before the reservation
+ * locks of the buffers.
+ */
+static DEFINE_MUTEX(sim_exports_lock);
+
 struct sim_export {
-	struct list_head node;		/* alloc->exports, under sim_lock */
-	struct list_head revoke_node;	/* sim_revoke_exports() only */
+	struct list_head node;		/* alloc->exports, under sim_exports_lock */
 	struct sim_alloc *alloc;	/* holds a reference */
 	struct dma_buf *dmabuf;
 	bool revoked;			/* under the dma-buf's reservation lock */
@@ -106,8 +113,10 @@ static void sim_dmabuf_release(struct dma_buf *dmabuf)
 	struct sim_export *exp = dmabuf->priv;
 
 	WARN_ON_ONCE(exp->pins);
-	spin_lock(&sim_lock);
+	mutex_lock(&sim_exports_lock);
 	list_del(&exp->node);
+	mutex_unlock(&sim_exports_lock);
+	spin_lock(&sim_lock);
 	sim_stats.dmabuf_exports--;
 	spin_unlock(&sim_lock);
 	sim_alloc_put(exp->alloc);
@@ -159,8 +168,10 @@ long sim_ioctl_export(struct sim_ctx *ctx, struct nvp2p_sim_export __user *uarg)
 		return PTR_ERR(dmabuf);
 	}
 	exp->dmabuf = dmabuf;
-	spin_lock(&sim_lock);
+	mutex_lock(&sim_exports_lock);
 	list_add_tail(&exp->node, &alloc->exports);
+	mutex_unlock(&sim_exports_lock);
+	spin_lock(&sim_lock);
 	sim_stats.dmabuf_exports++;
 	spin_unlock(&sim_lock);
 	arg.base = alloc->va;
@@ -183,21 +194,15 @@ long sim_ioctl_export(struct sim_ctx *ctx, struct nvp2p_sim_export __user *uarg)
  */
 void sim_revoke_exports(struct sim_alloc *alloc)
 {
-	struct sim_export *exp, *tmp;
-	LIST_HEAD(todo);
+	struct sim_export *exp;
 
-	spin_lock(&sim_lock);
+	/* A listed buffer stays: its release op waits for this lock to unlist it. */
+	mutex_lock(&sim_exports_lock);
 	list_for_each_entry(exp, &alloc->exports, node) {
-		/* Skip a buffer already on its way to release. */
-		if (get_file_rcu(exp->dmabuf->file))
-			list_add_tail(&exp->revoke_node, &todo);
-	}
-	spin_unlock(&sim_lock);
-	list_for_each_entry_safe(exp, tmp, &todo, revoke_node) {
 		dma_resv_lock(exp->dmabuf->resv, NULL);
 		exp->revoked = true;
 		dma_buf_move_notify(exp->dmabuf);
 		dma_resv_unlock(exp->dmabuf->resv);
-		dma_buf_put(exp->dmabuf);
 	}
+	mutex_unlock(&sim_exports_lock);
 }

@@ -53,6 +53,9 @@ ALLOWED = {
 }
 
 
+REAL_CMDS = {getattr(lib, n) for n in dir(lib) if n.startswith("GPUPIN_IOC_") and n != "GPUPIN_IOC_MAGIC"}
+
+
 class Walk:
     """One process's random walk; ``calls`` counts kernel calls made."""
 
@@ -230,9 +233,12 @@ class Walk:
             self.maps[h].remove(mid)
 
     def op_bad_cmd(self) -> None:
-        nr = self.rng.randrange(8, 256)
-        size = ffi.sizeof("struct gpupin_pin") if self.maybe() else self.rng.randrange(1 << 14)
-        cmd = (self.rng.randrange(4) << 30) | (size << 16) | (lib.GPUPIN_IOC_MAGIC << 8) | nr
+        while True:     # any command number of gpupin's magic that is not one of its ioctls
+            nr = self.rng.randrange(256)
+            size = ffi.sizeof("struct gpupin_pin") if self.maybe() else self.rng.randrange(1 << 14)
+            cmd = (self.rng.randrange(4) << 30) | (size << 16) | (lib.GPUPIN_IOC_MAGIC << 8) | nr
+            if cmd not in REAL_CMDS:
+                break
         self.check("bad_cmd", lib.gpupin_call(self.dev.fileno(), cmd, self.buf))
 
     def op_events(self) -> None:
