@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 from typing import Any
 
 import pytest
@@ -10,6 +11,8 @@ import pytest
 from gpupin._native import ffi, lib
 
 MiB = 1 << 20
+# Timeouts stretch under a debug kernel (KASAN, lockdep: make test-debug), which is ~10x slower.
+SLOW = 10 if os.path.exists("/sys/kernel/debug/kmemleak") else 1
 KiB = 1 << 10
 GPU_PAGE = 64 * KiB
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import first_pci_device
+from conftest import SLOW, first_pci_device
 
 pytestmark = [pytest.mark.vm, pytest.mark.simonly]
 
@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.vm, pytest.mark.simonly]
 def gp(*args: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "GPUPIN_HISTORY": os.devnull}
     r = subprocess.run([sys.executable, "-m", "gpupin.cli", *args], input=stdin, capture_output=True, text=True,
-                       env=env, timeout=120)
+                       env=env, timeout=120 * SLOW)
     if check:
         assert r.returncode == 0, r.stdout + r.stderr
     return r
@@ -98,7 +98,7 @@ def test_sim_set_and_unknown_commands(gpupin_loaded: None, leakcheck: None, sim_
     assert open("/sys/module/nvp2p_sim/parameters/pin_latency_us").read().strip() == "5"
 
 
-def read_until(fd: int, token: bytes, timeout: float = 30) -> bytes:
+def read_until(fd: int, token: bytes, timeout: float = 30 * SLOW) -> bytes:
     buf = b""
     deadline = time.monotonic() + timeout
     while token not in buf:
@@ -134,7 +134,7 @@ def test_shell_on_a_pty_with_completion(gpupin_loaded: None, leakcheck: None, tm
         out = read_until(fd, b"gpupin> ")
         assert b"error:" in out                       # and the shell goes on
         os.write(fd, b"exit\r")
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 30 * SLOW
         while time.monotonic() < deadline and done == 0:
             done, status = os.waitpid(pid, os.WNOHANG)
             time.sleep(0.1)

@@ -124,7 +124,7 @@ def test_revoke_during_transfer(device: Device, sim: SimMemory, peer: Peer, sim_
     import threading
     import time
 
-    sim_params("gpupin_peer", chunk_delay_us=5000)
+    sim_params("gpupin_peer", chunk_delay_us=10000)     # >= 0.64 s for the transfer
     size = 64 * PAGE
     va = sim.alloc(size)
     data = pattern(size, 4)
@@ -132,7 +132,7 @@ def test_revoke_during_transfer(device: Device, sim: SimMemory, peer: Peer, sim_
     fd = sim.export_dmabuf(va)
     pin = device.pin_dmabuf(fd, size)
     os.close(fd)
-    t = threading.Thread(target=lambda: (time.sleep(0.1), sim.free(va)))
+    t = threading.Thread(target=lambda: (time.sleep(0.2), sim.free(va)))
     t.start()
     with pytest.raises(gpupin.TransferAborted) as ei:
         peer.read(device, pin, 0, size)
