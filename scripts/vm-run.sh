@@ -25,9 +25,14 @@ mkdir -p "$UC"
 (cd "$ROOT" && cp Kbuild "$UC/" && find kernel include tests/kmod -name '*.[ch]' -exec cp --parents {} "$UC/" \;)
 make -s -C "$VM_KDIR" M="$UC" GPUPIN_NL_EVENTS=unicast NVIDIA_SRC=none modules >/dev/null
 
-# vgem (a second dma-buf exporter for the tests): from a kernel tree's build when booting one.
+# vgem (a second dma-buf exporter for the tests): from a kernel tree's build when booting one,
+# copied into the source tree (the guest does not see the host's /var).
 VGEM_KO=
-[ -f "$VM_KDIR/drivers/gpu/drm/vgem/vgem.ko" ] && VGEM_KO="$VM_KDIR/drivers/gpu/drm/vgem/vgem.ko"
+if [ -f "$VM_KDIR/drivers/gpu/drm/vgem/vgem.ko" ]; then
+	mkdir -p "$ROOT/build"
+	cp "$VM_KDIR/drivers/gpu/drm/vgem/vgem.ko" "$ROOT/build/vgem.ko"
+	VGEM_KO="$ROOT/build/vgem.ko"
+fi
 
 rm -rf "$RESULTS"
 mkdir -p "$RESULTS"
