@@ -108,6 +108,18 @@ void gpupin_dmabuf_teardown(struct gpupin_region *pin)
 		gpupin_att_unmap(&map->att);
 }
 
+/* Attach @dev to @dmabuf dynamically, with @ops and @priv, into @att. */
+static int gpupin_att_attach(struct gpupin_dmabuf_att *att, struct dma_buf *dmabuf,
+			     struct device *dev, const struct dma_buf_attach_ops *ops, void *priv)
+{
+	struct dma_buf_attachment *attach = dma_buf_dynamic_attach(dmabuf, dev, ops, priv);
+
+	if (IS_ERR(attach))
+		return PTR_ERR(attach);
+	att->attach = attach;
+	return 0;
+}
+
 /* Release, no lock held: unmap, unpin, detach and let go of the buffer. */
 void gpupin_dmabuf_release(struct gpupin_region *pin)
 {
@@ -139,13 +151,10 @@ static int gpupin_dmabuf_import(struct gpupin_file *f, struct gpupin_region *pin
 	pin->dmabuf_addrs = gpupin_kvmalloc_array(pin->entries, sizeof(u64), GFP_KERNEL);
 	if (!pin->dmabuf_addrs)
 		return -ENOMEM;
-	pin->att.attach = dma_buf_dynamic_attach(dmabuf, gpupin_dma_device(),
-						 &gpupin_dmabuf_pin_ops, pin);
-	if (IS_ERR(pin->att.attach)) {
-		ret = PTR_ERR(pin->att.attach);
-		pin->att.attach = NULL;
+	ret = gpupin_att_attach(&pin->att, dmabuf, gpupin_dma_device(),
+				&gpupin_dmabuf_pin_ops, pin);
+	if (ret)
 		return ret;
-	}
 	dma_resv_lock(dmabuf->resv, NULL);
 	ret = dma_buf_pin(pin->att.attach);
 	if (ret)
@@ -247,13 +256,9 @@ int gpupin_dmabuf_map(struct gpupin_region *pin, struct gpupin_map *map)
 	ret = -ENOMEM;
 	if (!map->dma)
 		goto out_put;
-	map->att.attach = dma_buf_dynamic_attach(dmabuf, &map->pdev->dev,
-						 &gpupin_dmabuf_map_ops, map);
-	if (IS_ERR(map->att.attach)) {
-		ret = PTR_ERR(map->att.attach);
-		map->att.attach = NULL;
+	ret = gpupin_att_attach(&map->att, dmabuf, &map->pdev->dev, &gpupin_dmabuf_map_ops, map);
+	if (ret)
 		goto out_free;
-	}
 	dma_resv_lock(dmabuf->resv, NULL);
 	sgt = dma_buf_map_attachment(map->att.attach, DMA_BIDIRECTIONAL);
 	if (IS_ERR(sgt)) {
