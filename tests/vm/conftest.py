@@ -29,9 +29,13 @@ def raw(fd: int, cmd: int, ctype: str, **fields: Any) -> tuple[int, Any]:
     return lib.gpupin_call(fd, cmd, c), c
 
 
-def first_pci_device() -> str:
-    import os
+def pattern(n: int, seed: int = 0) -> bytes:
+    """n bytes that differ per seed, with no long run of the simulator's poison value."""
+    block = bytes(((i * 131 + seed * 7 + 1) % 251) for i in range(65521))
+    return (block * (n // len(block) + 1))[:n]
 
+
+def first_pci_device() -> str:
     devs = sorted(os.listdir("/sys/bus/pci/devices"))
     assert devs, "the guest has no PCI device to map for"
     return devs[-1]

@@ -9,7 +9,7 @@ import os
 import pytest
 
 import gpupin
-from conftest import EINVAL, GPU_PAGE, KiB, MiB, first_pci_device
+from conftest import EINVAL, GPU_PAGE, KiB, MiB, first_pci_device, pattern
 from gpupin import Device, SimMemory, kmod, sim_stats
 from gpupin._native import ffi, lib
 from gpupin.cache import RegistrationCache
@@ -18,11 +18,6 @@ from gpupin.peer import Peer
 
 pytestmark = [pytest.mark.vm, pytest.mark.simonly]
 PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def pattern(n: int, seed: int = 0) -> bytes:
-    block = bytes(((i * 197 + seed * 13 + 5) % 253) for i in range(65519))
-    return (block * (n // len(block) + 1))[:n]
 
 
 def test_capability(device: Device) -> None:

@@ -15,7 +15,7 @@ import time
 import pytest
 
 import gpupin
-from conftest import EINVAL, GPU_PAGE, MiB, first_pci_device, raw
+from conftest import EINVAL, GPU_PAGE, MiB, first_pci_device, pattern, raw
 from gpupin import Device, SimMemory, kmod, sim_stats
 from gpupin._native import lib
 from gpupin.peer import Peer
@@ -24,12 +24,6 @@ from gpupin.testing import ensure_loaded, load_peer
 pytestmark = [pytest.mark.vm, pytest.mark.simonly]
 
 POISON_RUN = b"\x6b" * 64
-
-
-def pattern(n: int, seed: int = 0) -> bytes:
-    """Bytes with no long run of the simulator's poison value."""
-    block = bytes(((i * 131 + seed * 7 + 1) % 251) for i in range(65521))
-    return (block * (n // len(block) + 1))[:n]
 
 
 SIZES = [1, 4096, GPU_PAGE - 1, GPU_PAGE, GPU_PAGE + 1, MiB, 64 * MiB]
