@@ -38,13 +38,21 @@ rm -rf "$RESULTS"
 mkdir -p "$RESULTS"
 start=$(date +%s)
 set +e
-PATH="$VENV/bin:$PATH" timeout "${VM_TIMEOUT:-3000}" vng -r "$VM_KIMAGE" --disable-kvm \
-	--cpus 2 --memory "$VM_MEM" --append "slub_debug=FZPU panic_on_warn=0" \
-	--rwdir "$RESULTS" --cwd "$ROOT" \
+VNG=(env PATH="$VENV/bin:$PATH" timeout "${VM_TIMEOUT:-3000}" vng -r "$VM_KIMAGE" --disable-kvm
+	--cpus 2 --memory "$VM_MEM" --append "slub_debug=FZPU panic_on_warn=0"
+	--rwdir "$RESULTS" --cwd "$ROOT"
 	--exec "$(printf '%q ' env "GPUPIN_LONG=${GPUPIN_LONG:-}" "GPUPIN_TEST_TIMEOUT=${GPUPIN_TEST_TIMEOUT:-600}" \
 		"GPUPIN_CYCLES=${GPUPIN_CYCLES:-20}" "GPUPIN_KMEMLEAK=${GPUPIN_KMEMLEAK:-}" \
-		"GPUPIN_VGEM_KO=$VGEM_KO" "$ROOT/scripts/vm-guest.sh" "$MODE" "$RESULTS" "${@:2}")" </dev/null
-rc=$?
+		"GPUPIN_VGEM_KO=$VGEM_KO" "$ROOT/scripts/vm-guest.sh" "$MODE" "$RESULTS" "${@:2}")")
+if [ "$MODE" = shell ]; then
+	"${VNG[@]}"     # interactive: the terminal stays the guest's stdin
+	rc=$?
+else
+	# Through a pipe: QEMU reopens /proc/self/fd/1 for the guest's output, which truncates (and
+	# then overwrites from offset 0) a regular file, so 'make test > log' would lose what came before.
+	"${VNG[@]}" </dev/null 2>&1 | cat
+	rc=${PIPESTATUS[0]}
+fi
 set -e
 echo "vm-run: guest finished with status $rc after $(( $(date +%s) - start )) s"
 
