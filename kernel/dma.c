@@ -131,6 +131,17 @@ static int gpupin_nvp2p_map(struct gpupin_region *pin, struct gpupin_map *map)
 	if (ret)
 		nvidia_p2p_dma_unmap_pages(map->pdev, pin->pt, map->m);
 out:
+	/*
+	 * The provider refuses memory it is freeing (the simulator with
+	 * -EINVAL): once the callback has begun, say so as for any other gone
+	 * pin.  Before it begins, the provider's own error is all there is.
+	 */
+	if (ret) {
+		spin_lock(&pin->lock);
+		if (pin->state != GPUPIN_PIN_PINNED)
+			ret = -ENXIO;
+		spin_unlock(&pin->lock);
+	}
 	gpupin_pin_unuse(pin);
 	return ret;
 }

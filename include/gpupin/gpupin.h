@@ -108,10 +108,11 @@ int gpupin_ref_info(struct gpupin_ref *ref, struct gpupin_ref_info *info);
  * shared.  One mapping per reference: a second call for another
  * device fails with -EBUSY.
  * Context: process context; may sleep.
- * Return: 0, -ENODEV when the memory is gone, -ENOSPC past the per-pin
- * mapping limit, or the provider's error - which is also what a call racing
- * the GPU memory's free gets before the notifier has run (the simulator
- * answers -EINVAL for memory it is freeing).
+ * Return: 0, -ENODEV when the memory is gone or its free callback has
+ * begun, -ENOSPC past the per-pin mapping limit, or the provider's error -
+ * which is also what a call racing the GPU memory's free gets in the short
+ * time between the provider starting the free and calling gpupin (the
+ * simulator answers -EINVAL for memory it is freeing).
  */
 int gpupin_ref_dma_map(struct gpupin_ref *ref, struct pci_dev *pdev);
 

@@ -9,7 +9,7 @@ import os
 import pytest
 
 import gpupin
-from conftest import EINVAL, GPU_PAGE, KiB, MiB, first_pci_device, pattern
+from conftest import EINVAL, GPU_PAGE, SLOW, KiB, MiB, first_pci_device, pattern
 from gpupin import Device, SimMemory, kmod, sim_stats
 from gpupin._native import ffi, lib
 from gpupin.cache import RegistrationCache
@@ -119,7 +119,7 @@ def test_revoke_during_transfer(device: Device, sim: SimMemory, peer: Peer, sim_
     import threading
     import time
 
-    sim_params("gpupin_peer", chunk_delay_us=10000)     # >= 0.64 s for the transfer
+    sim_params("gpupin_peer", chunk_delay_us=10000 * SLOW)  # >= 0.64 s for the transfer (x10 under KASAN)
     size = 64 * PAGE
     va = sim.alloc(size)
     data = pattern(size, 4)
@@ -127,7 +127,7 @@ def test_revoke_during_transfer(device: Device, sim: SimMemory, peer: Peer, sim_
     fd = sim.export_dmabuf(va)
     pin = device.pin_dmabuf(fd, size)
     os.close(fd)
-    t = threading.Thread(target=lambda: (time.sleep(0.2), sim.free(va)))
+    t = threading.Thread(target=lambda: (time.sleep(0.2 * SLOW), sim.free(va)))
     t.start()
     with pytest.raises(gpupin.TransferAborted) as ei:
         peer.read(device, pin, 0, size)

@@ -15,7 +15,7 @@ import time
 import pytest
 
 import gpupin
-from conftest import EINVAL, GPU_PAGE, MiB, first_pci_device, pattern, raw
+from conftest import EINVAL, GPU_PAGE, SLOW, MiB, first_pci_device, pattern, raw
 from gpupin import Device, SimMemory, kmod, sim_stats
 from gpupin._native import lib
 from gpupin.peer import Peer
@@ -94,17 +94,19 @@ def _race_free(sim: SimMemory, va: int, delay: float) -> threading.Thread:
 def test_free_during_transfer_stops_it(device: Device, sim: SimMemory, peer: Peer,
                                        sim_params: object, direction: str) -> None:
     size = 32 * GPU_PAGE
-    sim_params("gpupin_peer", chunk_delay_us=20000)    # ~0.7 s for the transfer
+    # ~0.7 s for the transfer (7 s under the debug kernel); the free comes about a third in.
+    sim_params("gpupin_peer", chunk_delay_us=20000 * SLOW)
     va = sim.alloc(size)
     data = pattern(size, 3)
+    new = pattern(size, 4)  # made before the race starts: it takes a while under KASAN
     sim.write(va, data)
     pin = device.pin(va, size)
-    t = _race_free(sim, va, 0.25)
+    t = _race_free(sim, va, 0.25 * SLOW)
     with pytest.raises(gpupin.TransferAborted) as ei:
         if direction == "read":
             peer.read(device, pin, 0, size)
         else:
-            peer.write(device, pin, 0, pattern(size, 4))
+            peer.write(device, pin, 0, new)
     t.join()
     exc = ei.value
     assert exc.errno in (errno.EIO, errno.ENODEV)
