@@ -29,7 +29,8 @@ demo)
 	rc=$?
 	;;
 shell)
-	python -m gpupin.cli load --sim && bash -i
+	# --norc: a login .bashrc (pyenv and the like) would put another python first on PATH.
+	python -m gpupin.cli load --sim && bash --norc -i
 	;;
 *)
 	echo "vm-guest: unknown mode $MODE" >&2
