@@ -92,7 +92,7 @@ static struct gpupin_map *gpupin_map_find_locked(struct gpupin_region *pin, u32 
  * Put @map on @pin's list under a new id: -ENOSPC past the per-pin limit,
  * -ENXIO for a dma-buf pin that is no longer PINNED.
  */
-int gpupin_map_add(struct gpupin_region *pin, struct gpupin_map *map)
+int gpupin_map_add(struct gpupin_region *pin, struct gpupin_map *map, u32 *id)
 {
 	int ret = 0;
 
@@ -103,56 +103,82 @@ int gpupin_map_add(struct gpupin_region *pin, struct gpupin_map *map)
 		ret = -ENOSPC;
 	} else {
 		map->id = ++pin->next_map_id;
+		*id = map->id;
 		list_add_tail(&map->node, &pin->maps);
 	}
 	spin_unlock(&pin->lock);
 	return ret;
 }
 
-/* nv-p2p: nvidia_p2p_dma_map_pages, as an in-flight user of the pin. */
-static int gpupin_nvp2p_map(struct gpupin_region *pin, struct gpupin_map *map)
+/* Check a new mapping and put it on @pin's list; caller holds pin->lock, pin PINNED. */
+static int gpupin_nvp2p_map_add_locked(struct gpupin_region *pin, struct gpupin_map *map,
+				       u32 *id)
 {
-	int ret = gpupin_pin_use(pin);
-
-	if (ret)
-		return ret;
-	ret = nvidia_p2p_dma_map_pages(map->pdev, pin->pt, &map->m);
-	if (ret)
-		goto out;
+	lockdep_assert_held(&pin->lock);
 	if (!NVIDIA_P2P_DMA_MAPPING_VERSION_COMPATIBLE(map->m) ||
 	    map->m->entries != pin->entries) {
 		pr_warn_ratelimited("incompatible DMA mapping (version 0x%08x)\n",
 				    map->m->version);
-		ret = -EPROTO;
-	} else {
-		map->dma = map->m->dma_addresses;
-		ret = gpupin_map_add(pin, map);		/* others may have mapped meanwhile */
+		return -EPROTO;
 	}
-	if (ret)
-		nvidia_p2p_dma_unmap_pages(map->pdev, pin->pt, map->m);
-out:
-	/*
-	 * The provider refuses memory it is freeing (the simulator with
-	 * -EINVAL): once the callback has begun, say so as for any other gone
-	 * pin.  Before it begins, the provider's own error is all there is.
-	 */
-	if (ret) {
-		spin_lock(&pin->lock);
-		if (pin->state != GPUPIN_PIN_PINNED)
-			ret = -ENXIO;
+	if (gpupin_map_count_locked(pin) >= GPUPIN_MAX_MAPS_PER_PIN)
+		return -ENOSPC;		/* others mapped meanwhile */
+	map->dma = map->m->dma_addresses;
+	map->id = ++pin->next_map_id;
+	*id = map->id;
+	list_add_tail(&map->node, &pin->maps);
+	return 0;
+}
+
+/*
+ * nv-p2p: nvidia_p2p_dma_map_pages.  Not as an in-flight user: that call
+ * takes the driver lock under which the free callback runs, and the
+ * callback waits for in-flight users, so counting ourselves would deadlock
+ * the GPU driver.  The pin is checked alive right before the call; what
+ * remains is NVIDIA's own window (the table read before its lock; see the
+ * UAPI header).  After the call, under pin->lock: if the callback has begun
+ * the mapping is NVIDIA's to free with the table, and is never touched.
+ */
+static int gpupin_nvp2p_map(struct gpupin_region *pin, struct gpupin_map *map, u32 *id)
+{
+	enum gpupin_pin_state state;
+	int ret;
+
+	spin_lock(&pin->lock);
+	state = pin->state;
+	spin_unlock(&pin->lock);
+	if (state != GPUPIN_PIN_PINNED)
+		return -ENXIO;
+	ret = nvidia_p2p_dma_map_pages(map->pdev, pin->pt, &map->m);
+
+	spin_lock(&pin->lock);
+	if (pin->state != GPUPIN_PIN_PINNED) {
+		/* Freed meanwhile: the driver frees (or refused) the mapping. */
 		spin_unlock(&pin->lock);
+		return -ENXIO;
 	}
-	gpupin_pin_unuse(pin);
+	if (!ret)
+		ret = gpupin_nvp2p_map_add_locked(pin, map, id);
+	if (ret && map->m) {
+		/* Undo as an in-flight user: the callback waits for the unmap. */
+		pin->inflight++;
+		spin_unlock(&pin->lock);
+		nvidia_p2p_dma_unmap_pages(map->pdev, pin->pt, map->m);
+		gpupin_pin_unuse(pin);
+		return ret;
+	}
+	spin_unlock(&pin->lock);
 	return ret;
 }
 
 /*
  * Map @pin's pages for @pdev and add the mapping to the pin, owned by user
- * space (@user) or by one kernel-API reference.  The caller must not be an
- * in-flight user.  Takes its own reference on @pdev.
+ * space (@user) or by one kernel-API reference; *@id is its id (read before
+ * anyone else could free it).  The caller must not be an in-flight user.
+ * Takes its own reference on @pdev.
  */
 int gpupin_map_create(struct gpupin_region *pin, struct pci_dev *pdev, bool user,
-		      struct gpupin_map **out)
+		      struct gpupin_map **out, u32 *id)
 {
 	struct gpupin_map *map;
 	unsigned int n;
@@ -170,7 +196,9 @@ int gpupin_map_create(struct gpupin_region *pin, struct pci_dev *pdev, bool user
 	map->pdev = pci_dev_get(pdev);
 	map->user_owned = user;
 	map->drv_users = !user;
-	ret = pin->dmabuf ? gpupin_dmabuf_map(pin, map) : gpupin_nvp2p_map(pin, map);
+	/* The id is fixed before the map is published (map->id is set under pin->lock). */
+	*id = 0;
+	ret = pin->dmabuf ? gpupin_dmabuf_map(pin, map, id) : gpupin_nvp2p_map(pin, map, id);
 	if (ret) {
 		pci_dev_put(map->pdev);
 		kfree(map);
@@ -186,7 +214,7 @@ int gpupin_map_create(struct gpupin_region *pin, struct pci_dev *pdev, bool user
  * shared, else a new one is made.  The caller must not be an in-flight user.
  */
 int gpupin_map_for_driver(struct gpupin_region *pin, struct pci_dev *pdev,
-			  struct gpupin_map **out)
+			  struct gpupin_map **out, u32 *id)
 {
 	struct gpupin_map *map, *found = NULL;
 
@@ -197,6 +225,7 @@ int gpupin_map_for_driver(struct gpupin_region *pin, struct pci_dev *pdev,
 		if (map->pdev == pdev) {
 			map->drv_users++;
 			found = map;
+			*id = map->id;
 			break;
 		}
 	}
@@ -206,7 +235,7 @@ int gpupin_map_for_driver(struct gpupin_region *pin, struct pci_dev *pdev,
 		*out = found;
 		return 0;
 	}
-	return gpupin_map_create(pin, pdev, false, out);
+	return gpupin_map_create(pin, pdev, false, out, id);
 }
 
 /*
@@ -252,6 +281,11 @@ long gpupin_ioctl_dma_map(struct gpupin_file *f, struct gpupin_dma_map __user *u
 	struct pci_dev *pdev;
 	int ret;
 
+	u32 id;
+
+	/* A mapping opens the memory to a device: the opener must be the administrator. */
+	if (!f->admin)
+		return -EPERM;
 	if (copy_from_user(&arg, uarg, sizeof(arg)))
 		return -EFAULT;
 	if (arg.flags || arg.reserved[0] || arg.reserved[1] ||
@@ -264,9 +298,9 @@ long gpupin_ioctl_dma_map(struct gpupin_file *f, struct gpupin_dma_map __user *u
 	pdev = pci_get_domain_bus_and_slot(arg.pci_domain, arg.pci_bus, arg.pci_devfn);
 	if (!pdev)
 		goto out_put;
-	ret = gpupin_map_create(pin, pdev, true, &map);
+	ret = gpupin_map_create(pin, pdev, true, &map, &id);
 	if (!ret) {
-		arg.mapping_id = map->id;
+		arg.mapping_id = id;
 		arg.entries = pin->entries;
 	}
 	pci_dev_put(pdev);
@@ -288,11 +322,12 @@ long gpupin_ioctl_dma_addrs(struct gpupin_file *f, struct gpupin_dma_addrs __use
 	int ret;
 
 	/* Bus addresses are as sensitive as physical ones. */
-	if (!capable(CAP_SYS_ADMIN))
+	if (!f->admin)
 		return -EPERM;
 	if (copy_from_user(&arg, uarg, sizeof(arg)))
 		return -EFAULT;
-	if (arg.flags || arg.reserved[0] || arg.reserved[1] || !arg.count)
+	if (arg.flags || arg.reserved[0] || arg.reserved[1] || !arg.count ||
+	    arg.count > GPUPIN_MAX_ADDRS_PER_CALL)
 		return -EINVAL;
 	pin = gpupin_pin_lookup(f, arg.handle);
 	if (!pin)

@@ -238,7 +238,7 @@ long gpupin_ioctl_pin_dmabuf(struct gpupin_file *f, struct gpupin_pin_dmabuf __u
  * revocation sees it).  Takes no in-flight use: a revocation waits for
  * those while holding the lock this needs.
  */
-int gpupin_dmabuf_map(struct gpupin_region *pin, struct gpupin_map *map)
+int gpupin_dmabuf_map(struct gpupin_region *pin, struct gpupin_map *map, u32 *id)
 {
 	struct dma_buf *dmabuf = NULL;
 	struct sg_table *sgt;
@@ -267,7 +267,7 @@ int gpupin_dmabuf_map(struct gpupin_region *pin, struct gpupin_map *map)
 		map->att.sgt = sgt;
 		ret = gpupin_sgt_addrs(sgt, pin->aligned_va, pin->entries, map->dma);
 		if (!ret)
-			ret = gpupin_map_add(pin, map);
+			ret = gpupin_map_add(pin, map, id);
 		if (ret)
 			gpupin_att_unmap(&map->att);
 	}

@@ -9,6 +9,7 @@
 #include <linux/fs.h>
 #include <linux/miscdevice.h>
 #include <linux/mm.h>
+#include <linux/capability.h>
 #include <linux/poll.h>
 #include <linux/sched.h>
 #include <linux/slab.h>
@@ -49,63 +50,99 @@ static bool gpupin_events_pending(struct gpupin_file *f)
 	return pending;
 }
 
-/* Take the next record into @ev; false if there is none. */
-static bool gpupin_event_pop(struct gpupin_file *f, struct gpupin_event *ev)
+/*
+ * Copy the next record into @ev without taking it off the queue; false if
+ * there is none.  The overflow record comes first.  Caller holds read_lock,
+ * so the record is still first when gpupin_event_drop() takes it.
+ */
+static bool gpupin_event_peek(struct gpupin_file *f, struct gpupin_event *ev)
+{
+	struct gpupin_event_rec *rec;
+	bool found = true;
+
+	spin_lock(&f->ev_lock);
+	rec = list_first_entry_or_null(&f->events, struct gpupin_event_rec, node);
+	if (f->ev_overflow) {
+		memset(ev, 0, sizeof(*ev));
+		ev->reason = GPUPIN_INVAL_OVERFLOW;
+	} else if (rec) {
+		*ev = rec->ev;
+	} else {
+		found = false;
+	}
+	spin_unlock(&f->ev_lock);
+	return found;
+}
+
+/* Take the record gpupin_event_peek() gave off the queue. */
+static void gpupin_event_drop(struct gpupin_file *f)
 {
 	struct gpupin_event_rec *rec = NULL;
 
 	spin_lock(&f->ev_lock);
 	if (f->ev_overflow) {
-		memset(ev, 0, sizeof(*ev));
-		ev->reason = GPUPIN_INVAL_OVERFLOW;
 		f->ev_overflow = false;
-		spin_unlock(&f->ev_lock);
-		return true;
-	}
-	rec = list_first_entry_or_null(&f->events, struct gpupin_event_rec, node);
-	if (rec) {
-		list_del(&rec->node);
-		f->nr_events--;
+	} else {
+		rec = list_first_entry_or_null(&f->events, struct gpupin_event_rec, node);
+		if (rec) {
+			list_del(&rec->node);
+			f->nr_events--;
+		}
 	}
 	spin_unlock(&f->ev_lock);
-	if (!rec)
-		return false;
-	*ev = rec->ev;
 	kfree(rec);
-	return true;
 }
 
+/*
+ * Records are for the process that pins (another one, such as a forked
+ * child, would take them from it: -EACCES).  A record leaves the queue only
+ * once it was copied out, so a fault loses nothing.
+ */
 static ssize_t gpupin_read(struct file *file, char __user *buf, size_t count, loff_t *ppos)
 {
 	struct gpupin_file *f = file->private_data;
 	struct gpupin_event ev;
 	size_t done = 0;
-	int ret;
+	int ret = 0;
 
+	if (!gpupin_caller_owns(f))
+		return -EACCES;
 	if (count < sizeof(ev))
 		return -EINVAL;
+	if (mutex_lock_interruptible(&f->read_lock))
+		return -ERESTARTSYS;
 	while (done + sizeof(ev) <= count) {
-		if (!gpupin_event_pop(f, &ev)) {
+		if (!gpupin_event_peek(f, &ev)) {
 			if (done)
 				break;
+			ret = -EAGAIN;
 			if (file->f_flags & O_NONBLOCK)
-				return -EAGAIN;
+				break;
+			mutex_unlock(&f->read_lock);
 			ret = wait_event_interruptible(f->ev_wait, gpupin_events_pending(f));
 			if (ret)
 				return ret;
+			if (mutex_lock_interruptible(&f->read_lock))
+				return -ERESTARTSYS;
 			continue;
 		}
-		if (copy_to_user(buf + done, &ev, sizeof(ev)))
-			return done ? done : -EFAULT;
+		if (copy_to_user(buf + done, &ev, sizeof(ev))) {
+			ret = -EFAULT;
+			break;
+		}
+		gpupin_event_drop(f);
 		done += sizeof(ev);
 	}
-	return done;
+	mutex_unlock(&f->read_lock);
+	return done ? done : ret;
 }
 
 static __poll_t gpupin_poll(struct file *file, poll_table *wait)
 {
 	struct gpupin_file *f = file->private_data;
 
+	if (!gpupin_caller_owns(f))
+		return EPOLLERR;
 	poll_wait(file, &f->ev_wait, wait);
 	return gpupin_events_pending(f) ? EPOLLIN | EPOLLRDNORM : 0;
 }
@@ -119,10 +156,12 @@ static int gpupin_mmap(struct file *file, struct vm_area_struct *vma)
 		return -EPERM;
 	if (vma->vm_pgoff || vma->vm_end - vma->vm_start > f->vmap_size)
 		return -EINVAL;
+	/* Not inherited across fork: the map describes the opener's pins. */
 #if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 3, 0)
-	vm_flags_clear(vma, VM_MAYWRITE | VM_MAYEXEC);
+	vm_flags_mod(vma, VM_DONTCOPY | VM_DONTEXPAND, VM_MAYWRITE | VM_MAYEXEC);
 #else
 	vma->vm_flags &= ~(VM_MAYWRITE | VM_MAYEXEC);
+	vma->vm_flags |= VM_DONTCOPY | VM_DONTEXPAND;
 #endif
 	return remap_vmalloc_range(vma, f->vmap, 0);
 }
@@ -171,13 +210,17 @@ static int gpupin_open(struct inode *inode, struct file *file)
 		kfree(f);
 		return -ENOMEM;
 	}
+	kref_init(&f->ref);
 	mutex_init(&f->lock);
+	mutex_init(&f->read_lock);
 	xa_init(&f->pins);
 	ida_init(&f->slots);
 	spin_lock_init(&f->ev_lock);
 	INIT_LIST_HEAD(&f->events);
 	init_waitqueue_head(&f->ev_wait);
 	f->owner = get_pid(task_tgid(current));
+	/* Privilege is the opener's, not that of whoever holds the fd later. */
+	f->admin = file_ns_capable(file, &init_user_ns, CAP_SYS_ADMIN);
 	mutex_lock(&gpupin_files_lock);
 	f->id = ++gpupin_next_file_id;
 	list_add_tail(&f->node, &gpupin_files);
@@ -186,24 +229,41 @@ static int gpupin_open(struct inode *inode, struct file *file)
 	return 0;
 }
 
-/* Last close (or process death): every pin of the file goes. */
+static void gpupin_file_free(struct kref *ref)
+{
+	struct gpupin_file *f = container_of(ref, struct gpupin_file, ref);
+	struct gpupin_event_rec *rec, *tmp;
+
+	list_for_each_entry_safe(rec, tmp, &f->events, node)
+		kfree(rec);
+	xa_destroy(&f->pins);
+	ida_destroy(&f->slots);
+	vfree(f->vmap);
+	put_pid(f->owner);
+	kfree(f);
+}
+
+/* Drop a reference to @f: the open file's, or a detached pin's (pin.c). */
+void gpupin_file_put(struct gpupin_file *f)
+{
+	kref_put(&f->ref, gpupin_file_free);
+}
+
+/*
+ * Last close (or process death): every pin of the file goes.  Pins whose
+ * pages cannot be put from this context are detached and keep the
+ * gpupin_file until their free callback.
+ */
 static int gpupin_release(struct inode *inode, struct file *file)
 {
 	struct gpupin_file *f = file->private_data;
-	struct gpupin_event ev;
 
 	mutex_lock(&gpupin_files_lock);
 	list_del(&f->node);
 	mutex_unlock(&gpupin_files_lock);
 	gpupin_file_release_pins(f, (current->flags & PF_EXITING) ? GPUPIN_NL_REASON_PROCESS_EXIT :
 								   GPUPIN_NL_REASON_CLOSE);
-	while (gpupin_event_pop(f, &ev))
-		;
-	xa_destroy(&f->pins);
-	ida_destroy(&f->slots);
-	vfree(f->vmap);
-	put_pid(f->owner);
-	kfree(f);
+	gpupin_file_put(f);
 	return 0;
 }
 

@@ -4,22 +4,28 @@
  *
  * Locking, outermost first:
  *   gpupin_files_lock (mutex) - the list of open files, for netlink dumps.
- *   gpupin_file.lock (mutex) - the file's handle table, pin count and
- *       handle counter.  Never held across an nv-p2p call, never taken by the
- *       free callback.
+ *   gpupin_file.read_lock (mutex) - serialises readers of invalidation
+ *       records, so a record leaves the queue only once it was copied out.
+ *   gpupin_file.lock (mutex) - the file's handle table (lookups take their
+ *       pin reference under it) and handle counter.  Never held across an
+ *       nv-p2p call, never taken by the free callback.
  *   gpupin_region.refs_lock (mutex) - the pin's kernel-API references (list,
  *       count, orphaned/gone flags).  Taken by the free callback to run the
  *       references' notifiers; never held across an nv-p2p call.
- *   gpupin_pin.lock (spinlock) - one pin's state, in-flight user count and
+ *   gpupin_region.lock (spinlock) - one pin's state, in-flight user count and
  *       DMA mapping list.  Taken by the free callback; never held across an
  *       nv-p2p call or anything that sleeps.
  *   gpupin_file.ev_lock (spinlock) - the file's queue of invalidation
  *       records.  Taken by the free callback, innermost.
  *
- * The free callback runs with the GPU driver's locks held, so it takes only
- * the two spinlocks above and waits only for in-flight users, which never
- * call into nv-p2p while counted (except dma_map_pages, which on the real
- * driver does not take the lock its callbacks run under).
+ * NVIDIA's driver runs the free callback with its RM API lock held, and
+ * nvidia_p2p_get_pages*, put_pages* and dma_map_pages take that lock (only
+ * dma_unmap_pages does not).  So the callback takes only the locks above,
+ * none of which is held across those calls, and it waits only for
+ * in-flight users (gpupin_pin_use), which never call get/put/dma_map while
+ * counted: they copy addresses, run a peer's DMA, or dma_unmap_pages.  A
+ * DMA map is made without being in flight (see dma.c for the window that
+ * NVIDIA's API leaves open there).
  */
 #ifndef _GPUPIN_INTERNAL_H
 #define _GPUPIN_INTERNAL_H
@@ -42,6 +48,8 @@
 #define GPU_BOUND_SIZE BIT_ULL(GPU_BOUND_SHIFT)
 #define GPU_BOUND_MASK (~(GPU_BOUND_SIZE - 1))
 #define GPUPIN_MAX_SLOTS BIT(20)
+
+extern atomic_t gpupin_nr_detached;
 
 /* Module parameters (main.c) */
 extern unsigned long gpupin_max_pinned_bytes;
@@ -86,19 +94,22 @@ extern u32 gpupin_caps;
 	} while (0)
 
 struct gpupin_file {
+	struct kref ref;		/* the open file + each detached pin */
 	struct list_head node;		/* gpupin_files, under gpupin_files_lock */
 	u64 id;				/* unique per open, for netlink */
 	struct mutex lock;		/* see top of file */
 	struct xarray pins;		/* handle -> pin, under lock */
 	u64 next_handle;		/* last handle given, under lock */
-	unsigned int nr_pins;		/* under lock */
+	atomic_t nr_pins;		/* pins holding a slot */
 	struct pid *owner;		/* thread group that opened the file */
+	bool admin;			/* opener had CAP_SYS_ADMIN (f_cred) */
 
 	u64 *vmap;			/* validity map, one word per slot */
 	size_t vmap_size;
 	unsigned int nr_slots;
 	struct ida slots;
 
+	struct mutex read_lock;		/* see top of file */
 	spinlock_t ev_lock;		/* see top of file */
 	struct list_head events;	/* gpupin_event_rec, under ev_lock */
 	unsigned int nr_events;		/* under ev_lock, at most nr_slots */
@@ -112,6 +123,9 @@ enum gpupin_pin_state {
 	GPUPIN_PIN_RELEASING,	/* unpin owns the pages and is putting them */
 	GPUPIN_PIN_INVALIDATING,	/* free callback running */
 	GPUPIN_PIN_INVALIDATED,	/* pages gone; only the handle is left */
+	GPUPIN_PIN_DETACHED,	/* released where the pages cannot be put (not
+				 * the pinning process): out of every table, pages
+				 * kept until the free callback, which frees it */
 };
 
 struct gpupin_event_rec {
@@ -145,6 +159,7 @@ struct gpupin_region {
 	u32 page_shift;			/* GPU_BOUND_SHIFT (nv-p2p) or PAGE_SHIFT (dma-buf) */
 	u32 entries;			/* aligned_size >> page_shift */
 	struct nvidia_p2p_page_table *pt;	/* nv-p2p pins */
+	u8 gpu_uuid[16];		/* copied from the page table while PINNING */
 	struct dma_buf *dmabuf;		/* dma-buf pins: a reference */
 	struct gpupin_dmabuf_att att;	/* dma-buf pins: gpupin's own import */
 	u64 *dmabuf_addrs;		/* dma-buf pins: per page, its address in our import */
@@ -192,7 +207,7 @@ struct gpupin_region *gpupin_pin_alloc(struct gpupin_file *f, u64 va, u64 size, 
 int gpupin_pin_reserve(struct gpupin_file *f, struct gpupin_region *pin);
 void gpupin_pin_unreserve(struct gpupin_file *f, struct gpupin_region *pin, int err);
 bool gpupin_pin_mark_pinned(struct gpupin_file *f, struct gpupin_region *pin);
-void gpupin_pin_release_pages(struct gpupin_region *pin, enum gpupin_pin_state from);
+bool gpupin_pin_release_pages(struct gpupin_region *pin, enum gpupin_pin_state from);
 int gpupin_pin_publish(struct gpupin_file *f, struct gpupin_region *pin, void __user *uarg,
 		       const void *arg, size_t len);
 void gpupin_pin_put(struct gpupin_region *pin);
@@ -201,6 +216,7 @@ void gpupin_pin_unuse(struct gpupin_region *pin);
 void gpupin_file_release_pins(struct gpupin_file *f, u32 reason);
 void gpupin_pin_destroy_now(struct gpupin_file *f, struct gpupin_region *pin, u32 reason);
 bool gpupin_caller_owns(struct gpupin_file *f);
+void gpupin_file_put(struct gpupin_file *f);
 
 /* dma.c */
 long gpupin_ioctl_dma_map(struct gpupin_file *f, struct gpupin_dma_map __user *uarg);
@@ -210,17 +226,17 @@ void gpupin_unmap_all(struct gpupin_region *pin);
 void gpupin_free_maps_invalidated(struct gpupin_region *pin);
 u32 gpupin_map_count_locked(struct gpupin_region *pin);
 int gpupin_map_create(struct gpupin_region *pin, struct pci_dev *pdev, bool user,
-		      struct gpupin_map **out);
-int gpupin_map_add(struct gpupin_region *pin, struct gpupin_map *map);
+		      struct gpupin_map **out, u32 *id);
+int gpupin_map_add(struct gpupin_region *pin, struct gpupin_map *map, u32 *id);
 int gpupin_map_for_driver(struct gpupin_region *pin, struct pci_dev *pdev,
-			  struct gpupin_map **out);
+			  struct gpupin_map **out, u32 *id);
 void gpupin_map_drop_driver(struct gpupin_region *pin, u32 id);
 
 /* dmabuf.c */
 long gpupin_ioctl_pin_dmabuf(struct gpupin_file *f, struct gpupin_pin_dmabuf __user *uarg);
 void gpupin_dmabuf_teardown(struct gpupin_region *pin);
 void gpupin_dmabuf_release(struct gpupin_region *pin);
-int gpupin_dmabuf_map(struct gpupin_region *pin, struct gpupin_map *map);
+int gpupin_dmabuf_map(struct gpupin_region *pin, struct gpupin_map *map, u32 *id);
 void gpupin_dmabuf_unmap(struct gpupin_map *map);
 
 /* kapi.c */

@@ -148,6 +148,7 @@ int gpupin_ref_dma_map(struct gpupin_ref *ref, struct pci_dev *pdev)
 {
 	struct gpupin_region *pin = ref->pin;
 	struct gpupin_map *map;
+	u32 id;
 	int ret;
 
 	if (!pdev)
@@ -159,12 +160,12 @@ int gpupin_ref_dma_map(struct gpupin_ref *ref, struct pci_dev *pdev)
 		gpupin_pin_unuse(pin);
 		return ret;
 	}
-	ret = gpupin_map_for_driver(pin, pdev, &map);
+	ret = gpupin_map_for_driver(pin, pdev, &map, &id);
 	if (ret == -ENXIO)
 		return -ENODEV;
 	if (!ret) {
 		ref->map = map;
-		ref->map_id = map->id;
+		ref->map_id = id;
 	}
 	return ret;
 }

@@ -86,7 +86,7 @@ long gpupin_ioctl_info(struct gpupin_file *f, struct gpupin_info __user *uarg)
 	arg.pinned_bytes = atomic64_read(&gpupin_pinned_bytes);
 	arg.max_pins_per_file = f->nr_slots;
 	mutex_lock(&f->lock);
-	arg.file_pins = f->nr_pins;
+	arg.file_pins = atomic_read(&f->nr_pins);
 	mutex_unlock(&f->lock);
 	arg.map_size = f->vmap_size;
 	strscpy(arg.version, GPUPIN_VERSION, sizeof(arg.version));
@@ -128,6 +128,7 @@ static int __init gpupin_init(void)
 	BUILD_BUG_ON(sizeof(struct gpupin_dma_addrs) != 48);
 	BUILD_BUG_ON(sizeof(struct gpupin_dma_unmap) != 32);
 	BUILD_BUG_ON(sizeof(struct gpupin_event) != 32);
+	BUILD_BUG_ON(sizeof(struct gpupin_pin_dmabuf) != 112);
 
 	gpupin_detect_provider();
 	ret = gpupin_nl_init();

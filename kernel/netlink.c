@@ -23,6 +23,8 @@
 #include <linux/sched.h>
 #include <net/genetlink.h>
 #include <net/netlink.h>
+#include <linux/netlink.h>
+#include <linux/notifier.h>
 #include "gpupin.h"
 #include "../include/uapi/gpupin_netlink.h"
 
@@ -78,6 +80,24 @@ static void gpupin_nl_unsubscribe(u32 portid)
 	}
 	spin_unlock(&gpupin_nl_subs_lock);
 }
+
+/*
+ * A netlink socket was released: forget it as a subscriber at once, before
+ * another (maybe unprivileged) socket can bind its port id and receive the
+ * events meant for it.
+ */
+static int gpupin_nl_release_notify(struct notifier_block *nb, unsigned long event, void *ptr)
+{
+	struct netlink_notify *n = ptr;
+
+	if (event == NETLINK_URELEASE && n->protocol == NETLINK_GENERIC && n->net == &init_net)
+		gpupin_nl_unsubscribe(n->portid);
+	return NOTIFY_DONE;
+}
+
+static struct notifier_block gpupin_nl_notifier = {
+	.notifier_call = gpupin_nl_release_notify,
+};
 #endif
 
 /* Hand a finished event to its listeners; consumes @skb. */
@@ -300,39 +320,41 @@ static int gpupin_nl_get_pin(struct sk_buff *skb, struct genl_info *info)
 		NL_SET_ERR_MSG(info->extack, "GET_PIN needs the PID and HANDLE attributes");
 		return -EINVAL;
 	}
+	msg = genlmsg_new(NLMSG_DEFAULT_SIZE, GFP_KERNEL);
+	if (!msg)
+		return -ENOMEM;
+	hdr = genlmsg_put_reply(msg, info, &gpupin_nl_family, 0, GPUPIN_NL_CMD_GET_PIN);
+	if (!hdr) {
+		nlmsg_free(msg);
+		return -EMSGSIZE;
+	}
 	pid = find_get_pid(nla_get_u32(info->attrs[GPUPIN_NL_A_PID]));
 	handle = nla_get_u64(info->attrs[GPUPIN_NL_A_HANDLE]);
 
+	/* Filled under the files lock: the pin's file cannot go meanwhile. */
+	ret = -ENOENT;
 	mutex_lock(&gpupin_files_lock);
 	list_for_each_entry(f, &gpupin_files, node) {
 		if (!pid || f->owner != pid || !gpupin_nl_may_see(skb, f))
 			continue;
 		pin = gpupin_pin_lookup(f, handle);
-		if (pin)
+		if (pin) {
+			ret = gpupin_nl_fill_pin(msg, pin, 0);
+			gpupin_pin_put(pin);
 			break;
+		}
 	}
 	mutex_unlock(&gpupin_files_lock);
 	put_pid(pid);
-	if (!pin) {
-		NL_SET_ERR_MSG(info->extack, "no pin with that handle visible to you in that process");
-		return -ENOENT;
-	}
-
-	ret = -ENOMEM;
-	msg = genlmsg_new(NLMSG_DEFAULT_SIZE, GFP_KERNEL);
-	if (!msg)
-		goto out;
-	ret = -EMSGSIZE;
-	hdr = genlmsg_put_reply(msg, info, &gpupin_nl_family, 0, GPUPIN_NL_CMD_GET_PIN);
-	if (!hdr || gpupin_nl_fill_pin(msg, pin, 0)) {
+	if (ret) {
 		nlmsg_free(msg);
-		goto out;
+		if (ret == -ENOENT)
+			NL_SET_ERR_MSG(info->extack,
+				       "no pin with that handle visible to you in that process");
+		return ret;
 	}
 	genlmsg_end(msg, hdr);
-	ret = genlmsg_reply(msg, info);
-out:
-	gpupin_pin_put(pin);
-	return ret;
+	return genlmsg_reply(msg, info);
 }
 
 /*
@@ -447,10 +469,24 @@ static struct genl_family gpupin_nl_family __ro_after_init = {
 
 int gpupin_nl_init(void)
 {
+#if !GPUPIN_NL_MCAST
+	int ret = netlink_register_notifier(&gpupin_nl_notifier);
+
+	if (ret)
+		return ret;
+	ret = genl_register_family(&gpupin_nl_family);
+	if (ret)
+		netlink_unregister_notifier(&gpupin_nl_notifier);
+	return ret;
+#else
 	return genl_register_family(&gpupin_nl_family);
+#endif
 }
 
 void gpupin_nl_exit(void)
 {
 	genl_unregister_family(&gpupin_nl_family);
+#if !GPUPIN_NL_MCAST
+	netlink_unregister_notifier(&gpupin_nl_notifier);
+#endif
 }

@@ -9,11 +9,20 @@
  * INVALIDATED (the free callback released them).  Whoever moves the pin out
  * of PINNING/PINNED owns the release of the pages; the other side only
  * waits, so unpin and the callback are safe in either order.
+ *
+ * NVIDIA's put_pages finds non-persistent pages in the calling process
+ * only: from anywhere else it returns 0, releases nothing and leaves the
+ * callback armed.  So a pin released in another context (a fork child's or
+ * a kworker's last close, a peer driver's last put) goes DETACHED instead:
+ * out of the handle table and the file's slots, but alive - holding its
+ * file and the module - until the free callback, which the driver runs when
+ * the owner frees the memory or its CUDA context goes.
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
 #include <linux/capability.h>
 #include <linux/mm.h>
+#include <linux/module.h>
 #include <linux/overflow.h>
 #include <linux/sched.h>
 #include <linux/slab.h>
@@ -24,6 +33,19 @@
 bool gpupin_caller_owns(struct gpupin_file *f)
 {
 	return task_tgid(current) == f->owner;
+}
+
+/* Pins released and waiting for their free callback (DETACHED). */
+atomic_t gpupin_nr_detached = ATOMIC_INIT(0);
+
+/*
+ * May the pages of @pin be put from here?  Non-persistent nv-p2p pages only
+ * by the process that pinned them (the file's owner: PIN checks that).
+ */
+static bool gpupin_pin_put_here(struct gpupin_region *pin)
+{
+	return !pin->pt || (pin->flags & GPUPIN_PIN_PERSISTENT) ||
+	       gpupin_caller_owns(pin->file);
 }
 
 static void gpupin_pin_free(struct kref *ref)
@@ -127,18 +149,36 @@ static void gpupin_pin_invalidate(struct gpupin_region *pin, bool always,
 		return;
 	}
 	pin->state = GPUPIN_PIN_INVALIDATING;
+	/* User space stops trusting the pin before anything goes. */
+	if (prev == GPUPIN_PIN_PINNED)
+		WRITE_ONCE(f->vmap[pin->slot], 0);
 	spin_unlock(&pin->lock);
 
 	/* Drivers holding references stop their DMA first. */
 	gpupin_notify_refs(pin);
-	/* No new user can start now; those running are short. */
+	/*
+	 * No new user can start now; those running are short and never wait
+	 * for the GPU driver's lock (an unpin's dma_unmap_pages among them).
+	 */
 	wait_event(pin->wq, READ_ONCE(pin->inflight) == 0);
 
 	teardown(pin);
 
+	if (prev == GPUPIN_PIN_DETACHED) {
+		/* Nobody is left to tell: let the pin, its file and the module go. */
+		atomic64_sub(pin->aligned_size, &gpupin_pinned_bytes);
+		gpupin_dbg("detached pin %llu released by its free callback\n", pin->handle);
+		gpupin_set_state(pin, GPUPIN_PIN_INVALIDATED);
+		gpupin_pin_put(pin);
+		gpupin_file_put(f);
+		atomic_dec(&gpupin_nr_detached);
+		/* Last: the module may go as soon as this returns to the driver. */
+		module_put(THIS_MODULE);
+		return;
+	}
+
 	/* Unpin (RELEASING) and a failed PIN (PINNING) account for themselves. */
 	if (prev == GPUPIN_PIN_PINNED) {
-		WRITE_ONCE(f->vmap[pin->slot], 0);
 		atomic64_sub(pin->aligned_size, &gpupin_pinned_bytes);
 		rec = pin->ev;
 		pin->ev = NULL;
@@ -207,20 +247,43 @@ static void gpupin_put_pages(struct gpupin_region *pin)
  * Release the pages of @pin if the free callback has not, then wait for a
  * callback that is still running.  Process context; no gpupin lock held.
  * @from is the state that means "ours to release" (PINNED or PINNING).
+ * Where the pages cannot be put from here (see gpupin_pin_put_here()) the
+ * pin is DETACHED instead: its mappings go, its pages stay until the free
+ * callback, which then holds a reference to the pin, its file and the
+ * module.  Returns false in that case (the pin's pages are not released).
  */
-void gpupin_pin_release_pages(struct gpupin_region *pin, enum gpupin_pin_state from)
+bool gpupin_pin_release_pages(struct gpupin_region *pin, enum gpupin_pin_state from)
 {
-	bool ours;
+	bool ours, detach = !gpupin_pin_put_here(pin);
 
 	spin_lock(&pin->lock);
 	ours = pin->state == from;
-	if (ours)
-		pin->state = GPUPIN_PIN_RELEASING;
+	if (ours) {
+		pin->state = detach ? GPUPIN_PIN_DETACHED : GPUPIN_PIN_RELEASING;
+		/*
+		 * Count ourselves in flight while we unmap: a free callback
+		 * must not return (NVIDIA then frees the mappings) under
+		 * dma_unmap_pages, which does not take the driver's lock.
+		 */
+		pin->inflight++;
+	}
 	spin_unlock(&pin->lock);
 
+	if (ours && detach) {
+		kref_get(&pin->ref);
+		kref_get(&pin->file->ref);
+		__module_get(THIS_MODULE);
+		atomic_inc(&gpupin_nr_detached);
+	}
 	if (ours) {
-		wait_event(pin->wq, READ_ONCE(pin->inflight) == 0);
+		wait_event(pin->wq, READ_ONCE(pin->inflight) == 1);
 		gpupin_unmap_all(pin);
+		gpupin_pin_unuse(pin);
+		if (detach) {
+			gpupin_dbg("pin %llu detached: its pages wait for the free callback\n",
+				   pin->handle);
+			return false;
+		}
 		if (pin->pt)
 			gpupin_put_pages(pin);
 		if (from == GPUPIN_PIN_PINNED)
@@ -233,6 +296,7 @@ void gpupin_pin_release_pages(struct gpupin_region *pin, enum gpupin_pin_state f
 		gpupin_unmap_all(pin);
 		gpupin_dmabuf_release(pin);
 	}
+	return true;
 }
 
 /* Give back the slot and count of a pin that is out of the handle table. */
@@ -240,9 +304,7 @@ static void gpupin_pin_unaccount(struct gpupin_file *f, struct gpupin_region *pi
 {
 	WRITE_ONCE(f->vmap[pin->slot], 0);
 	ida_free(&f->slots, pin->slot);
-	mutex_lock(&f->lock);
-	f->nr_pins--;
-	mutex_unlock(&f->lock);
+	atomic_dec(&f->nr_pins);
 }
 
 /*
@@ -252,6 +314,7 @@ static void gpupin_pin_unaccount(struct gpupin_file *f, struct gpupin_region *pi
  */
 void gpupin_pin_destroy_now(struct gpupin_file *f, struct gpupin_region *pin, u32 reason)
 {
+	/* Detached or not, the pin leaves the file's slots now. */
 	gpupin_pin_release_pages(pin, GPUPIN_PIN_PINNED);
 	gpupin_pin_unaccount(f, pin);
 	atomic64_inc(&gpupin_stats.unpins);
@@ -403,24 +466,18 @@ struct gpupin_region *gpupin_pin_alloc(struct gpupin_file *f, u64 va, u64 size, 
 /* Reserve a handle, a validity slot and a place in the per-file count. */
 static int gpupin_pin_account(struct gpupin_file *f, struct gpupin_region *pin)
 {
-	int slot, ret = 0;
+	int slot;
 
-	mutex_lock(&f->lock);
-	if (f->nr_pins >= f->nr_slots) {
-		ret = -ENOSPC;
-		goto out;
-	}
+	/* -ENOSPC once every slot of the file is taken. */
 	slot = ida_alloc_max(&f->slots, f->nr_slots - 1, GFP_KERNEL);
-	if (slot < 0) {
-		ret = slot;
-		goto out;
-	}
+	if (slot < 0)
+		return slot;
 	pin->slot = slot;
+	atomic_inc(&f->nr_pins);
+	mutex_lock(&f->lock);
 	pin->handle = ++f->next_handle;
-	f->nr_pins++;
-out:
 	mutex_unlock(&f->lock);
-	return ret;
+	return 0;
 }
 
 /*
@@ -468,13 +525,34 @@ bool gpupin_pin_mark_pinned(struct gpupin_file *f, struct gpupin_region *pin)
 	return ok;
 }
 
+/*
+ * PINNING -> PINNED for an nv-p2p pin: check the page table and copy what
+ * is kept of it while the free callback cannot have freed it (it has not
+ * begun: it would have moved the pin out of PINNING under the same lock).
+ * -ENXIO if the memory went first.
+ */
+static int gpupin_pin_take_table(struct gpupin_file *f, struct gpupin_region *pin)
+{
+	int ret = -ENXIO;
+
+	spin_lock(&pin->lock);
+	if (pin->state == GPUPIN_PIN_PINNING) {
+		ret = gpupin_check_table(pin);
+		if (!ret) {
+			if (pin->pt->gpu_uuid)
+				memcpy(pin->gpu_uuid, pin->pt->gpu_uuid, sizeof(pin->gpu_uuid));
+			WRITE_ONCE(f->vmap[pin->slot], pin->handle);
+			pin->state = GPUPIN_PIN_PINNED;
+		}
+	}
+	spin_unlock(&pin->lock);
+	return ret;
+}
+
 /* The pin's GPU UUID (zeros where the provider gives none). */
 void gpupin_pin_uuid(const struct gpupin_region *pin, u8 uuid[16])
 {
-	if (pin->pt && pin->pt->gpu_uuid)
-		memcpy(uuid, pin->pt->gpu_uuid, 16);
-	else
-		memset(uuid, 0, 16);
+	memcpy(uuid, pin->gpu_uuid, 16);
 }
 
 /*
@@ -512,25 +590,23 @@ int gpupin_pin_publish(struct gpupin_file *f, struct gpupin_region *pin, void __
 {
 	int ret;
 
+	/* The result first: until the store below no other thread can reach the pin. */
+	if (copy_to_user(uarg, arg, len)) {
+		gpupin_pin_destroy(f, pin, GPUPIN_NL_REASON_UNPIN);
+		return -EFAULT;
+	}
+	/* Done while the pin is still only ours: a racing UNPIN may free it after the store. */
+	gpupin_dbg("pin %llu: %llu bytes\n", pin->handle, pin->aligned_size);
+	atomic64_inc(&gpupin_stats.pins);
+	gpupin_stat_max(&gpupin_stats.bytes_peak, atomic64_read(&gpupin_pinned_bytes));
+	gpupin_nl_pin_event(pin, GPUPIN_NL_CMD_PINNED, 0);
 	mutex_lock(&f->lock);
 	ret = xa_insert(&f->pins, pin->handle, pin, GFP_KERNEL);
 	mutex_unlock(&f->lock);
 	if (ret) {
 		gpupin_pin_destroy(f, pin, GPUPIN_NL_REASON_UNPIN);
-		return ret;
+		return ret == -EBUSY ? -EEXIST : ret;
 	}
-	if (copy_to_user(uarg, arg, len)) {
-		/* Nobody learnt the handle: undo the pin. */
-		mutex_lock(&f->lock);
-		xa_erase(&f->pins, pin->handle);
-		mutex_unlock(&f->lock);
-		gpupin_pin_destroy(f, pin, GPUPIN_NL_REASON_UNPIN);
-		return -EFAULT;
-	}
-	gpupin_dbg("pin %llu: %llu bytes\n", pin->handle, pin->aligned_size);
-	atomic64_inc(&gpupin_stats.pins);
-	gpupin_stat_max(&gpupin_stats.bytes_peak, atomic64_read(&gpupin_pinned_bytes));
-	gpupin_nl_pin_event(pin, GPUPIN_NL_CMD_PINNED, 0);
 	return 0;
 }
 
@@ -576,9 +652,8 @@ long gpupin_ioctl_pin(struct gpupin_file *f, struct gpupin_pin __user *uarg)
 		pin->pt = NULL;
 		goto err_unreserve;
 	}
-	ret = gpupin_check_table(pin);
-	if (!ret && !gpupin_pin_mark_pinned(f, pin))
-		ret = -ENXIO;	/* the memory was freed while we pinned it */
+	/* -ENXIO: the memory was freed while we pinned it. */
+	ret = gpupin_pin_take_table(f, pin);
 	if (ret) {
 		gpupin_pin_release_pages(pin, GPUPIN_PIN_PINNING);
 		goto err_unreserve;
@@ -651,12 +726,13 @@ long gpupin_ioctl_get_pages(struct gpupin_file *f, struct gpupin_get_pages __use
 	u32 i;
 	int ret;
 
-	/* Physical addresses are for the administrator only. */
-	if (!capable(CAP_SYS_ADMIN))
+	/* Physical addresses are for the administrator only (who opened the file). */
+	if (!f->admin)
 		return -EPERM;
 	if (copy_from_user(&arg, uarg, sizeof(arg)))
 		return -EFAULT;
-	if (arg.flags || arg.pad || arg.reserved[0] || arg.reserved[1] || !arg.count)
+	if (arg.flags || arg.pad || arg.reserved[0] || arg.reserved[1] || !arg.count ||
+	    arg.count > GPUPIN_MAX_ADDRS_PER_CALL)
 		return -EINVAL;
 	pin = gpupin_pin_lookup(f, arg.handle);
 	if (!pin)

@@ -7,7 +7,7 @@ VENV=${VENV:-$ROOT/.venv}
 
 PKGS=(build-essential python3 python3-venv python3-dev libkmod-dev libffi-dev kmod
       qemu-system-x86 linux-image-amd64 linux-headers-amd64 sparse linux-source-6.1
-      pciutils xz-utils libdrm-dev)
+      pciutils xz-utils libdrm-dev busybox-static)
 missing=()
 for p in "${PKGS[@]}"; do
 	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")

@@ -99,7 +99,13 @@ struct gpupin_query {
 	__u64 reserved[2];
 };
 
-/* Physical addresses of pages [first, first + count): CAP_SYS_ADMIN only. */
+/* At most this many addresses per GET_PAGES or DMA_ADDRS call (EINVAL above). */
+#define GPUPIN_MAX_ADDRS_PER_CALL 65536
+
+/*
+ * Physical addresses of pages [first, first + count): only for a file opened
+ * by a process with CAP_SYS_ADMIN (EPERM otherwise).
+ */
 struct gpupin_get_pages {
 	__u64 handle;
 	__u64 addrs;
@@ -110,6 +116,21 @@ struct gpupin_get_pages {
 	__u64 reserved[2];
 };
 
+/*
+ * Map a pin's pages for the PCI device domain:bus:devfn (nvidia_p2p_dma_map_pages
+ * or a dma-buf attachment); mapping_id (out) names the mapping.  Only for a
+ * file opened by a process with CAP_SYS_ADMIN (EPERM otherwise): a mapping
+ * opens the memory to that device.  Each call makes a new mapping, also for
+ * a device already mapped (at most 16 per pin, ENOSPC beyond).
+ *
+ * Limitation of NVIDIA's API: nvidia_p2p_dma_map_pages reads the page table
+ * before it takes the driver lock that the free callback runs under, and
+ * the callback cannot wait for it (that deadlocks the driver).  gpupin checks
+ * that the pin is alive right before the call, so only a free of the GPU
+ * memory that races this very call is exposed; free GPU memory only after
+ * DMA_MAP returned, or use persistent pins (no callback).  ENXIO: the memory
+ * was freed meanwhile.
+ */
 struct gpupin_dma_map {
 	__u64 handle;
 	__u32 pci_domain;
@@ -121,7 +142,7 @@ struct gpupin_dma_map {
 	__u64 reserved[2];
 };
 
-/* DMA addresses of mapping entries [first, first + count): CAP_SYS_ADMIN only. */
+/* DMA addresses of mapping entries [first, first + count): as GET_PAGES, CAP_SYS_ADMIN only. */
 struct gpupin_dma_addrs {
 	__u64 handle;
 	__u64 addrs;

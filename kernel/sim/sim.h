@@ -4,11 +4,14 @@
  * implementation of the nv-p2p API over it.
  *
  * Locking, outermost first:
- *   sim_big_lock (mutex)  - stands for the GPU driver's own lock: held by
- *                           get_pages/put_pages and while free callbacks run,
- *                           so a client that holds one of its locks across
- *                           those calls and takes it in its callback
- *                           deadlocks here as it would on real hardware.
+ *   sim_big_lock (mutex)  - stands for the resource manager's API lock of
+ *                           NVIDIA's driver: held while free callbacks run and
+ *                           taken by get_pages, put_pages and dma_map_pages
+ *                           (never by dma_unmap_pages), always through
+ *                           sim_api_lock() (sim_rmlock.c), which tells lockdep
+ *                           and gives up with a WARN after lock_timeout_ms, so a
+ *                           client that deadlocks the real driver fails a test
+ *                           within seconds here instead of hanging it.
  *   ctx->lock (mutex)     - one context's allocation list (alloc/free/rw).
  *   sim_exports_lock (mutex) - the allocations' export lists (sim_dmabuf.c).
  *   dma-buf reservation locks - of the simulator's exports; held while
@@ -50,6 +53,13 @@ extern unsigned int sim_pin_latency_us;
 extern int sim_fail_nth;
 extern int sim_fail_errno;
 extern bool sim_race_put_pages;
+extern bool sim_race_get_pages;
+extern unsigned int sim_dma_map_latency_us;
+extern unsigned int sim_unmap_latency_us;
+extern unsigned int sim_lock_timeout_ms;
+extern unsigned int sim_callback_timeout_ms;
+extern unsigned int sim_dead_tables_max;
+extern unsigned long sim_mem_limit;
 extern unsigned int sim_page_table_version;
 extern u8 sim_gpu_uuid[NVIDIA_P2P_GPU_UUID_LEN];
 
@@ -82,7 +92,8 @@ struct sim_alloc {
 enum sim_pin_state {
 	SIM_PIN_LIVE,		/* pinned, callback armed */
 	SIM_PIN_CALLBACK,	/* callback claimed: running or about to */
-	SIM_PIN_DONE,		/* released, no longer in the registry */
+	SIM_PIN_FREED,		/* table freed (callback returned, or put): poisoned,
+				 * kept in the registry so later calls are caught */
 };
 
 /* One get_pages: the page table handed to the client lives inside. */
@@ -91,12 +102,15 @@ struct sim_pin {
 	struct nvidia_p2p_page *page_array;
 	struct nvidia_p2p_page **pages;
 	struct hlist_node hnode;	/* registry by &pt, under sim_lock */
-	struct list_head node;		/* alloc->pins, under sim_lock */
-	struct sim_alloc *alloc;	/* holds a reference */
+	struct list_head node;		/* alloc->pins while LIVE, the graveyard once
+					 * FREED; under sim_lock */
+	struct sim_alloc *alloc;	/* holds a reference until FREED */
+	struct pid *owner;		/* thread group that pinned (holds a ref) */
 	u64 va;
 	u64 len;
 	bool persistent;
 	bool table_freed;		/* client called free_page_table */
+	bool cb_unloaded;		/* the callback's module is gone; under sim_lock */
 	enum sim_pin_state state;	/* under sim_lock */
 	void (*free_callback)(void *data);
 	void *data;
@@ -109,17 +123,27 @@ struct sim_pin {
 
 struct sim_map {
 	struct nvidia_p2p_dma_mapping m;
-	struct list_head node;		/* pin->maps */
+	struct list_head node;		/* pin->maps, under sim_lock */
 	struct sim_pin *pin;
 	struct device *dev;
+	bool freed;			/* freed by NVIDIA's rules: poisoned, kept with
+					 * its pin so later calls are caught */
 };
 
 const char *nvp2p_sim_provider(void);
 
 /* sim_p2p.c */
-struct sim_pin *sim_pin_lookup_locked(struct nvidia_p2p_page_table *pt);
 void sim_pin_put(struct sim_pin *pin);
 void sim_run_callbacks(struct list_head *claimed);
+int sim_p2p_init(void);
+void sim_p2p_exit(void);
+
+/* sim_rmlock.c */
+int sim_api_lock(const char *who);
+void sim_api_unlock(void);
+void sim_watchdog_arm(void (*fn)(void *data));
+void sim_watchdog_disarm(void);
+void sim_count_uaf(const char *fn, const char *what);
 
 /* sim_dmabuf.c */
 long sim_ioctl_export(struct sim_ctx *ctx, struct nvp2p_sim_export __user *uarg);

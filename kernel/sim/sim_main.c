@@ -39,6 +39,34 @@ bool sim_race_put_pages;
 module_param_named(race_put_pages, sim_race_put_pages, bool, 0644);
 MODULE_PARM_DESC(race_put_pages, "Fire the free callback concurrently with every put_pages (default off)");
 
+bool sim_race_get_pages;
+module_param_named(race_get_pages, sim_race_get_pages, bool, 0644);
+MODULE_PARM_DESC(race_get_pages, "Free the memory as each get_pages drops the API lock: its callback runs before get_pages returns (default off)");
+
+unsigned int sim_dma_map_latency_us;
+module_param_named(dma_map_latency_us, sim_dma_map_latency_us, uint, 0644);
+MODULE_PARM_DESC(dma_map_latency_us, "Delay between dma_map_pages reading the table and taking the API lock, in microseconds (default 0)");
+
+unsigned int sim_unmap_latency_us;
+module_param_named(unmap_latency_us, sim_unmap_latency_us, uint, 0644);
+MODULE_PARM_DESC(unmap_latency_us, "Delay before dma_unmap_pages reads the table, in microseconds (default 0)");
+
+unsigned int sim_lock_timeout_ms = 5000;
+module_param_named(lock_timeout_ms, sim_lock_timeout_ms, uint, 0644);
+MODULE_PARM_DESC(lock_timeout_ms, "Give up (WARN, -EDEADLK) after waiting this long for the RM API lock: a deadlock on real hardware (default 5000, 0 = wait forever)");
+
+unsigned int sim_callback_timeout_ms = 5000;
+module_param_named(callback_timeout_ms, sim_callback_timeout_ms, uint, 0644);
+MODULE_PARM_DESC(callback_timeout_ms, "WARN when a free callback runs longer than this, in milliseconds (default 5000, 0 = never)");
+
+unsigned int sim_dead_tables_max = 4096;
+module_param_named(dead_tables_max, sim_dead_tables_max, uint, 0644);
+MODULE_PARM_DESC(dead_tables_max, "Freed page tables kept poisoned to catch later calls that pass them (default 4096)");
+
+unsigned long sim_mem_limit = 1UL << 30;
+module_param_named(mem_limit, sim_mem_limit, ulong, 0644);
+MODULE_PARM_DESC(mem_limit, "Simulated device memory that all contexts together may allocate, in bytes (default 1 GiB)");
+
 unsigned int sim_page_table_version = NVIDIA_P2P_PAGE_TABLE_VERSION;
 module_param_named(page_table_version, sim_page_table_version, uint, 0644);
 MODULE_PARM_DESC(page_table_version, "Version reported in page tables, to test clients' version checks");
@@ -58,9 +86,14 @@ static int __init nvp2p_sim_init(void)
 	int ret;
 
 	get_random_bytes(sim_gpu_uuid, sizeof(sim_gpu_uuid));
-	ret = sim_chardev_init();
+	ret = sim_p2p_init();
 	if (ret)
 		return ret;
+	ret = sim_chardev_init();
+	if (ret) {
+		sim_p2p_exit();
+		return ret;
+	}
 	pr_info("simulated GPU ready, BAR %lu MiB\n", sim_bar_size >> 20);
 	return 0;
 }
@@ -68,6 +101,7 @@ static int __init nvp2p_sim_init(void)
 static void __exit nvp2p_sim_exit(void)
 {
 	sim_chardev_exit();
+	sim_p2p_exit();
 	sim_poison_exit();
 	/* Clients hold a module reference while they use our symbols. */
 	WARN_ON(sim_stats.page_tables || sim_stats.allocations);

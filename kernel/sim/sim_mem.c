@@ -102,6 +102,7 @@ static int sim_ioctl_alloc(struct sim_ctx *ctx, struct nvp2p_sim_alloc __user *u
 	struct list_head *before;
 	unsigned long i;
 	u64 size, va;
+	bool over;
 	int ret;
 
 	if (copy_from_user(&arg, uarg, sizeof(arg)))
@@ -124,7 +125,12 @@ static int sim_ioctl_alloc(struct sim_ctx *ctx, struct nvp2p_sim_alloc __user *u
 	spin_lock(&sim_lock);
 	sim_stats.allocations++;
 	sim_stats.alloc_bytes += size;
+	over = sim_stats.alloc_bytes > READ_ONCE(sim_mem_limit);
 	spin_unlock(&sim_lock);
+	if (over) {
+		ret = -ENOMEM;	/* out of simulated device memory (mem_limit) */
+		goto err_free;
+	}
 	alloc->nchunks = size >> SIM_PAGE_SHIFT;
 	alloc->chunks = kvcalloc(alloc->nchunks, sizeof(*alloc->chunks), GFP_KERNEL);
 	if (!alloc->chunks) {
@@ -213,7 +219,10 @@ static int sim_ioctl_free(struct sim_ctx *ctx, struct nvp2p_sim_free __user *uar
 	if (arg.flags || arg.pad)
 		return -EINVAL;
 
-	mutex_lock(&sim_big_lock);
+	ret = sim_api_lock("cuMemFree");
+	if (ret)
+		return ret;
+	ret = -EINVAL;
 	mutex_lock(&ctx->lock);
 	alloc = sim_ctx_find(ctx, arg.va);
 	if (alloc && alloc->va == arg.va) {
@@ -221,7 +230,7 @@ static int sim_ioctl_free(struct sim_ctx *ctx, struct nvp2p_sim_free __user *uar
 		ret = 0;
 	}
 	mutex_unlock(&ctx->lock);
-	mutex_unlock(&sim_big_lock);
+	sim_api_unlock();
 	return ret;
 }
 
@@ -354,7 +363,9 @@ static int sim_release(struct inode *inode, struct file *file)
 	struct sim_ctx *ctx = file->private_data;
 	struct sim_alloc *alloc;
 
-	mutex_lock(&sim_big_lock);
+	/* Teardown cannot give up: wait as long as it takes (lockdep still sees it). */
+	while (sim_api_lock("context teardown"))
+		;
 	mutex_lock(&ctx->lock);
 	while (!list_empty(&ctx->allocs)) {
 		alloc = list_first_entry(&ctx->allocs, struct sim_alloc, node);
@@ -364,7 +375,7 @@ static int sim_release(struct inode *inode, struct file *file)
 	list_del(&ctx->node);
 	spin_unlock(&sim_lock);
 	mutex_unlock(&ctx->lock);
-	mutex_unlock(&sim_big_lock);
+	sim_api_unlock();
 
 	ida_free(&sim_ctx_ida, (ctx->va_base - SIM_VA_BASE) >> SIM_CTX_SHIFT);
 	put_pid(ctx->owner);

@@ -2,14 +2,25 @@
 /*
  * nvp2p_sim: the nv-p2p kernel API over simulated GPU memory.
  *
- * Same names, prototypes and semantics as NVIDIA's documented API: 64 KiB
- * pages, versioned page tables and DMA mappings, -EINVAL for unaligned or
- * foreign ranges and for a missing free callback, -ENOMEM once the simulated
- * BAR is full, put_pages returning 0 after the callback released the pages,
- * and callbacks that run synchronously, under the "driver lock", when the
- * memory is freed.  Misuse that the real driver would punish with memory
- * corruption (put_pages from inside the callback, a page table not freed by
- * the callback) is detected and counted instead.
+ * Same names, prototypes and semantics as NVIDIA's driver, as strict as it
+ * wherever a client can tell (see FIDELITY.md beside this file):
+ * - 64 KiB pages, versioned page tables and DMA mappings, -EINVAL for
+ *   unaligned or foreign ranges and for a missing free callback, -ENOMEM
+ *   once the simulated BAR is full.
+ * - get_pages and put_pages find the mapping in the calling process: a
+ *   put_pages from another thread group (a fork child, a kworker, another
+ *   process holding the fd) finds nothing, returns 0, releases nothing and
+ *   leaves the free callback armed (puts_not_found).
+ * - Free callbacks run synchronously when the memory is freed, with the API
+ *   lock held (sim_rmlock.c); get_pages, put_pages and dma_map_pages take
+ *   that lock, dma_unmap_pages does not.
+ * - When a callback returns, or put_pages finishes, the page table and every
+ *   DMA mapping on it are freed: poisoned and kept in a bounded graveyard so
+ *   that a later call passing them is caught (use_after_free_calls).  A
+ *   later non-persistent put_pages is harmless (looked up, not found), as in
+ *   NVIDIA's driver.
+ * Misuse inside the callback (put_pages or dma_unmap_pages there, a table
+ * not freed) is detected and counted too.
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
@@ -17,16 +28,21 @@
 #include <linux/dma-mapping.h>
 #include <linux/export.h>
 #include <linux/hashtable.h>
+#include <linux/module.h>
 #include <linux/pci.h>
 #include <linux/random.h>
+#include <linux/sched.h>
 #include <linux/slab.h>
 #include <linux/workqueue.h>
 #include "sim.h"
 
-/* Every registered pin, by the address of its page table; under sim_lock. */
+/* Every registered pin, live or freed, by the address of its page table; under sim_lock. */
 static DEFINE_HASHTABLE(sim_pins, 10);
+/* Freed pins (state FREED), oldest first; under sim_lock. */
+static LIST_HEAD(sim_graveyard);
+static unsigned int sim_nr_dead;	/* under sim_lock */
 
-struct sim_pin *sim_pin_lookup_locked(struct nvidia_p2p_page_table *pt)
+static struct sim_pin *sim_pin_lookup_locked(struct nvidia_p2p_page_table *pt)
 {
 	struct sim_pin *pin;
 
@@ -37,11 +53,23 @@ struct sim_pin *sim_pin_lookup_locked(struct nvidia_p2p_page_table *pt)
 	return NULL;
 }
 
+static void sim_map_free(struct sim_map *map)
+{
+	kvfree(map->m.dma_addresses);
+	kfree(map);
+}
+
 void sim_pin_put(struct sim_pin *pin)
 {
+	struct sim_map *map, *tmp;
+
 	if (!refcount_dec_and_test(&pin->refs))
 		return;
-	sim_alloc_put(pin->alloc);
+	if (pin->alloc)
+		sim_alloc_put(pin->alloc);
+	list_for_each_entry_safe(map, tmp, &pin->maps, node)
+		sim_map_free(map);
+	put_pid(pin->owner);
 	kvfree(pin->pages);
 	kvfree(pin->page_array);
 	kfree(pin);
@@ -54,66 +82,139 @@ static struct page *sim_pin_chunk(struct sim_pin *pin, u32 i)
 	return alloc->chunks[((pin->va - alloc->va) >> SIM_PAGE_SHIFT) + i];
 }
 
-static void sim_map_release(struct sim_map *map)
+/* Undo the IOMMU mappings of @map (its descriptor stays). */
+static void sim_map_unmap(struct sim_map *map)
 {
 	u32 i;
 
 	for (i = 0; i < map->m.entries; i++)
 		dma_unmap_page(map->dev, map->m.dma_addresses[i], SIM_PAGE_SIZE,
 			       DMA_BIDIRECTIONAL);
+}
+
+/* Free @map as NVIDIA does: unmapped, poisoned, kept with its pin. */
+static void sim_map_bury(struct sim_map *map)
+{
+	sim_map_unmap(map);
 	kvfree(map->m.dma_addresses);
-	kfree(map);
+	memset(&map->m, SIM_POISON, sizeof(map->m));
 }
 
 /*
- * Take @pin out of the registry and uncount it.  Caller holds sim_lock and
- * releases the returned mappings (left by the client) after unlocking.
+ * The page table of @pin is freed (its callback returned, or it was put):
+ * uncount it and move it to the graveyard, still findable by its address.
+ * Caller holds sim_lock; sim_pin_bury() finishes the job after unlocking.
+ * Pins pushed out of the graveyard go on @evicted for sim_pin_put().
  */
-static void sim_pin_unregister_locked(struct sim_pin *pin, struct list_head *leftover)
+static void sim_pin_retire_locked(struct sim_pin *pin, struct list_head *evicted)
 {
 	struct sim_map *map;
+	struct sim_pin *old;
 
 	lockdep_assert_held(&sim_lock);
 	list_for_each_entry(map, &pin->maps, node) {
+		if (map->freed)
+			continue;
+		map->freed = true;
 		sim_stats.dma_mappings--;
 		sim_stats.mappings_not_freed++;
 	}
-	list_splice_init(&pin->maps, leftover);
-	hash_del(&pin->hnode);
 	list_del_init(&pin->node);
-	pin->state = SIM_PIN_DONE;
+	pin->state = SIM_PIN_FREED;
 	sim_stats.pinned_pages -= pin->pt.entries;
 	sim_stats.bar_bytes -= pin->len;
 	sim_stats.page_tables--;
 	if (!pin->persistent)
 		sim_stats.live_callbacks--;
+	list_add_tail(&pin->node, &sim_graveyard);
+	sim_nr_dead++;
+	while (sim_nr_dead > READ_ONCE(sim_dead_tables_max)) {
+		old = list_first_entry(&sim_graveyard, struct sim_pin, node);
+		list_move_tail(&old->node, evicted);
+		hash_del(&old->hnode);
+		sim_nr_dead--;
+	}
 }
 
-static void sim_release_maps(struct list_head *maps)
+/*
+ * After sim_pin_retire_locked(): release what the pin held and poison the
+ * page table, so a client still reading it sees garbage (and a pages[]
+ * pointer that faults), as it would read freed memory on a real host.
+ */
+static void sim_pin_bury(struct sim_pin *pin, struct list_head *evicted)
 {
-	struct sim_map *map, *tmp;
+	struct sim_pin *old, *next;
+	struct sim_map *map;
 
-	list_for_each_entry_safe(map, tmp, maps, node)
-		sim_map_release(map);
+	/* Only this thread touches a FREED pin's maps and arrays. */
+	list_for_each_entry(map, &pin->maps, node)
+		if (map->m.version != (u32)(SIM_POISON * 0x01010101))
+			sim_map_bury(map);
+	kvfree(pin->pages);
+	kvfree(pin->page_array);
+	pin->pages = NULL;
+	pin->page_array = NULL;
+	memset(&pin->pt, SIM_POISON, sizeof(pin->pt));
+	sim_alloc_put(pin->alloc);
+	pin->alloc = NULL;
+	list_for_each_entry_safe(old, next, evicted, node) {
+		list_del_init(&old->node);
+		sim_pin_put(old);
+	}
 }
 
-/* Run one claimed pin's callback and release it; sim_big_lock held. */
+/*
+ * A client module is going away: any callback it left armed would jump into
+ * freed text on a real host.  Count each now; such a callback is not run.
+ */
+static int sim_module_going(struct notifier_block *nb, unsigned long action, void *data)
+{
+	struct module *mod = data;
+	struct sim_pin *pin;
+	unsigned int bkt;
+
+	if (action != MODULE_STATE_GOING)
+		return NOTIFY_DONE;
+	spin_lock(&sim_lock);
+	hash_for_each(sim_pins, bkt, pin, hnode) {
+		if (pin->persistent || pin->state == SIM_PIN_FREED || pin->cb_unloaded ||
+		    !within_module((unsigned long)pin->free_callback, mod))
+			continue;
+		pin->cb_unloaded = true;
+		sim_count_uaf("module unload", "free callback still armed in the unloaded module");
+	}
+	spin_unlock(&sim_lock);
+	return NOTIFY_DONE;
+}
+
+static struct notifier_block sim_module_nb = {
+	.notifier_call = sim_module_going,
+};
+
+/* Run one claimed pin's callback and free its table; API lock held. */
 static void sim_run_callback(struct sim_pin *pin)
 {
-	LIST_HEAD(leftover);
+	LIST_HEAD(evicted);
 
 	lockdep_assert_held(&sim_big_lock);
-	pin->cb_task = current;
-	pin->free_callback(pin->data);
-	pin->cb_task = NULL;
+	if (!READ_ONCE(pin->cb_unloaded)) {
+		pin->cb_task = current;
+		sim_watchdog_arm(pin->free_callback);
+		pin->free_callback(pin->data);
+		sim_watchdog_disarm();
+		pin->cb_task = NULL;
+	} else {
+		/* Counted at the unload: on a real host this jumps into freed text. */
+		pin->table_freed = true;
+	}
 
 	spin_lock(&sim_lock);
 	if (!pin->table_freed)
 		sim_stats.tables_not_freed++;
 	sim_stats.callbacks_run++;
-	sim_pin_unregister_locked(pin, &leftover);
+	sim_pin_retire_locked(pin, &evicted);
 	spin_unlock(&sim_lock);
-	sim_release_maps(&leftover);
+	sim_pin_bury(pin, &evicted);
 	complete_all(&pin->cb_done);
 	sim_pin_put(pin);
 }
@@ -129,13 +230,16 @@ void sim_run_callbacks(struct list_head *claimed)
 	}
 }
 
+/* The memory is freed "on another CPU" (race_put_pages, race_get_pages). */
 static void sim_race_work(struct work_struct *work)
 {
 	struct sim_pin *pin = container_of(work, struct sim_pin, race_work);
 
-	mutex_lock(&sim_big_lock);
+	/* The waiter must not lose the callback: wait as long as it takes. */
+	while (sim_api_lock("free (injected race)"))
+		;
 	sim_run_callback(pin);
-	mutex_unlock(&sim_big_lock);
+	sim_api_unlock();
 }
 
 /* Fault injection: should this get_pages fail?  Caller holds sim_lock. */
@@ -157,6 +261,7 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 {
 	struct sim_alloc *alloc;
 	struct sim_pin *pin;
+	bool race = false;
 	u32 entries, i;
 	int err;
 
@@ -190,13 +295,16 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 	pin->persistent = persistent;
 	pin->free_callback = free_callback;
 	pin->data = data;
+	pin->owner = get_pid(task_tgid(current));
 	pin->pt.version = READ_ONCE(sim_page_table_version);
 	pin->pt.page_size = NVIDIA_P2P_PAGE_SIZE_64KB;
 	pin->pt.pages = pin->pages;
 	pin->pt.entries = entries;
 	pin->pt.gpu_uuid = sim_gpu_uuid;
 
-	mutex_lock(&sim_big_lock);
+	err = sim_api_lock(__func__);
+	if (err)
+		goto err_free;
 	spin_lock(&sim_lock);
 	sim_stats.get_pages_calls++;
 	err = sim_injected_error_locked();
@@ -223,14 +331,28 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 	sim_stats.bar_bytes += len;
 	sim_stats.page_tables++;
 	*page_table = &pin->pt;
+	if (!persistent && READ_ONCE(sim_race_get_pages)) {
+		/* The memory is freed as soon as the API lock drops. */
+		pin->state = SIM_PIN_CALLBACK;
+		list_del_init(&pin->node);
+		refcount_inc(&pin->refs);
+		queue_work(system_unbound_wq, &pin->race_work);
+		race = true;
+	}
 	spin_unlock(&sim_lock);
-	mutex_unlock(&sim_big_lock);
+	sim_api_unlock();
+	if (race) {
+		/* Return only once the callback ran: the worst case for the client. */
+		wait_for_completion(&pin->cb_done);
+		sim_pin_put(pin);
+	}
 	return 0;
 
 err_unlock:
 	spin_unlock(&sim_lock);
-	mutex_unlock(&sim_big_lock);
+	sim_api_unlock();
 err_free:
+	put_pid(pin->owner);
 	kvfree(pin->pages);
 	kvfree(pin->page_array);
 	kfree(pin);
@@ -259,32 +381,52 @@ int nvidia_p2p_get_pages_persistent(u64 virtual_address, u64 length,
 }
 EXPORT_SYMBOL_GPL(nvidia_p2p_get_pages_persistent);
 
+/*
+ * Non-persistent pins are looked up among the calling process's mappings,
+ * keyed by the page table (RmP2PGetInfoWithoutToken with
+ * osGetCurrentProcess(); the address is not used): from another thread
+ * group nothing is found, 0 is returned and nothing changes.  Persistent
+ * ones are found by container_of on the table: a freed table is a use after
+ * free.
+ */
+static bool sim_put_finds_locked(struct sim_pin *pin, bool persistent)
+{
+	return persistent || pin->owner == task_tgid(current);
+}
+
 static int sim_put_pages(u64 va, struct nvidia_p2p_page_table *pt, bool persistent)
 {
-	LIST_HEAD(leftover);
+	const char *fn = persistent ? "nvidia_p2p_put_pages_persistent" : "nvidia_p2p_put_pages";
+	LIST_HEAD(evicted);
 	struct sim_pin *pin;
+	int ret;
 
 	if (!pt)
 		return -EINVAL;
-	mutex_lock(&sim_big_lock);
+	ret = sim_api_lock(fn);
+	if (ret)
+		return ret;
 	spin_lock(&sim_lock);
 	pin = sim_pin_lookup_locked(pt);
-	if (!pin) {
-		spin_unlock(&sim_lock);
-		mutex_unlock(&sim_big_lock);
-		/* The free callback released it already (or it never was). */
-		return persistent ? -EINVAL : 0;
+	if (pin && pin->state == SIM_PIN_FREED) {
+		if (persistent)
+			sim_count_uaf(fn, "page table");
+		ret = persistent ? -EINVAL : 0;
+		goto out_unlock;
 	}
-	if (pin->persistent != persistent || pin->va != va) {
-		spin_unlock(&sim_lock);
-		mutex_unlock(&sim_big_lock);
-		return -EINVAL;
+	if (!pin || pin->persistent != persistent || (persistent && pin->va != va)) {
+		ret = -EINVAL;
+		goto out_unlock;
+	}
+	if (!sim_put_finds_locked(pin, persistent)) {
+		sim_stats.puts_not_found++;
+		ret = persistent ? -EINVAL : 0;
+		goto out_unlock;
 	}
 	if (WARN_ONCE(pin->cb_task == current,
 		      "nvidia_p2p_put_pages called from inside the free callback\n")) {
-		spin_unlock(&sim_lock);
-		mutex_unlock(&sim_big_lock);
-		return -EINVAL;
+		ret = -EINVAL;
+		goto out_unlock;
 	}
 	if (pin->state == SIM_PIN_LIVE && !persistent && READ_ONCE(sim_race_put_pages)) {
 		/* Free the memory "now", on another CPU, as put_pages runs. */
@@ -293,21 +435,26 @@ static int sim_put_pages(u64 va, struct nvidia_p2p_page_table *pt, bool persiste
 		queue_work(system_unbound_wq, &pin->race_work);
 	}
 	if (pin->state == SIM_PIN_CALLBACK) {
+		/* The callback holds the API lock in the real driver: wait it out. */
 		refcount_inc(&pin->refs);
 		spin_unlock(&sim_lock);
-		mutex_unlock(&sim_big_lock);
+		sim_api_unlock();
 		wait_for_completion(&pin->cb_done);
 		sim_pin_put(pin);
 		return 0;
 	}
-	sim_pin_unregister_locked(pin, &leftover);
-	spin_unlock(&sim_lock);
-	mutex_unlock(&sim_big_lock);
-	if (!list_empty(&leftover))
+	if (!list_empty(&pin->maps))
 		pr_warn_ratelimited("put_pages with DMA mappings still present\n");
-	sim_release_maps(&leftover);
-	sim_pin_put(pin);
+	sim_pin_retire_locked(pin, &evicted);
+	spin_unlock(&sim_lock);
+	sim_api_unlock();
+	sim_pin_bury(pin, &evicted);
 	return 0;
+
+out_unlock:
+	spin_unlock(&sim_lock);
+	sim_api_unlock();
+	return ret;
 }
 
 int nvidia_p2p_put_pages(u64 p2p_token, u32 va_space_token, u64 virtual_address,
@@ -337,6 +484,11 @@ int nvidia_p2p_free_page_table(struct nvidia_p2p_page_table *page_table)
 
 	spin_lock(&sim_lock);
 	pin = sim_pin_lookup_locked(page_table);
+	if (pin && pin->state == SIM_PIN_FREED) {
+		sim_count_uaf(__func__, "page table");
+		spin_unlock(&sim_lock);
+		return -EINVAL;
+	}
 	if (pin && pin->state == SIM_PIN_CALLBACK && !pin->table_freed) {
 		pin->table_freed = true;
 		ret = 0;
@@ -346,6 +498,26 @@ int nvidia_p2p_free_page_table(struct nvidia_p2p_page_table *page_table)
 	return ret;
 }
 EXPORT_SYMBOL_GPL(nvidia_p2p_free_page_table);
+
+/*
+ * The lookup done on entry: the table must be live.  A freed one is the
+ * client's use after free.
+ */
+static struct sim_pin *sim_pin_get_live(struct nvidia_p2p_page_table *pt, const char *fn)
+{
+	struct sim_pin *pin;
+
+	spin_lock(&sim_lock);
+	pin = sim_pin_lookup_locked(pt);
+	if (pin && pin->state == SIM_PIN_FREED) {
+		sim_count_uaf(fn, "page table");
+		pin = NULL;
+	} else if (pin) {
+		refcount_inc(&pin->refs);
+	}
+	spin_unlock(&sim_lock);
+	return pin;
+}
 
 int nvidia_p2p_dma_map_pages(struct pci_dev *peer,
 			     struct nvidia_p2p_page_table *page_table,
@@ -358,23 +530,39 @@ int nvidia_p2p_dma_map_pages(struct pci_dev *peer,
 
 	if (!peer || !page_table || !dma_mapping)
 		return -EINVAL;
-	spin_lock(&sim_lock);
-	pin = sim_pin_lookup_locked(page_table);
-	if (!pin || pin->state != SIM_PIN_LIVE) {
-		spin_unlock(&sim_lock);
+	/* NVIDIA reads the table (container_of) before anything else. */
+	pin = sim_pin_get_live(page_table, __func__);
+	if (!pin)
 		return -EINVAL;
+	if (READ_ONCE(sim_dma_map_latency_us))
+		fsleep(READ_ONCE(sim_dma_map_latency_us));
+	err = sim_api_lock(__func__);
+	if (err)
+		goto out_put;
+	err = -EINVAL;
+	spin_lock(&sim_lock);
+	if (pin->state == SIM_PIN_FREED) {
+		/*
+		 * Freed while we waited for the lock: NVIDIA's own window (its
+		 * dma_map_pages goes on with freed memory).  Counted apart.
+		 */
+		sim_stats.dma_map_races++;
+		pr_warn_ratelimited("dma_map_pages: the table was freed while it waited for the API lock\n");
+	} else if (pin->state == SIM_PIN_LIVE) {
+		err = 0;
 	}
-	refcount_inc(&pin->refs);
 	spin_unlock(&sim_lock);
+	if (err)
+		goto out_unlock;
 
 	err = -ENOMEM;
 	map = kzalloc(sizeof(*map), GFP_KERNEL);
 	if (!map)
-		goto out_put;
+		goto out_unlock;
 	map->m.dma_addresses = kvcalloc(pin->pt.entries, sizeof(u64), GFP_KERNEL);
 	if (!map->m.dma_addresses) {
 		kfree(map);
-		goto out_put;
+		goto out_unlock;
 	}
 	map->dev = &peer->dev;
 	map->pin = pin;
@@ -388,85 +576,141 @@ int nvidia_p2p_dma_map_pages(struct pci_dev *peer,
 
 		if (dma_mapping_error(map->dev, a)) {
 			err = -EIO;
-			goto out_release;
+			sim_map_unmap(map);
+			sim_map_free(map);
+			goto out_unlock;
 		}
 		map->m.dma_addresses[i] = a;
 		map->m.entries = i + 1;
 	}
-
+	/* Under the API lock no callback can run: the pin is still LIVE. */
 	spin_lock(&sim_lock);
-	if (pin->state != SIM_PIN_LIVE) {
-		spin_unlock(&sim_lock);
-		err = -EINVAL;
-		goto out_release;
-	}
 	list_add_tail(&map->node, &pin->maps);
 	sim_stats.dma_mappings++;
 	spin_unlock(&sim_lock);
 	*dma_mapping = &map->m;
 	err = 0;
-	goto out_put;
-
-out_release:
-	sim_map_release(map);
+out_unlock:
+	sim_api_unlock();
 out_put:
 	sim_pin_put(pin);
 	return err;
 }
 EXPORT_SYMBOL_GPL(nvidia_p2p_dma_map_pages);
 
-/* Remove @m from @pin's list if it is there; caller holds sim_lock. */
-static bool sim_map_take_locked(struct sim_pin *pin, struct nvidia_p2p_dma_mapping *m)
+/*
+ * The mapping @m of @pin, for @fn: taken off nothing, just found.  A freed
+ * one (or one of a freed table) is counted as a use after free.  Caller
+ * holds sim_lock.
+ */
+static struct sim_map *sim_map_find_locked(struct sim_pin *pin, struct nvidia_p2p_dma_mapping *m,
+					   const char *fn)
 {
 	struct sim_map *map;
 
 	list_for_each_entry(map, &pin->maps, node) {
-		if (&map->m == m) {
-			list_del(&map->node);
-			sim_stats.dma_mappings--;
-			return true;
+		if (&map->m != m)
+			continue;
+		if (map->freed) {
+			sim_count_uaf(fn, "DMA mapping");
+			return NULL;
 		}
+		return map;
 	}
-	return false;
+	return NULL;
 }
 
+/* Takes only the table's own mapping lock in NVIDIA's driver: never the API lock. */
 int nvidia_p2p_dma_unmap_pages(struct pci_dev *peer,
 			       struct nvidia_p2p_page_table *page_table,
 			       struct nvidia_p2p_dma_mapping *dma_mapping)
 {
+	struct sim_map *map = NULL;
 	struct sim_pin *pin;
-	bool found = false;
 
 	if (!peer || !page_table || !dma_mapping)
 		return -EINVAL;
+	if (READ_ONCE(sim_unmap_latency_us))
+		fsleep(READ_ONCE(sim_unmap_latency_us));
 	spin_lock(&sim_lock);
 	pin = sim_pin_lookup_locked(page_table);
-	if (pin)
-		found = sim_map_take_locked(pin, dma_mapping);
+	if (pin && pin->state == SIM_PIN_FREED) {
+		sim_count_uaf(__func__, "page table");
+	} else if (pin) {
+		map = sim_map_find_locked(pin, dma_mapping, __func__);
+		if (map && pin->cb_task == current) {
+			WARN_ONCE(1, "%s called from inside the free callback\n", __func__);
+			map = NULL;
+		}
+		if (map) {
+			list_del(&map->node);
+			sim_stats.dma_mappings--;
+		}
+	}
 	spin_unlock(&sim_lock);
-	if (!found)
+	if (!map)
 		return -EINVAL;
-	sim_map_release(container_of(dma_mapping, struct sim_map, m));
+	sim_map_unmap(map);
+	sim_map_free(map);
 	return 0;
 }
 EXPORT_SYMBOL_GPL(nvidia_p2p_dma_unmap_pages);
 
-/* Only legal from inside the free callback. */
+/*
+ * Only legal from inside the free callback: the mapping is freed then (and
+ * stays in the graveyard with its table).
+ */
 int nvidia_p2p_free_dma_mapping(struct nvidia_p2p_dma_mapping *dma_mapping)
 {
-	struct sim_map *map;
-	bool found = false;
+	struct sim_map *map = NULL;
+	struct sim_pin *pin, *p;
+	unsigned int bkt;
 
 	if (!dma_mapping)
 		return -EINVAL;
-	map = container_of(dma_mapping, struct sim_map, m);
+	/* Found through the registry, not by trusting the pointer. */
 	spin_lock(&sim_lock);
-	if (map->pin->state == SIM_PIN_CALLBACK && map->pin->cb_task == current)
-		found = sim_map_take_locked(map->pin, dma_mapping);
+	hash_for_each(sim_pins, bkt, p, hnode) {
+		map = sim_map_find_locked(p, dma_mapping, __func__);
+		if (map) {
+			pin = p;
+			break;
+		}
+	}
+	if (map && (pin->state != SIM_PIN_CALLBACK || pin->cb_task != current))
+		map = NULL;
+	if (map) {
+		map->freed = true;
+		sim_stats.dma_mappings--;
+	}
 	spin_unlock(&sim_lock);
-	if (WARN_ONCE(!found, "%s outside the free callback\n", __func__))
+	if (WARN_ONCE(!map, "%s outside the free callback\n", __func__))
 		return -EINVAL;
-	sim_map_release(map);
+	/* Unmapped and poisoned when the callback returns (sim_pin_bury). */
 	return 0;
 }
 EXPORT_SYMBOL_GPL(nvidia_p2p_free_dma_mapping);
+
+int sim_p2p_init(void)
+{
+	return register_module_notifier(&sim_module_nb);
+}
+
+/* Module unload: empty the graveyard. */
+void sim_p2p_exit(void)
+{
+	struct sim_pin *pin, *tmp;
+	LIST_HEAD(dead);
+
+	unregister_module_notifier(&sim_module_nb);
+	spin_lock(&sim_lock);
+	list_splice_init(&sim_graveyard, &dead);
+	list_for_each_entry(pin, &dead, node)
+		hash_del(&pin->hnode);
+	sim_nr_dead = 0;
+	spin_unlock(&sim_lock);
+	list_for_each_entry_safe(pin, tmp, &dead, node) {
+		list_del_init(&pin->node);
+		sim_pin_put(pin);
+	}
+}

@@ -1,0 +1,113 @@
+// SPDX-License-Identifier: (GPL-2.0 OR MIT)
+/*
+ * nvp2p_sim: the resource manager's API lock, and the checks that make a
+ * client's misuse of it visible.
+ *
+ * NVIDIA's driver runs every free callback with its RM API lock held and
+ * takes the same lock in get_pages, put_pages and dma_map_pages.  A client
+ * whose callback waits for a thread that is itself waiting for that lock
+ * hangs the whole GPU driver.  Here the lock is sim_big_lock, taken through
+ * sim_api_lock(): it is annotated for lockdep as one lock class, and a wait
+ * longer than lock_timeout_ms gives up with a WARN and -EDEADLK (counted in
+ * lock_timeouts) instead of hanging the test.  A free callback that runs
+ * longer than callback_timeout_ms is reported by a watchdog (counted in
+ * callback_overruns).  Calls that pass a page table or DMA mapping that
+ * NVIDIA would already have freed are counted in use_after_free_calls.
+ */
+#define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
+
+#include <linux/bug.h>
+#include <linux/delay.h>
+#include <linux/jiffies.h>
+#include <linux/lockdep.h>
+#include <linux/mutex.h>
+#include <linux/workqueue.h>
+#include "sim.h"
+
+#ifdef CONFIG_LOCKDEP
+static struct lock_class_key sim_api_key;
+static struct lockdep_map sim_api_map = STATIC_LOCKDEP_MAP_INIT("nvidia_rm_api_lock", &sim_api_key);
+#define sim_api_acquire() lock_map_acquire(&sim_api_map)
+#define sim_api_release() lock_map_release(&sim_api_map)
+#else
+#define sim_api_acquire() do { } while (0)
+#define sim_api_release() do { } while (0)
+#endif
+
+/*
+ * Take the API lock for @who (an nv-p2p entry point or the free path).
+ * Returns 0, or -EDEADLK after lock_timeout_ms (with a WARN): a real driver
+ * would hang there for good.
+ */
+int sim_api_lock(const char *who)
+{
+	unsigned int ms = READ_ONCE(sim_lock_timeout_ms);
+	unsigned long deadline = jiffies + msecs_to_jiffies(ms);
+
+	sim_api_acquire();
+	while (!mutex_trylock(&sim_big_lock)) {
+		if (ms && time_after(jiffies, deadline)) {
+			sim_api_release();
+			spin_lock(&sim_lock);
+			sim_stats.lock_timeouts++;
+			spin_unlock(&sim_lock);
+			WARN(1, "nvp2p_sim: %s waited %u ms for the RM API lock: the real driver would be deadlocked\n",
+			     who, ms);
+			return -EDEADLK;
+		}
+		usleep_range(200, 1000);
+	}
+	return 0;
+}
+
+void sim_api_unlock(void)
+{
+	mutex_unlock(&sim_big_lock);
+	sim_api_release();
+}
+
+/*
+ * The callback watchdog.  Callbacks run one at a time (under the API lock),
+ * so one delayed work item serves them all.
+ */
+static void *sim_wd_callback;		/* the callback being watched */
+
+static void sim_watchdog_fire(struct work_struct *work)
+{
+	spin_lock(&sim_lock);
+	sim_stats.callback_overruns++;
+	spin_unlock(&sim_lock);
+	WARN(1, "nvp2p_sim: free callback %ps still running after %u ms with the RM API lock held\n",
+	     READ_ONCE(sim_wd_callback), READ_ONCE(sim_callback_timeout_ms));
+}
+
+static DECLARE_DELAYED_WORK(sim_wd_work, sim_watchdog_fire);
+
+/* Watch the callback @fn that is about to run; sim_big_lock held. */
+void sim_watchdog_arm(void (*fn)(void *data))
+{
+	unsigned int ms = READ_ONCE(sim_callback_timeout_ms);
+
+	lockdep_assert_held(&sim_big_lock);
+	WRITE_ONCE(sim_wd_callback, fn);
+	if (ms)
+		mod_delayed_work(system_wq, &sim_wd_work, msecs_to_jiffies(ms));
+}
+
+void sim_watchdog_disarm(void)
+{
+	cancel_delayed_work_sync(&sim_wd_work);
+}
+
+/*
+ * A client passed @what (a page table or DMA mapping) to @fn after NVIDIA's
+ * driver would have freed it.  Caller holds sim_lock.
+ */
+void sim_count_uaf(const char *fn, const char *what)
+{
+	lockdep_assert_held(&sim_lock);
+	sim_stats.use_after_free_calls++;
+	WARN_ONCE(1, "nvp2p_sim: %s called with a %s that NVIDIA's driver has freed (use after free)\n",
+		  fn, what);
+	pr_err_ratelimited("%s called with a freed %s\n", fn, what);
+}
