@@ -123,9 +123,11 @@ enum gpupin_pin_state {
 	GPUPIN_PIN_RELEASING,	/* unpin owns the pages and is putting them */
 	GPUPIN_PIN_INVALIDATING,	/* free callback running */
 	GPUPIN_PIN_INVALIDATED,	/* pages gone; only the handle is left */
-	GPUPIN_PIN_DETACHED,	/* released where the pages cannot be put (not
-				 * the pinning process): out of every table, pages
-				 * kept until the free callback, which frees it */
+	/*
+	 * Released where the pages cannot be put (not the pinning process):
+	 * out of every table, pages kept until the free callback frees it.
+	 */
+	GPUPIN_PIN_DETACHED,
 };
 
 struct gpupin_event_rec {

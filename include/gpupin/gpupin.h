@@ -27,8 +27,13 @@
  *
  * A reference keeps the pin and its gpupin file alive: the user's UNPIN or
  * close removes the handle, but the pages are released only when the last
- * driver reference goes.  A reference never delays the free callback: when
- * the GPU memory is freed the pages go as soon as in-flight accesses end.
+ * driver reference goes.  NVIDIA's driver releases non-persistent pages only
+ * for the process that pinned them: when that last put (or the file's last
+ * close) happens in another context - a kworker, another process - gpupin
+ * keeps the pin, its file and the module until the GPU memory's free
+ * callback (the owner freeing the memory or exiting) instead.  A reference
+ * never delays the free callback: when the GPU memory is freed the pages go
+ * as soon as in-flight accesses end.
  * While any reference exists gpupin.ko cannot be unloaded.
  *
  * Pins made from a dma-buf (GPUPIN_IOC_PIN_DMABUF) work the same way: the
@@ -107,7 +112,16 @@ int gpupin_ref_info(struct gpupin_ref *ref, struct gpupin_ref_info *info);
  * of the buffer to @pdev); an existing mapping of the same pin for @pdev is
  * shared.  One mapping per reference: a second call for another
  * device fails with -EBUSY.
- * Context: process context; may sleep.
+ *
+ * A limitation of NVIDIA's API: nvidia_p2p_dma_map_pages() reads the page
+ * table before it takes the driver lock under which free callbacks run, and
+ * gpupin's callback cannot wait for the mapper (that would deadlock the GPU
+ * driver).  gpupin checks the pin is alive right before the call, so only a
+ * free of the GPU memory that races this very call is exposed to NVIDIA's
+ * window.  Map before handing the memory to work that may free it, or use
+ * persistent pins, which have no callback.
+ * Context: process context; may sleep.  Do not call it inside an access
+ * section, nor with a lock that your notifier takes.
  * Return: 0, -ENODEV when the memory is gone or its free callback has
  * begun, -ENOSPC past the per-pin mapping limit, or the provider's error -
  * which is also what a call racing the GPU memory's free gets in the short

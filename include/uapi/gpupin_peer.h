@@ -47,6 +47,9 @@ struct gpupin_peer_hold {
 	__u64 reserved[2];
 };
 
+/* gpupin_peer_release.flags: drop the reference from a kworker (waited for). */
+#define GPUPIN_PEER_RELEASE_ASYNC 0x1
+
 struct gpupin_peer_release {
 	__u32 hold_id;
 	__u32 flags;

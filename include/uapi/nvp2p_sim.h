@@ -81,13 +81,11 @@ struct nvp2p_sim_stats {
 	__u64 poison_errors;		/* freed 64 KiB chunks written after the free */
 	__u64 dmabuf_exports;		/* live dma-bufs exported by EXPORT */
 	__u64 dmabuf_mappings;		/* their attachments' live mappings */
-	__u64 use_after_free_calls;	/* calls passing a table, mapping or callback
-					 * that NVIDIA's driver would have freed */
+	__u64 use_after_free_calls;	/* calls with what NVIDIA's driver has freed */
 	__u64 puts_not_found;		/* put_pages from another process: 0, nothing released */
 	__u64 lock_timeouts;		/* API lock waits given up: a real-driver deadlock */
 	__u64 callback_overruns;	/* free callbacks that ran past callback_timeout_ms */
-	__u64 dma_map_races;		/* dma_map_pages whose table was freed while it
-					 * waited for the API lock (NVIDIA's own window) */
+	__u64 dma_map_races;		/* table freed as dma_map_pages waited (NVIDIA's window) */
 	__u64 reserved[1];
 };
 

@@ -92,8 +92,7 @@ struct sim_alloc {
 enum sim_pin_state {
 	SIM_PIN_LIVE,		/* pinned, callback armed */
 	SIM_PIN_CALLBACK,	/* callback claimed: running or about to */
-	SIM_PIN_FREED,		/* table freed (callback returned, or put): poisoned,
-				 * kept in the registry so later calls are caught */
+	SIM_PIN_FREED,		/* table freed: poisoned, kept to catch later calls */
 };
 
 /* One get_pages: the page table handed to the client lives inside. */
@@ -102,8 +101,7 @@ struct sim_pin {
 	struct nvidia_p2p_page *page_array;
 	struct nvidia_p2p_page **pages;
 	struct hlist_node hnode;	/* registry by &pt, under sim_lock */
-	struct list_head node;		/* alloc->pins while LIVE, the graveyard once
-					 * FREED; under sim_lock */
+	struct list_head node;		/* alloc->pins, then the graveyard; sim_lock */
 	struct sim_alloc *alloc;	/* holds a reference until FREED */
 	struct pid *owner;		/* thread group that pinned (holds a ref) */
 	u64 va;
@@ -126,8 +124,7 @@ struct sim_map {
 	struct list_head node;		/* pin->maps, under sim_lock */
 	struct sim_pin *pin;
 	struct device *dev;
-	bool freed;			/* freed by NVIDIA's rules: poisoned, kept with
-					 * its pin so later calls are caught */
+	bool freed;			/* freed as NVIDIA would; kept with its pin */
 };
 
 const char *nvp2p_sim_provider(void);

@@ -67,8 +67,9 @@ void sim_pin_put(struct sim_pin *pin)
 		return;
 	if (pin->alloc)
 		sim_alloc_put(pin->alloc);
+	/* Only a freed pin is put for good: its mappings were buried. */
 	list_for_each_entry_safe(map, tmp, &pin->maps, node)
-		sim_map_free(map);
+		kfree(map);
 	put_pid(pin->owner);
 	kvfree(pin->pages);
 	kvfree(pin->page_array);
@@ -130,6 +131,8 @@ static void sim_pin_retire_locked(struct sim_pin *pin, struct list_head *evicted
 	sim_nr_dead++;
 	while (sim_nr_dead > READ_ONCE(sim_dead_tables_max)) {
 		old = list_first_entry(&sim_graveyard, struct sim_pin, node);
+		if (old == pin)
+			break;		/* still being buried by the caller */
 		list_move_tail(&old->node, evicted);
 		hash_del(&old->hnode);
 		sim_nr_dead--;
@@ -148,8 +151,7 @@ static void sim_pin_bury(struct sim_pin *pin, struct list_head *evicted)
 
 	/* Only this thread touches a FREED pin's maps and arrays. */
 	list_for_each_entry(map, &pin->maps, node)
-		if (map->m.version != (u32)(SIM_POISON * 0x01010101))
-			sim_map_bury(map);
+		sim_map_bury(map);
 	kvfree(pin->pages);
 	kvfree(pin->page_array);
 	pin->pages = NULL;
@@ -215,8 +217,8 @@ static void sim_run_callback(struct sim_pin *pin)
 	sim_pin_retire_locked(pin, &evicted);
 	spin_unlock(&sim_lock);
 	sim_pin_bury(pin, &evicted);
+	/* The registry's reference stays with the graveyard. */
 	complete_all(&pin->cb_done);
-	sim_pin_put(pin);
 }
 
 /* Run the callbacks of pins claimed (state CALLBACK) on list @claimed. */

@@ -58,6 +58,7 @@ struct kmod_list *kmod_module_get_holders(const struct kmod_module *mod);
 
 HELPERS_CDEF = """
 int gpupin_call(int fd, unsigned long cmd, void *arg);
+int gpupin_cover_zero(uint64_t addr, uint64_t len);
 
 /* cache core (see CACHE_SRC) */
 struct gpc;
@@ -91,6 +92,7 @@ int gp_cuda_attr_u64(uint64_t ptr, int attr, uint64_t *out);
 HELPERS_SRC = r"""
 #include <errno.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <linux/types.h>
 #include "gpupin.h"
 #include "nvp2p_sim.h"
@@ -102,6 +104,20 @@ HELPERS_SRC = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+/*
+ * In a forked child: the validity map is not inherited (VM_DONTCOPY), so its
+ * address range is a hole.  Cover it with zero pages (every word "invalid")
+ * so inherited Python objects read zeros instead of faulting, and no later
+ * mapping of the child lands where the parent's mmap object will unmap.
+ */
+static int gpupin_cover_zero(uint64_t addr, uint64_t len)
+{
+	void *p = mmap((void *)(uintptr_t)addr, len, PROT_READ,
+			MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+
+	return p == MAP_FAILED ? -errno : 0;
+}
 
 /* 0 or -errno, so Python needs no errno bookkeeping. */
 static int gpupin_call(int fd, unsigned long cmd, void *arg)

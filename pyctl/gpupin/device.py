@@ -8,6 +8,7 @@ import os
 import select
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,6 +180,7 @@ class Device(Closable):
         self._words: memoryview | None = None
         self._lock = threading.Lock()
         self._children: weakref.WeakSet[Any] = weakref.WeakSet()
+        os.register_at_fork(after_in_child=_cover_map_in_child(weakref.ref(self)))
         try:
             info = self.info()
         except BaseException:
@@ -402,6 +404,20 @@ class Device(Closable):
         if not poller.poll(ms):
             return []
         return self.read_events()
+
+
+def _cover_map_in_child(ref: weakref.ref[Device]) -> Callable[[], None]:
+    """A fork hook: the kernel does not copy the validity map into the child; read zeros there."""
+
+    def hook() -> None:
+        dev = ref()
+        if dev is None or dev._map is None:
+            return
+        dev._lock = threading.Lock()
+        addr = int(ffi.cast("uintptr_t", ffi.from_buffer(dev._map)))
+        lib.gpupin_cover_zero(addr, len(dev._map))
+
+    return hook
 
 
 def _u64(value: int, name: str) -> int:

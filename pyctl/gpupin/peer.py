@@ -113,9 +113,11 @@ class Peer(Closable):
             raise from_errno(-ret, "peer hold", f"handle={c.handle}")
         return int(c.hold_id)
 
-    def release(self, hold_id: int) -> None:
+    def release(self, hold_id: int, from_kworker: bool = False) -> None:
+        """Drop a hold; ``from_kworker`` drops it from a work item, as a driver's deferred teardown."""
         c = ffi.new("struct gpupin_peer_release *")
         c.hold_id = hold_id
+        c.flags = lib.GPUPIN_PEER_RELEASE_ASYNC if from_kworker else 0
         ret = self._call(lib.GPUPIN_PEER_IOC_RELEASE, c, "peer release")
         if ret < 0:
             raise from_errno(-ret, "peer release", f"hold_id={hold_id}",

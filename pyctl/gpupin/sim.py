@@ -35,12 +35,25 @@ class SimStats:
     poison_errors: int
     dmabuf_exports: int
     dmabuf_mappings: int
+    use_after_free_calls: int
+    puts_not_found: int
+    lock_timeouts: int
+    callback_overruns: int
+    dma_map_races: int
 
     def leaks(self) -> dict[str, int]:
-        """Counters that must be 0 once everything is released, and are not."""
+        """Counters that must be 0 once everything is released, and are not.
+
+        Besides leaks, these are the strict simulator's reports of what would
+        crash or hang NVIDIA's real driver: calls with freed tables or mappings,
+        put_pages from a process that did not pin (released nothing), API-lock
+        waits given up (deadlock) and callbacks that overran.  ``dma_map_races``
+        is not among them: it counts NVIDIA's own window in dma_map_pages.
+        """
         keys = ("pinned_pages", "bar_bytes", "live_callbacks", "page_tables", "dma_mappings",
                 "tables_not_freed", "mappings_not_freed", "poison_errors", "dmabuf_exports",
-                "dmabuf_mappings")
+                "dmabuf_mappings", "use_after_free_calls", "puts_not_found", "lock_timeouts",
+                "callback_overruns")
         return {k: getattr(self, k) for k in keys if getattr(self, k)}
 
 

@@ -25,6 +25,7 @@
 #include <linux/pci.h>
 #include <linux/slab.h>
 #include <linux/uaccess.h>
+#include <linux/workqueue.h>
 #include <linux/xarray.h>
 #include <gpupin/gpupin.h>
 #include "../../include/uapi/gpupin_peer.h"
@@ -244,6 +245,16 @@ static void peer_hold_free(struct peer_hold *h)
 	kfree(h);
 }
 
+struct peer_release_work {
+	struct work_struct work;
+	struct peer_hold *h;
+};
+
+static void peer_release_fn(struct work_struct *work)
+{
+	peer_hold_free(container_of(work, struct peer_release_work, work)->h);
+}
+
 static long peer_ioctl_release(struct peer_file *pf, struct gpupin_peer_release __user *uarg)
 {
 	struct gpupin_peer_release arg;
@@ -251,13 +262,23 @@ static long peer_ioctl_release(struct peer_file *pf, struct gpupin_peer_release 
 
 	if (copy_from_user(&arg, uarg, sizeof(arg)))
 		return -EFAULT;
-	if (arg.flags)
+	if (arg.flags & ~GPUPIN_PEER_RELEASE_ASYNC)
 		return -EINVAL;
 	mutex_lock(&pf->lock);
 	h = xa_erase(&pf->holds, arg.hold_id);
 	mutex_unlock(&pf->lock);
 	if (!h)
 		return -ENOENT;
+	if (arg.flags & GPUPIN_PEER_RELEASE_ASYNC) {
+		/* As a driver's deferred teardown: the last fput happens in a kworker. */
+		struct peer_release_work w = { .h = h };
+
+		INIT_WORK_ONSTACK(&w.work, peer_release_fn);
+		schedule_work(&w.work);
+		flush_work(&w.work);
+		destroy_work_on_stack(&w.work);
+		return 0;
+	}
 	peer_hold_free(h);
 	return 0;
 }

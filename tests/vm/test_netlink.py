@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import threading
 
 import pytest
@@ -179,6 +180,38 @@ def test_unload_with_listener_subscribed(gpupin_loaded: None) -> None:
     assert netlink.info()["provider"] == "nvp2p_sim"
 
 
+def assert_departed_subscriber_port_gets_nothing(portid: int) -> None:
+    """An unprivileged socket that binds a closed subscriber's port id receives no events."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_GENERIC)
+            s.bind((portid, 0))
+            os.write(w, b"r")
+            s.settimeout(2)
+            try:
+                s.recv(65536)
+                code = 2        # got an event meant for the privileged subscriber
+            except TimeoutError:
+                code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    assert os.read(r, 1) == b"r"
+    os.close(r)
+    with SimMemory() as sim, Device() as dev:
+        va = sim.alloc(GPU_PAGE)
+        dev.unpin(dev.pin(va, GPU_PAGE))
+        sim.free(va)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "a departed subscriber's port id still gets events"
+
+
 def test_unicast_events_fallback(gpupin_loaded: None, leakcheck: None) -> None:
     """The build for kernels without GENL_MCAST_CAP_NET_ADMIN: SUBSCRIBE + unicast, admin only."""
     from gpupin.testing import ko_dir
@@ -197,7 +230,9 @@ def test_unicast_events_fallback(gpupin_loaded: None, leakcheck: None) -> None:
                 sim.free(va)
                 dev.unpin(pin)
             evs = collect(nl, 3)
+            portid = nl.sock.getsockname()[0]
         assert [(e["event"], e["user_tag"]) for e in evs] == [("pinned", 11), ("invalidated", 11), ("unpinned", 11)]
+        assert_departed_subscriber_port_gets_nothing(portid)
 
         pid = os.fork()
         if pid == 0:
