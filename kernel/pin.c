@@ -255,17 +255,20 @@ static void gpupin_put_pages(struct gpupin_region *pin)
 bool gpupin_pin_release_pages(struct gpupin_region *pin, enum gpupin_pin_state from)
 {
 	bool ours, detach = !gpupin_pin_put_here(pin);
+	/*
+	 * nv-p2p: count ourselves in flight while we unmap, so a free callback
+	 * cannot return (NVIDIA then frees the mappings) under
+	 * dma_unmap_pages, which does not take the driver's lock.  Not for
+	 * dma-buf: unmapping takes the reservation lock, under which a
+	 * revocation waits for in-flight users.
+	 */
+	unsigned int self = pin->dmabuf ? 0 : 1;
 
 	spin_lock(&pin->lock);
 	ours = pin->state == from;
 	if (ours) {
 		pin->state = detach ? GPUPIN_PIN_DETACHED : GPUPIN_PIN_RELEASING;
-		/*
-		 * Count ourselves in flight while we unmap: a free callback
-		 * must not return (NVIDIA then frees the mappings) under
-		 * dma_unmap_pages, which does not take the driver's lock.
-		 */
-		pin->inflight++;
+		pin->inflight += self;
 	}
 	spin_unlock(&pin->lock);
 
@@ -276,9 +279,10 @@ bool gpupin_pin_release_pages(struct gpupin_region *pin, enum gpupin_pin_state f
 		atomic_inc(&gpupin_nr_detached);
 	}
 	if (ours) {
-		wait_event(pin->wq, READ_ONCE(pin->inflight) == 1);
+		wait_event(pin->wq, READ_ONCE(pin->inflight) == self);
 		gpupin_unmap_all(pin);
-		gpupin_pin_unuse(pin);
+		if (self)
+			gpupin_pin_unuse(pin);
 		if (detach) {
 			gpupin_dbg("pin %llu detached: its pages wait for the free callback\n",
 				   pin->handle);
