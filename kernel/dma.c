@@ -141,33 +141,46 @@ static int gpupin_nvp2p_map_add_locked(struct gpupin_region *pin, struct gpupin_
  */
 static int gpupin_nvp2p_map(struct gpupin_region *pin, struct gpupin_map *map, u32 *id)
 {
-	enum gpupin_pin_state state;
-	int ret;
+	bool undo = false;
+	int ret = 0;
 
 	spin_lock(&pin->lock);
-	state = pin->state;
+	if (pin->state == GPUPIN_PIN_PINNED)
+		pin->mappers++;		/* an unpin waits for us (not the callback) */
+	else
+		ret = -ENXIO;
 	spin_unlock(&pin->lock);
-	if (state != GPUPIN_PIN_PINNED)
-		return -ENXIO;
+	if (ret)
+		return ret;
 	ret = nvidia_p2p_dma_map_pages(map->pdev, pin->pt, &map->m);
 
 	spin_lock(&pin->lock);
-	if (pin->state != GPUPIN_PIN_PINNED) {
-		/* Freed meanwhile: the driver frees (or refused) the mapping. */
-		spin_unlock(&pin->lock);
-		return -ENXIO;
+	pin->mappers--;
+	switch (pin->state) {
+	case GPUPIN_PIN_PINNED:
+		if (!ret)
+			ret = gpupin_nvp2p_map_add_locked(pin, map, id);
+		undo = ret && map->m;
+		break;
+	case GPUPIN_PIN_RELEASING:
+	case GPUPIN_PIN_DETACHED:
+		/* Unpinned meanwhile: the unpin waits for us; undo our mapping. */
+		undo = !ret && map->m;
+		ret = -ENXIO;
+		break;
+	default:
+		/* The free callback began: the driver frees (or refused) the mapping. */
+		ret = -ENXIO;
 	}
-	if (!ret)
-		ret = gpupin_nvp2p_map_add_locked(pin, map, id);
-	if (ret && map->m) {
-		/* Undo as an in-flight user: the callback waits for the unmap. */
+	/* Undo as an in-flight user: a free callback waits for the unmap. */
+	if (undo)
 		pin->inflight++;
-		spin_unlock(&pin->lock);
+	wake_up_all(&pin->wq);
+	spin_unlock(&pin->lock);
+	if (undo) {
 		nvidia_p2p_dma_unmap_pages(map->pdev, pin->pt, map->m);
 		gpupin_pin_unuse(pin);
-		return ret;
 	}
-	spin_unlock(&pin->lock);
 	return ret;
 }
 

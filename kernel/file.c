@@ -55,18 +55,21 @@ static bool gpupin_events_pending(struct gpupin_file *f)
  * there is none.  The overflow record comes first.  Caller holds read_lock,
  * so the record is still first when gpupin_event_drop() takes it.
  */
-static bool gpupin_event_peek(struct gpupin_file *f, struct gpupin_event *ev)
+static bool gpupin_event_peek(struct gpupin_file *f, struct gpupin_event *ev,
+			      struct gpupin_event_rec **which)
 {
 	struct gpupin_event_rec *rec;
 	bool found = true;
 
 	spin_lock(&f->ev_lock);
 	rec = list_first_entry_or_null(&f->events, struct gpupin_event_rec, node);
+	*which = NULL;			/* NULL: the overflow record */
 	if (f->ev_overflow) {
 		memset(ev, 0, sizeof(*ev));
 		ev->reason = GPUPIN_INVAL_OVERFLOW;
 	} else if (rec) {
 		*ev = rec->ev;
+		*which = rec;
 	} else {
 		found = false;
 	}
@@ -74,20 +77,18 @@ static bool gpupin_event_peek(struct gpupin_file *f, struct gpupin_event *ev)
 	return found;
 }
 
-/* Take the record gpupin_event_peek() gave off the queue. */
-static void gpupin_event_drop(struct gpupin_file *f)
+/*
+ * Take what gpupin_event_peek() gave (@rec, or the overflow record for
+ * NULL) off the queue; an overflow that came meanwhile stays pending.
+ */
+static void gpupin_event_drop(struct gpupin_file *f, struct gpupin_event_rec *rec)
 {
-	struct gpupin_event_rec *rec = NULL;
-
 	spin_lock(&f->ev_lock);
-	if (f->ev_overflow) {
-		f->ev_overflow = false;
+	if (rec) {
+		list_del(&rec->node);
+		f->nr_events--;
 	} else {
-		rec = list_first_entry_or_null(&f->events, struct gpupin_event_rec, node);
-		if (rec) {
-			list_del(&rec->node);
-			f->nr_events--;
-		}
+		f->ev_overflow = false;
 	}
 	spin_unlock(&f->ev_lock);
 	kfree(rec);
@@ -101,6 +102,7 @@ static void gpupin_event_drop(struct gpupin_file *f)
 static ssize_t gpupin_read(struct file *file, char __user *buf, size_t count, loff_t *ppos)
 {
 	struct gpupin_file *f = file->private_data;
+	struct gpupin_event_rec *rec;
 	struct gpupin_event ev;
 	size_t done = 0;
 	int ret = 0;
@@ -112,7 +114,7 @@ static ssize_t gpupin_read(struct file *file, char __user *buf, size_t count, lo
 	if (mutex_lock_interruptible(&f->read_lock))
 		return -ERESTARTSYS;
 	while (done + sizeof(ev) <= count) {
-		if (!gpupin_event_peek(f, &ev)) {
+		if (!gpupin_event_peek(f, &ev, &rec)) {
 			if (done)
 				break;
 			ret = -EAGAIN;
@@ -130,7 +132,7 @@ static ssize_t gpupin_read(struct file *file, char __user *buf, size_t count, lo
 			ret = -EFAULT;
 			break;
 		}
-		gpupin_event_drop(f);
+		gpupin_event_drop(f, rec);
 		done += sizeof(ev);
 	}
 	mutex_unlock(&f->read_lock);

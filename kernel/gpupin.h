@@ -169,7 +169,8 @@ struct gpupin_region {
 	spinlock_t lock;		/* see top of file */
 	enum gpupin_pin_state state;	/* under lock */
 	unsigned int inflight;		/* under lock */
-	wait_queue_head_t wq;		/* inflight reaching 0, state changes */
+	unsigned int mappers;		/* DMA maps in progress (not in flight); under lock */
+	wait_queue_head_t wq;		/* inflight/mappers changes, state changes */
 	struct list_head maps;		/* gpupin_map, under lock */
 	u32 next_map_id;		/* under lock */
 	struct gpupin_event_rec *ev;	/* queued on invalidation */

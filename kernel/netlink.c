@@ -82,9 +82,10 @@ static void gpupin_nl_unsubscribe(u32 portid)
 }
 
 /*
- * A netlink socket was released: forget it as a subscriber at once, before
- * another (maybe unprivileged) socket can bind its port id and receive the
- * events meant for it.
+ * A netlink socket was released: forget it as a subscriber, so that another
+ * (maybe unprivileged) socket that binds its port id later receives none of
+ * the events meant for it.  (The notifier runs just after the port id is
+ * freed: a bind inside that instant is not covered.)
  */
 static int gpupin_nl_release_notify(struct notifier_block *nb, unsigned long event, void *ptr)
 {

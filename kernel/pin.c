@@ -112,8 +112,9 @@ int gpupin_pin_use(struct gpupin_region *pin)
 void gpupin_pin_unuse(struct gpupin_region *pin)
 {
 	spin_lock(&pin->lock);
-	if (!--pin->inflight)
-		wake_up_all(&pin->wq);
+	pin->inflight--;
+	/* Every change: an unpin waits for the count to reach its own share. */
+	wake_up_all(&pin->wq);
 	spin_unlock(&pin->lock);
 }
 
@@ -264,25 +265,43 @@ bool gpupin_pin_release_pages(struct gpupin_region *pin, enum gpupin_pin_state f
 	 */
 	unsigned int self = pin->dmabuf ? 0 : 1;
 
+	enum gpupin_pin_state claimed = detach ? GPUPIN_PIN_DETACHED : GPUPIN_PIN_RELEASING;
+	bool unmap = false;
+
 	spin_lock(&pin->lock);
 	ours = pin->state == from;
 	if (ours) {
-		pin->state = detach ? GPUPIN_PIN_DETACHED : GPUPIN_PIN_RELEASING;
-		pin->inflight += self;
+		pin->state = claimed;
+		if (detach) {	/* the free callback drops these (no waiting on us first) */
+			kref_get(&pin->ref);
+			kref_get(&pin->file->ref);
+			__module_get(THIS_MODULE);
+			atomic_inc(&gpupin_nr_detached);
+		}
 	}
 	spin_unlock(&pin->lock);
 
-	if (ours && detach) {
-		kref_get(&pin->ref);
-		kref_get(&pin->file->ref);
-		__module_get(THIS_MODULE);
-		atomic_inc(&gpupin_nr_detached);
-	}
 	if (ours) {
+		/*
+		 * A DMA map in progress sees the new state when it returns and
+		 * undoes its mapping (dma.c); it may be waiting for the driver
+		 * lock, so this wait is outside any in-flight count.
+		 */
+		wait_event(pin->wq, READ_ONCE(pin->mappers) == 0);
+		spin_lock(&pin->lock);
+		/* The free callback may have taken the pin meanwhile: its mappings too. */
+		unmap = pin->state == claimed;
+		if (unmap)
+			pin->inflight += self;
+		spin_unlock(&pin->lock);
+	}
+	if (unmap) {
 		wait_event(pin->wq, READ_ONCE(pin->inflight) == self);
 		gpupin_unmap_all(pin);
 		if (self)
 			gpupin_pin_unuse(pin);
+	}
+	if (ours) {
 		if (detach) {
 			gpupin_dbg("pin %llu detached: its pages wait for the free callback\n",
 				   pin->handle);

@@ -109,6 +109,7 @@ struct sim_pin {
 	bool persistent;
 	bool table_freed;		/* client called free_page_table */
 	bool cb_unloaded;		/* the callback's module is gone; under sim_lock */
+	bool freed_by_put;		/* FREED by put_pages, not a callback; sim_lock */
 	enum sim_pin_state state;	/* under sim_lock */
 	void (*free_callback)(void *data);
 	void *data;

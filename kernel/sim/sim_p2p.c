@@ -129,6 +129,8 @@ static void sim_pin_retire_locked(struct sim_pin *pin, struct list_head *evicted
 		sim_stats.live_callbacks--;
 	list_add_tail(&pin->node, &sim_graveyard);
 	sim_nr_dead++;
+	/* The caller buries it after unlocking: keep it until then (sim_pin_put). */
+	refcount_inc(&pin->refs);
 	while (sim_nr_dead > READ_ONCE(sim_dead_tables_max)) {
 		old = list_first_entry(&sim_graveyard, struct sim_pin, node);
 		if (old == pin)
@@ -219,6 +221,7 @@ static void sim_run_callback(struct sim_pin *pin)
 	sim_pin_bury(pin, &evicted);
 	/* The registry's reference stays with the graveyard. */
 	complete_all(&pin->cb_done);
+	sim_pin_put(pin);
 }
 
 /* Run the callbacks of pins claimed (state CALLBACK) on list @claimed. */
@@ -447,10 +450,12 @@ static int sim_put_pages(u64 va, struct nvidia_p2p_page_table *pt, bool persiste
 	}
 	if (!list_empty(&pin->maps))
 		pr_warn_ratelimited("put_pages with DMA mappings still present\n");
+	pin->freed_by_put = true;
 	sim_pin_retire_locked(pin, &evicted);
 	spin_unlock(&sim_lock);
 	sim_api_unlock();
 	sim_pin_bury(pin, &evicted);
+	sim_pin_put(pin);
 	return 0;
 
 out_unlock:
@@ -543,10 +548,14 @@ int nvidia_p2p_dma_map_pages(struct pci_dev *peer,
 		goto out_put;
 	err = -EINVAL;
 	spin_lock(&sim_lock);
-	if (pin->state == SIM_PIN_FREED) {
+	if (pin->state == SIM_PIN_FREED && pin->freed_by_put) {
+		/* The client put the table while it was mapping it: its own bug. */
+		sim_count_uaf(__func__, "page table (put by the client during the call)");
+	} else if (pin->state == SIM_PIN_FREED) {
 		/*
-		 * Freed while we waited for the lock: NVIDIA's own window (its
-		 * dma_map_pages goes on with freed memory).  Counted apart.
+		 * Freed by a callback while we waited for the lock: NVIDIA's own
+		 * window (its dma_map_pages goes on with freed memory).  Counted
+		 * apart.
 		 */
 		sim_stats.dma_map_races++;
 		pr_warn_ratelimited("dma_map_pages: the table was freed while it waited for the API lock\n");

@@ -230,7 +230,8 @@ def test_unicast_events_fallback(gpupin_loaded: None, leakcheck: None) -> None:
                 sim.free(va)
                 dev.unpin(pin)
             evs = collect(nl, 3)
-            portid = nl.sock.getsockname()[0]
+            with socket.fromfd(nl.sock.fileno(), socket.AF_NETLINK, socket.SOCK_RAW) as dup:
+                portid = dup.getsockname()[0]
         assert [(e["event"], e["user_tag"]) for e in evs] == [("pinned", 11), ("invalidated", 11), ("unpinned", 11)]
         assert_departed_subscriber_port_gets_nothing(portid)
 

@@ -244,6 +244,31 @@ def test_free_during_dma_map_does_not_deadlock(device: Device, sim: SimMemory, s
     device.unpin(pin)
 
 
+def test_unpin_during_dma_map_waits_for_the_mapper(device: Device, sim: SimMemory, sim_params,  # type: ignore[no-untyped-def]
+                                                   pci: str) -> None:
+    """UNPIN (put_pages frees the table) while another thread's DMA_MAP is inside
+    dma_map_pages: the unpin waits for the mapper, which undoes its mapping."""
+    sim_params(dma_map_latency_us=300_000)
+    va, pin = _pin_one(device, sim)
+    errs: list[BaseException] = []
+
+    def mapper() -> None:
+        try:
+            device.dma_map(pin, pci)
+        except BaseException as exc:
+            errs.append(exc)
+
+    t = threading.Thread(target=mapper)
+    t.start()
+    time.sleep(0.1)
+    device.unpin(pin)
+    t.join()
+    s = sim_stats()
+    assert len(errs) == 1 and isinstance(errs[0], gpupin.PinInvalidated), errs
+    assert s.use_after_free_calls == 0 and s.dma_mappings == 0 and s.page_tables == 0, s
+    sim.free(va)
+
+
 # -- M1: the page table is read only while the callback cannot have freed it --------------------
 
 def test_memory_freed_before_get_pages_returns(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
