@@ -200,7 +200,7 @@ def test_bad_requests(device: Device, sim: SimMemory, peer: Peer) -> None:
     assert raw(fd, lib.GPUPIN_PEER_IOC_RELEASE, "struct gpupin_peer_release", hold_id=77)[0] \
         == -errno.ENOENT
     assert raw(fd, lib.GPUPIN_PEER_IOC_RELEASE, "struct gpupin_peer_release", hold_id=1,
-               flags=1)[0] == EINVAL
+               flags=2)[0] == EINVAL
     info = gpupin._native.ffi.new("struct gpupin_info *")
     assert lib.gpupin_call(fd, lib.GPUPIN_IOC_INFO, info) == -errno.ENOTTY
     with pytest.raises(gpupin.InvalidArgument, match="size must be > 0"):

@@ -91,7 +91,7 @@ def test_pin_result_fault_racing_unpin_of_the_next_handle(gpupin_loaded: None, l
         assert set(results) == {-errno.ENOENT}, f"an unpublished pin was reachable: {results}"
         assert dev.info().file_pins == 0 and sim_stats().page_tables == 0
         sim.free(va)
-        page.close()
+        del arg
 
 
 # -- C2: non-persistent pages are put only by the pinning process -------------------------------
@@ -327,7 +327,7 @@ def test_record_survives_a_faulting_read(device: Device, sim: SimMemory) -> None
         sim.free(v)
     buf = mmap.mmap(-1, 2 * mmap.PAGESIZE)
     base = int(ffi.cast("uintptr_t", ffi.from_buffer(buf)))
-    assert libc.mprotect(base + mmap.PAGESIZE, mmap.PAGESIZE, mmap.PROT_NONE) == 0
+    assert libc.mprotect(base + mmap.PAGESIZE, mmap.PAGESIZE, 0) == 0     # PROT_NONE
     # Room for one record before the protected page, the second one faults.
     n = libc.read(device.fileno(), base + mmap.PAGESIZE - 32, 64)
     assert n == 32
@@ -335,7 +335,6 @@ def test_record_survives_a_faulting_read(device: Device, sim: SimMemory) -> None
     assert first.user_tag == 1
     assert [e.user_tag for e in device.read_events()] == [2], "the record whose copy faulted was lost"
     assert libc.mprotect(base + mmap.PAGESIZE, mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_WRITE) == 0
-    buf.close()
     for p in pins:
         device.unpin(p)
 
