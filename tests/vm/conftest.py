@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -33,6 +35,21 @@ def pattern(n: int, seed: int = 0) -> bytes:
     """n bytes that differ per seed, with no long run of the simulator's poison value."""
     block = bytes(((i * 131 + seed * 7 + 1) % 251) for i in range(65521))
     return (block * (n // len(block) + 1))[:n]
+
+
+def in_child(fn: Callable[[], int]) -> int:
+    """Run fn in a forked child; return its exit status (fn's return value)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 99
+        try:
+            code = fn()
+        except BaseException as exc:  # report, never return into pytest
+            print(f"child failed: {exc!r}", file=sys.stderr)
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
 
 
 def first_pci_device() -> str:

@@ -16,26 +16,11 @@ from pathlib import Path
 import pytest
 
 import gpupin
-from conftest import GPU_PAGE, MiB
+from conftest import GPU_PAGE, MiB, in_child
 from gpupin import Device, SimMemory, sim_stats
 
 pytestmark = [pytest.mark.vm, pytest.mark.simonly]
 NOBODY = 65534
-
-
-def in_child(fn: Callable[[], int]) -> int:
-    """Run fn in a forked child; return its exit status (fn's return value)."""
-    pid = os.fork()
-    if pid == 0:
-        code = 99
-        try:
-            code = fn()
-        except BaseException as exc:  # report, never return into pytest
-            print(f"child failed: {exc!r}", file=sys.stderr)
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
 
 
 def errno_of(fn: Callable[[], object]) -> int:

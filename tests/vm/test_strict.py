@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import gpupin
-from conftest import GPU_PAGE, SLOW, MiB, raw
+from conftest import GPU_PAGE, SLOW, MiB, in_child, raw
 from gpupin import Device, SimMemory, sim_stats
 from gpupin._native import ffi, lib
 from gpupin.peer import Peer
@@ -40,18 +40,6 @@ def wait_for(cond, what: str, timeout: float = 10.0) -> None:  # type: ignore[no
     while not cond():
         assert time.monotonic() < end, f"timed out waiting for {what}"
         time.sleep(0.01)
-
-
-def fork_run(fn) -> int:  # type: ignore[no-untyped-def]
-    pid = os.fork()
-    if pid == 0:
-        code = 99
-        try:
-            code = fn()
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
 
 
 # -- C1: nothing is reachable by handle before its result reached user space -------------------
@@ -181,7 +169,7 @@ def test_peer_drivers_last_put_in_another_process(gpupin_loaded: None, leakcheck
         va, pin = _pin_one(dev, sim)
         hold = peer.hold(dev, pin)
         dev.unpin(pin)                   # orphaned: the pages wait for the driver
-        assert fork_run(lambda: (peer.release(hold), 0)[1]) == 0
+        assert in_child(lambda: (peer.release(hold), 0)[1]) == 0
         # The Device still holds a module reference; the detached pin holds one more.
         _assert_detached_then_freed(sim, va, refs)
 
@@ -215,11 +203,8 @@ def test_free_during_unpins_dma_unmap(device: Device, sim: SimMemory, sim_params
 
 # -- C4: a DMA map racing the free never deadlocks the driver ------------------------------------
 
-def test_free_during_dma_map_does_not_deadlock(device: Device, sim: SimMemory, sim_params,  # type: ignore[no-untyped-def]
-                                               pci: str) -> None:
-    sim_params(dma_map_latency_us=300_000, lock_timeout_ms=3000 * SLOW, callback_timeout_ms=3000 * SLOW)
-    va, pin = _pin_one(device, sim)
-    before = sim_stats()
+def start_dma_map(device: Device, pin: gpupin.Pin, pci: str) -> tuple[threading.Thread, list[BaseException]]:
+    """DMA_MAP in a thread; the list gets what it raised."""
     errs: list[BaseException] = []
 
     def mapper() -> None:
@@ -230,6 +215,15 @@ def test_free_during_dma_map_does_not_deadlock(device: Device, sim: SimMemory, s
 
     t = threading.Thread(target=mapper)
     t.start()
+    return t, errs
+
+
+def test_free_during_dma_map_does_not_deadlock(device: Device, sim: SimMemory, sim_params,  # type: ignore[no-untyped-def]
+                                               pci: str) -> None:
+    sim_params(dma_map_latency_us=300_000, lock_timeout_ms=3000 * SLOW, callback_timeout_ms=3000 * SLOW)
+    va, pin = _pin_one(device, sim)
+    before = sim_stats()
+    t, errs = start_dma_map(device, pin, pci)
     time.sleep(0.1)                      # dma_map_pages has read the table, not yet locked
     start = time.monotonic()
     sim.free(va)                         # the callback must not wait for the mapper
@@ -250,16 +244,7 @@ def test_unpin_during_dma_map_waits_for_the_mapper(device: Device, sim: SimMemor
     dma_map_pages: the unpin waits for the mapper, which undoes its mapping."""
     sim_params(dma_map_latency_us=300_000)
     va, pin = _pin_one(device, sim)
-    errs: list[BaseException] = []
-
-    def mapper() -> None:
-        try:
-            device.dma_map(pin, pci)
-        except BaseException as exc:
-            errs.append(exc)
-
-    t = threading.Thread(target=mapper)
-    t.start()
+    t, errs = start_dma_map(device, pin, pci)
     time.sleep(0.1)
     device.unpin(pin)
     t.join()
@@ -300,7 +285,7 @@ def test_dma_map_needs_an_admin_opener(gpupin_loaded: None, leakcheck: None, pci
                 rc, _ = raw(dev.fileno(), lib.GPUPIN_IOC_DMA_ADDRS, "struct gpupin_dma_addrs",
                             handle=pin.handle, mapping_id=1, count=1)
                 return 0 if rc == -errno.EPERM else 3
-        assert fork_run(child) == 0
+        assert in_child(child) == 0
     finally:
         os.chmod("/dev/gpupin", st.st_mode & 0o777)
 
@@ -313,7 +298,7 @@ def test_privilege_is_the_openers(device: Device, sim: SimMemory, pci: str) -> N
         os.setgid(65534)
         os.setuid(65534)
         return 0 if len(device.get_pages(pin, 0, 1)) == 1 else 1
-    assert fork_run(child) == 0
+    assert in_child(child) == 0
     device.unpin(pin)
     sim.free(va)
 
@@ -349,7 +334,7 @@ def test_forked_child_cannot_take_the_owners_records(device: Device, sim: SimMem
         except PermissionError:
             return 0
         return 1
-    assert fork_run(child) == 0
+    assert in_child(child) == 0
     assert [e.handle for e in device.read_events()] == [pin.handle]
     device.unpin(pin)
 
@@ -363,7 +348,7 @@ def test_validity_map_is_not_inherited(device: Device, sim: SimMemory) -> None:
         if "/dev/gpupin" in maps:
             return 1
         return 0 if not pin.is_valid() else 2     # reads the zero cover, not the parent's map
-    assert fork_run(child) == 0
+    assert in_child(child) == 0
     assert pin.is_valid()
     device.unpin(pin)
     sim.free(va)
