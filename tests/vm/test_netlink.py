@@ -190,8 +190,12 @@ def assert_departed_subscriber_port_gets_nothing(portid: int) -> None:
             os.close(r)
             os.setgid(NOBODY)
             os.setuid(NOBODY)
-            s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_GENERIC)
-            s.bind((portid, 0))
+            s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 16)   # NETLINK_GENERIC
+            try:
+                s.bind((portid, 0))
+            except OSError as exc:
+                os.write(w, f"bind: {exc}".encode())
+                raise
             os.write(w, b"r")
             s.settimeout(2)
             try:
@@ -202,8 +206,10 @@ def assert_departed_subscriber_port_gets_nothing(portid: int) -> None:
         finally:
             os._exit(code)
     os.close(w)
-    assert os.read(r, 1) == b"r"
+    got = os.read(r, 200)
     os.close(r)
+    assert got == b"r", f"the child could not take port {portid}: {got!r}"
+
     with SimMemory() as sim, Device() as dev:
         va = sim.alloc(GPU_PAGE)
         dev.unpin(dev.pin(va, GPU_PAGE))
