@@ -89,28 +89,34 @@ static struct gpupin_map *gpupin_map_find_locked(struct gpupin_region *pin, u32 
 }
 
 /*
- * Put @map on @pin's list under a new id: -ENOSPC past the per-pin limit,
- * -ENXIO for a dma-buf pin that is no longer PINNED.
+ * Put @map on @pin's list under a new id (*@id, read here: once listed the
+ * map may go at any time); -ENOSPC past the per-pin limit.  Caller holds
+ * pin->lock.
  */
+static int gpupin_map_link_locked(struct gpupin_region *pin, struct gpupin_map *map, u32 *id)
+{
+	lockdep_assert_held(&pin->lock);
+	if (gpupin_map_count_locked(pin) >= GPUPIN_MAX_MAPS_PER_PIN)
+		return -ENOSPC;		/* others mapped meanwhile */
+	map->id = ++pin->next_map_id;
+	*id = map->id;
+	list_add_tail(&map->node, &pin->maps);
+	return 0;
+}
+
+/* gpupin_map_link_locked() for a dma-buf pin: -ENXIO once it is no longer PINNED. */
 int gpupin_map_add(struct gpupin_region *pin, struct gpupin_map *map, u32 *id)
 {
-	int ret = 0;
+	int ret = -ENXIO;
 
 	spin_lock(&pin->lock);
-	if (pin->dmabuf && pin->state != GPUPIN_PIN_PINNED) {
-		ret = -ENXIO;
-	} else if (gpupin_map_count_locked(pin) >= GPUPIN_MAX_MAPS_PER_PIN) {
-		ret = -ENOSPC;
-	} else {
-		map->id = ++pin->next_map_id;
-		*id = map->id;
-		list_add_tail(&map->node, &pin->maps);
-	}
+	if (pin->state == GPUPIN_PIN_PINNED)
+		ret = gpupin_map_link_locked(pin, map, id);
 	spin_unlock(&pin->lock);
 	return ret;
 }
 
-/* Check a new mapping and put it on @pin's list; caller holds pin->lock, pin PINNED. */
+/* Check a new nv-p2p mapping and list it; caller holds pin->lock, pin PINNED. */
 static int gpupin_nvp2p_map_add_locked(struct gpupin_region *pin, struct gpupin_map *map,
 				       u32 *id)
 {
@@ -121,13 +127,8 @@ static int gpupin_nvp2p_map_add_locked(struct gpupin_region *pin, struct gpupin_
 				    map->m->version);
 		return -EPROTO;
 	}
-	if (gpupin_map_count_locked(pin) >= GPUPIN_MAX_MAPS_PER_PIN)
-		return -ENOSPC;		/* others mapped meanwhile */
 	map->dma = map->m->dma_addresses;
-	map->id = ++pin->next_map_id;
-	*id = map->id;
-	list_add_tail(&map->node, &pin->maps);
-	return 0;
+	return gpupin_map_link_locked(pin, map, id);
 }
 
 /*

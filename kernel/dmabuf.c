@@ -167,8 +167,8 @@ static int gpupin_dmabuf_import(struct gpupin_file *f, struct gpupin_region *pin
 	}
 	pin->att.sgt = sgt;
 	ret = gpupin_sgt_addrs(sgt, pin->aligned_va, pin->entries, pin->dmabuf_addrs);
-	if (!ret && !gpupin_pin_mark_pinned(f, pin))
-		ret = -ENXIO;	/* revoked while we imported it */
+	if (!ret)	/* -ENXIO: revoked while we imported it */
+		ret = gpupin_pin_mark_pinned(f, pin, NULL);
 out_unlock:
 	dma_resv_unlock(dmabuf->resv);
 	return ret;

@@ -209,7 +209,8 @@ struct gpupin_region *gpupin_pin_alloc(struct gpupin_file *f, u64 va, u64 size, 
 				       u64 aligned_size, u64 user_tag, u32 page_shift);
 int gpupin_pin_reserve(struct gpupin_file *f, struct gpupin_region *pin);
 void gpupin_pin_unreserve(struct gpupin_file *f, struct gpupin_region *pin, int err);
-bool gpupin_pin_mark_pinned(struct gpupin_file *f, struct gpupin_region *pin);
+int gpupin_pin_mark_pinned(struct gpupin_file *f, struct gpupin_region *pin,
+			   int (*take)(struct gpupin_region *pin));
 bool gpupin_pin_release_pages(struct gpupin_region *pin, enum gpupin_pin_state from);
 int gpupin_pin_publish(struct gpupin_file *f, struct gpupin_region *pin, void __user *uarg,
 		       const void *arg, size_t len);

@@ -533,42 +533,37 @@ void gpupin_pin_unreserve(struct gpupin_file *f, struct gpupin_region *pin, int 
 	gpupin_pin_put(pin);
 }
 
-/* PINNING -> PINNED and valid in the map, unless the memory went first. */
-bool gpupin_pin_mark_pinned(struct gpupin_file *f, struct gpupin_region *pin)
-{
-	bool ok;
-
-	spin_lock(&pin->lock);
-	ok = pin->state == GPUPIN_PIN_PINNING;
-	if (ok) {
-		WRITE_ONCE(f->vmap[pin->slot], pin->handle);
-		pin->state = GPUPIN_PIN_PINNED;
-	}
-	spin_unlock(&pin->lock);
-	return ok;
-}
-
 /*
- * PINNING -> PINNED for an nv-p2p pin: check the page table and copy what
- * is kept of it while the free callback cannot have freed it (it has not
- * begun: it would have moved the pin out of PINNING under the same lock).
- * -ENXIO if the memory went first.
+ * PINNING -> PINNED and valid in the map; -ENXIO if the memory went first.
+ * @take (may be NULL) runs under pin->lock just before, while the pin is
+ * still PINNING: the free callback has not begun (it moves the pin out of
+ * PINNING under the same lock), so the provider's page table is still
+ * there to check and copy from.  Its error fails the pin.
  */
-static int gpupin_pin_take_table(struct gpupin_file *f, struct gpupin_region *pin)
+int gpupin_pin_mark_pinned(struct gpupin_file *f, struct gpupin_region *pin,
+			   int (*take)(struct gpupin_region *pin))
 {
 	int ret = -ENXIO;
 
 	spin_lock(&pin->lock);
 	if (pin->state == GPUPIN_PIN_PINNING) {
-		ret = gpupin_check_table(pin);
+		ret = take ? take(pin) : 0;
 		if (!ret) {
-			if (pin->pt->gpu_uuid)
-				memcpy(pin->gpu_uuid, pin->pt->gpu_uuid, sizeof(pin->gpu_uuid));
 			WRITE_ONCE(f->vmap[pin->slot], pin->handle);
 			pin->state = GPUPIN_PIN_PINNED;
 		}
 	}
 	spin_unlock(&pin->lock);
+	return ret;
+}
+
+/* nv-p2p's @take: check the page table and keep its GPU UUID. */
+static int gpupin_take_table(struct gpupin_region *pin)
+{
+	int ret = gpupin_check_table(pin);
+
+	if (!ret && pin->pt->gpu_uuid)
+		memcpy(pin->gpu_uuid, pin->pt->gpu_uuid, sizeof(pin->gpu_uuid));
 	return ret;
 }
 
@@ -676,7 +671,7 @@ long gpupin_ioctl_pin(struct gpupin_file *f, struct gpupin_pin __user *uarg)
 		goto err_unreserve;
 	}
 	/* -ENXIO: the memory was freed while we pinned it. */
-	ret = gpupin_pin_take_table(f, pin);
+	ret = gpupin_pin_mark_pinned(f, pin, gpupin_take_table);
 	if (ret) {
 		gpupin_pin_release_pages(pin, GPUPIN_PIN_PINNING);
 		goto err_unreserve;
