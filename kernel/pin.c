@@ -385,11 +385,29 @@ void gpupin_file_release_pins(struct gpupin_file *f, u32 reason)
 	}
 }
 
+/*
+ * Can gpupin read a page table of @version?  NVIDIA's rule for the header it
+ * was built against (same major, minor at least the header's).  Built against
+ * a 2.x header (R580 on), 1.x tables from 1.2 on as well: 2.0 appended
+ * `flags` to the 1.2 layout, and gpupin reads no field after gpu_uuid (added
+ * in 1.2), so a 1.2 table - smaller by that member - is read in bounds.
+ */
+static bool gpupin_table_version_ok(u32 version)
+{
+	u32 major = NVIDIA_P2P_MAJOR_VERSION(version);
+	u32 minor = NVIDIA_P2P_MINOR_VERSION(version);
+	u32 built = NVIDIA_P2P_MAJOR_VERSION(NVIDIA_P2P_PAGE_TABLE_VERSION);
+
+	if (major == built)
+		return minor >= NVIDIA_P2P_MINOR_VERSION(NVIDIA_P2P_PAGE_TABLE_VERSION);
+	return built == 2 && major == 1 && minor >= 2;
+}
+
 static int gpupin_check_table(struct gpupin_region *pin)
 {
 	struct nvidia_p2p_page_table *pt = pin->pt;
 
-	if (!NVIDIA_P2P_PAGE_TABLE_VERSION_COMPATIBLE(pt)) {
+	if (!gpupin_table_version_ok(pt->version)) {
 		pr_warn_ratelimited("incompatible page table version 0x%08x\n", pt->version);
 		return -EPROTO;
 	}

@@ -4,9 +4,15 @@
  *
  * Written from NVIDIA's GPUDirect RDMA documentation (see shared DESIGN.md
  * section 2).  It is used when no NVIDIA driver sources are given; the
- * simulator (kernel/sim) implements it and gpupin.ko calls it.  With
- * NVIDIA_SRC=... the driver's own nv-p2p.h is used instead, and since the
- * prototypes are identical the exported symbols have identical CRCs.
+ * simulator (kernel/sim) implements it and gpupin.ko calls it.  It declares
+ * the newest layout gpupin knows (page table 2.0, R580 on); gpupin also reads
+ * 1.2 tables (R535..R575), and the simulator hands out either.
+ *
+ * With NVIDIA_SRC=... the driver's own nv-p2p.h is used instead.  The symbol
+ * CRCs of a build against this header never match a real driver's (genksyms
+ * hashes typedef spellings, every member and the expansion of struct
+ * pci_dev), so a gpupin.ko for a real driver must be built against that
+ * driver's sources: DKMS does it, `make check-nvidia` checks it.
  */
 #ifndef _NV_P2P_H_
 #define _NV_P2P_H_
@@ -41,8 +47,8 @@ struct nvidia_p2p_page_table {
 	u32 page_size;		/* enum nvidia_p2p_page_size_type */
 	struct nvidia_p2p_page **pages;
 	u32 entries;
-	u8 *gpu_uuid;
-	u32 flags;		/* from version 2.0 on */
+	u8 *gpu_uuid;		/* from version 1.2 on */
+	u32 flags;		/* from version 2.0 on: not there in a 1.x table */
 };
 
 struct nvidia_p2p_dma_mapping {
@@ -57,12 +63,15 @@ struct nvidia_p2p_dma_mapping {
 #define NVIDIA_P2P_MAJOR_VERSION_MASK 0xffff0000
 #define NVIDIA_P2P_MINOR_VERSION_MASK 0x0000ffff
 
-#define NVIDIA_P2P_MAJOR_VERSION(v) ((v) & NVIDIA_P2P_MAJOR_VERSION_MASK)
+#define NVIDIA_P2P_MAJOR_VERSION(v) (((v) & NVIDIA_P2P_MAJOR_VERSION_MASK) >> 16)
 #define NVIDIA_P2P_MINOR_VERSION(v) ((v) & NVIDIA_P2P_MINOR_VERSION_MASK)
+
+#define NVIDIA_P2P_MAJOR_VERSION_MATCHES(p, v)				\
+	(NVIDIA_P2P_MAJOR_VERSION((p)->version) == NVIDIA_P2P_MAJOR_VERSION(v))
 
 /* Same major, and a minor at least the one this code was written for. */
 #define NVIDIA_P2P_VERSION_COMPATIBLE(p, v)				\
-	(NVIDIA_P2P_MAJOR_VERSION((p)->version) == NVIDIA_P2P_MAJOR_VERSION(v) && \
+	(NVIDIA_P2P_MAJOR_VERSION_MATCHES(p, v) &&			\
 	 NVIDIA_P2P_MINOR_VERSION((p)->version) >= NVIDIA_P2P_MINOR_VERSION(v))
 
 #define NVIDIA_P2P_PAGE_TABLE_VERSION 0x00020000

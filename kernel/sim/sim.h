@@ -95,12 +95,13 @@ enum sim_pin_state {
 	SIM_PIN_FREED,		/* table freed: poisoned, kept to catch later calls */
 };
 
-/* One get_pages: the page table handed to the client lives inside. */
+/* One get_pages and the page table handed to the client. */
 struct sim_pin {
-	struct nvidia_p2p_page_table pt;
+	struct nvidia_p2p_page_table *pt;	/* owned; freed with the pin */
+	size_t pt_size;			/* by the version's layout */
 	struct nvidia_p2p_page *page_array;
 	struct nvidia_p2p_page **pages;
-	struct hlist_node hnode;	/* registry by &pt, under sim_lock */
+	struct hlist_node hnode;	/* registry by pt, under sim_lock */
 	struct list_head node;		/* alloc->pins, then the graveyard; sim_lock */
 	struct sim_alloc *alloc;	/* holds a reference until FREED */
 	struct pid *owner;		/* thread group that pinned (holds a ref) */

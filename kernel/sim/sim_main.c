@@ -69,7 +69,7 @@ MODULE_PARM_DESC(mem_limit, "Simulated device memory that all contexts together 
 
 unsigned int sim_page_table_version = NVIDIA_P2P_PAGE_TABLE_VERSION;
 module_param_named(page_table_version, sim_page_table_version, uint, 0644);
-MODULE_PARM_DESC(page_table_version, "Version reported in page tables, to test clients' version checks");
+MODULE_PARM_DESC(page_table_version, "Page-table version and layout handed out: 0x00020000 (R580 on, default) or 0x00010002 (R535..R575: no flags member); others test clients' version checks");
 
 /*
  * gpupin looks this up with symbol_get() to tell the simulator from the real

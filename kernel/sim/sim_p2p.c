@@ -48,7 +48,7 @@ static struct sim_pin *sim_pin_lookup_locked(struct nvidia_p2p_page_table *pt)
 
 	lockdep_assert_held(&sim_lock);
 	hash_for_each_possible(sim_pins, pin, hnode, (unsigned long)pt)
-		if (&pin->pt == pt)
+		if (pin->pt == pt)
 			return pin;
 	return NULL;
 }
@@ -73,6 +73,7 @@ void sim_pin_put(struct sim_pin *pin)
 	put_pid(pin->owner);
 	kvfree(pin->pages);
 	kvfree(pin->page_array);
+	kfree(pin->pt);
 	kfree(pin);
 }
 
@@ -129,7 +130,7 @@ static void sim_pin_retire_locked(struct sim_pin *pin, struct list_head *evicted
 	}
 	list_del_init(&pin->node);
 	pin->state = SIM_PIN_FREED;
-	sim_stats.pinned_pages -= pin->pt.entries;
+	sim_stats.pinned_pages -= pin->pt->entries;
 	sim_stats.bar_bytes -= pin->len;
 	sim_stats.page_tables--;
 	if (!pin->persistent)
@@ -165,7 +166,7 @@ static void sim_pin_bury(struct sim_pin *pin, struct list_head *evicted)
 	kvfree(pin->page_array);
 	pin->pages = NULL;
 	pin->page_array = NULL;
-	memset(&pin->pt, SIM_POISON, sizeof(pin->pt));
+	memset(pin->pt, SIM_POISON, pin->pt_size);
 	sim_alloc_put(pin->alloc);
 	pin->alloc = NULL;
 	list_for_each_entry_safe(old, next, evicted, node) {
@@ -268,13 +269,25 @@ static int sim_injected_error_locked(void)
 	return nth >= 1 && nth <= MAX_ERRNO ? -nth : -EIO;
 }
 
+/*
+ * The table as the driver of @version allocates it: a 1.x table (R575 and
+ * older) ends after gpu_uuid, so a client that reads `flags` from it reads
+ * past the allocation (KASAN reports it) as it would on such a host.
+ */
+static size_t sim_table_size(u32 version)
+{
+	if (NVIDIA_P2P_MAJOR_VERSION(version) < 2)
+		return offsetofend(struct nvidia_p2p_page_table, gpu_uuid);
+	return sizeof(struct nvidia_p2p_page_table);
+}
+
 static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_table,
 			 void (*free_callback)(void *data), void *data, bool persistent)
 {
 	struct sim_alloc *alloc;
 	struct sim_pin *pin;
 	bool race = false;
-	u32 entries, i;
+	u32 entries, version, i;
 	int err;
 
 	if (!page_table || (!persistent && !free_callback))
@@ -286,12 +299,15 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 		fsleep(READ_ONCE(sim_pin_latency_us));
 
 	entries = len >> SIM_PAGE_SHIFT;
+	version = READ_ONCE(sim_page_table_version);
 	pin = kzalloc(sizeof(*pin), GFP_KERNEL);
 	if (!pin)
 		return -ENOMEM;
+	pin->pt_size = sim_table_size(version);
+	pin->pt = kzalloc(pin->pt_size, GFP_KERNEL);
 	pin->page_array = kvcalloc(entries, sizeof(*pin->page_array), GFP_KERNEL);
 	pin->pages = kvcalloc(entries, sizeof(*pin->pages), GFP_KERNEL);
-	if (!pin->page_array || !pin->pages) {
+	if (!pin->pt || !pin->page_array || !pin->pages) {
 		err = -ENOMEM;
 		goto err_free;
 	}
@@ -308,11 +324,11 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 	pin->free_callback = free_callback;
 	pin->data = data;
 	pin->owner = get_pid(task_tgid(current));
-	pin->pt.version = READ_ONCE(sim_page_table_version);
-	pin->pt.page_size = NVIDIA_P2P_PAGE_SIZE_64KB;
-	pin->pt.pages = pin->pages;
-	pin->pt.entries = entries;
-	pin->pt.gpu_uuid = sim_gpu_uuid;
+	pin->pt->version = version;
+	pin->pt->page_size = NVIDIA_P2P_PAGE_SIZE_64KB;
+	pin->pt->pages = pin->pages;
+	pin->pt->entries = entries;
+	pin->pt->gpu_uuid = sim_gpu_uuid;
 
 	err = sim_api_lock(__func__);
 	if (err)
@@ -337,12 +353,12 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 		list_add_tail(&pin->node, &alloc->pins);
 		sim_stats.live_callbacks++;
 	}
-	hash_add(sim_pins, &pin->hnode, (unsigned long)&pin->pt);
+	hash_add(sim_pins, &pin->hnode, (unsigned long)pin->pt);
 	pin->state = SIM_PIN_LIVE;
 	sim_stats.pinned_pages += entries;
 	sim_stats.bar_bytes += len;
 	sim_stats.page_tables++;
-	*page_table = &pin->pt;
+	*page_table = pin->pt;
 	if (!persistent && READ_ONCE(sim_race_get_pages)) {
 		/* The memory is freed as soon as the API lock drops. */
 		pin->state = SIM_PIN_CALLBACK;
@@ -367,6 +383,7 @@ err_free:
 	put_pid(pin->owner);
 	kvfree(pin->pages);
 	kvfree(pin->page_array);
+	kfree(pin->pt);
 	kfree(pin);
 	return err;
 }
@@ -577,7 +594,7 @@ int nvidia_p2p_dma_map_pages(struct pci_dev *peer,
 	map = kzalloc(sizeof(*map), GFP_KERNEL);
 	if (!map)
 		goto out_unlock;
-	map->m.dma_addresses = kvcalloc(pin->pt.entries, sizeof(u64), GFP_KERNEL);
+	map->m.dma_addresses = kvcalloc(pin->len >> SIM_PAGE_SHIFT, sizeof(u64), GFP_KERNEL);
 	if (!map->m.dma_addresses) {
 		kfree(map);
 		goto out_unlock;
@@ -588,7 +605,7 @@ int nvidia_p2p_dma_map_pages(struct pci_dev *peer,
 	map->m.page_size_type = NVIDIA_P2P_PAGE_SIZE_64KB;
 	map->m.private = map;
 	map->m.pci_dev = peer;
-	for (i = 0; i < pin->pt.entries; i++) {
+	for (i = 0; i < pin->len >> SIM_PAGE_SHIFT; i++) {
 		dma_addr_t a = dma_map_page(map->dev, sim_pin_chunk(pin, i), 0,
 					    SIM_PAGE_SIZE, DMA_BIDIRECTIONAL);
 

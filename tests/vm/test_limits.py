@@ -88,16 +88,33 @@ def test_injected_provider_failure(device: Device, sim: SimMemory, sim_params, e
 
 
 def test_incompatible_page_table_version(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
+    """Refused: tables gpupin cannot read.  1.1 has no gpu_uuid; 3.0 is a
+    future major; 0.x never existed."""
     va = sim.alloc(GPU_PAGE)
-    for version in (0x00010002, 0x00030000):
+    for version in (0x00010001, 0x00030000, 0x00000002):
         sim_params(page_table_version=version)
         with pytest.raises(gpupin.GpupinError) as ei:
             device.pin(va, GPU_PAGE)
         assert ei.value.errno == errno.EPROTO
         assert sim_stats().page_tables == 0 and device.info().pinned_bytes == 0
-    sim_params(page_table_version=0x00020001)  # newer minor: compatible
-    device.unpin(device.pin(va, GPU_PAGE))
     sim.free(va)
+
+
+@pytest.mark.parametrize("version", [0x00010002, 0x00010005, 0x00020000, 0x00020001])
+def test_compatible_page_table_versions(device: Device, sim: SimMemory, sim_params, version: int) -> None:  # type: ignore[no-untyped-def]
+    """Accepted: 1.2+ (R535..R575, the simulator hands out the 32-byte layout
+    without `flags`, so a read of it is out of bounds under KASAN) and 2.x
+    (R580 on).  Pin, map, read back, free the memory under the pin."""
+    sim_params(page_table_version=version)
+    va = sim.alloc(2 * GPU_PAGE)
+    sim.write(va, b"layout")
+    pin = device.pin(va, 2 * GPU_PAGE)
+    assert pin.is_valid() and device.info().pinned_bytes == 2 * GPU_PAGE
+    assert len(device.get_pages(pin)) == 2
+    sim.free(va)  # the callback path with this layout
+    assert not pin.is_valid()
+    device.unpin(pin)
+    assert sim_stats().page_tables == 0 and sim_stats().use_after_free_calls == 0
 
 
 def test_default_persistent_parameter(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
