@@ -137,8 +137,10 @@ static int gpupin_nvp2p_map_add_locked(struct gpupin_region *pin, struct gpupin_
  * callback waits for in-flight users, so counting ourselves would deadlock
  * the GPU driver.  The pin is checked alive right before the call; what
  * remains is NVIDIA's own window (the table read before its lock; see the
- * UAPI header).  After the call, under pin->lock: if the callback has begun
- * the mapping is NVIDIA's to free with the table, and is never touched.
+ * UAPI header), which includes a callback that runs and returns between our
+ * check and the call: nothing a client does can close it.  After the call,
+ * under pin->lock: if the callback has begun the mapping is NVIDIA's to free
+ * with the table, and is never touched.
  */
 static int gpupin_nvp2p_map(struct gpupin_region *pin, struct gpupin_map *map, u32 *id)
 {

@@ -85,7 +85,7 @@ struct nvp2p_sim_stats {
 	__u64 puts_not_found;		/* put_pages from another process: 0, nothing released */
 	__u64 lock_timeouts;		/* API lock waits given up: a real-driver deadlock */
 	__u64 callback_overruns;	/* free callbacks that ran past callback_timeout_ms */
-	__u64 dma_map_races;		/* table freed as dma_map_pages waited (NVIDIA's window) */
+	__u64 dma_map_races;		/* freed by a callback in dma_map_pages' window */
 	__u64 reserved[1];
 };
 

@@ -58,6 +58,7 @@ extern unsigned int sim_dma_map_latency_us;
 extern unsigned int sim_unmap_latency_us;
 extern unsigned int sim_lock_timeout_ms;
 extern unsigned int sim_callback_timeout_ms;
+extern unsigned int sim_race_window_ms;
 extern unsigned int sim_dead_tables_max;
 extern unsigned long sim_mem_limit;
 extern unsigned int sim_page_table_version;
@@ -111,6 +112,7 @@ struct sim_pin {
 	bool table_freed;		/* client called free_page_table */
 	bool cb_unloaded;		/* the callback's module is gone; under sim_lock */
 	bool freed_by_put;		/* FREED by put_pages, not a callback; sim_lock */
+	unsigned long freed_at;		/* jiffies when FREED; under sim_lock */
 	enum sim_pin_state state;	/* under sim_lock */
 	void (*free_callback)(void *data);
 	void *data;

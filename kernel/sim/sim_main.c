@@ -55,6 +55,10 @@ unsigned int sim_lock_timeout_ms = 5000;
 module_param_named(lock_timeout_ms, sim_lock_timeout_ms, uint, 0644);
 MODULE_PARM_DESC(lock_timeout_ms, "Give up (WARN, -EDEADLK) after waiting this long for the RM API lock: a deadlock on real hardware (default 5000, 0 = wait forever)");
 
+unsigned int sim_race_window_ms = 1000;
+module_param_named(race_window_ms, sim_race_window_ms, uint, 0644);
+MODULE_PARM_DESC(race_window_ms, "A dma_map_pages call this soon after a free callback freed its table is counted in dma_map_races (NVIDIA's window), later ones as use after free (default 1000)");
+
 unsigned int sim_callback_timeout_ms = 5000;
 module_param_named(callback_timeout_ms, sim_callback_timeout_ms, uint, 0644);
 MODULE_PARM_DESC(callback_timeout_ms, "WARN when a free callback runs longer than this, in milliseconds (default 5000, 0 = never)");

@@ -130,6 +130,7 @@ static void sim_pin_retire_locked(struct sim_pin *pin, struct list_head *evicted
 	}
 	list_del_init(&pin->node);
 	pin->state = SIM_PIN_FREED;
+	pin->freed_at = jiffies;
 	sim_stats.pinned_pages -= pin->pt->entries;
 	sim_stats.bar_bytes -= pin->len;
 	sim_stats.page_tables--;
@@ -534,14 +535,30 @@ EXPORT_SYMBOL_GPL(nvidia_p2p_free_page_table);
  * The lookup done on entry: the table must be live.  A freed one is the
  * client's use after free.
  */
+/*
+ * dma_map_pages' first read of @pt.  A table a free callback freed moments
+ * ago (race_window_ms) is NVIDIA's window again, seen from the client's side:
+ * the client checked the memory alive, the callback ran and returned before
+ * the call got in.  The client cannot close that gap - its callback must not
+ * wait for a mapper, which may be blocked on the API lock the callback's
+ * caller holds - so it is counted with the other dma_map_races.  Any other
+ * freed table is the client's use after free.
+ */
 static struct sim_pin *sim_pin_get_live(struct nvidia_p2p_page_table *pt, const char *fn)
 {
+	unsigned long window = msecs_to_jiffies(READ_ONCE(sim_race_window_ms));
 	struct sim_pin *pin;
 
 	spin_lock(&sim_lock);
 	pin = sim_pin_lookup_locked(pt);
 	if (pin && pin->state == SIM_PIN_FREED) {
-		sim_count_uaf(fn, "page table");
+		if (!pin->freed_by_put && time_before(jiffies, pin->freed_at + window)) {
+			sim_stats.dma_map_races++;
+			pr_warn_ratelimited("%s: table freed by a callback just before the call\n",
+					    fn);
+		} else {
+			sim_count_uaf(fn, "page table");
+		}
 		pin = NULL;
 	} else if (pin) {
 		refcount_inc(&pin->refs);
