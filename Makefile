@@ -5,14 +5,16 @@ SHELL := /bin/bash
 KVER ?= $(shell uname -r)
 # Running kernel's build dir, else the newest installed Debian headers.
 KDIR ?= $(or $(wildcard /lib/modules/$(KVER)/build),$(shell scripts/kdir.sh))
-# NVIDIA driver sources (dir with nvidia/nv-p2p.h): found under /usr/src by Kbuild; 'none' = simulator.
+# NVIDIA driver sources (dir with nvidia/nv-p2p.h): found under /usr/src when empty; 'none' = simulator.
 NVIDIA_SRC ?=
+# The kernel release KDIR builds for (/usr/src/linux-headers-<kver> or /lib/modules/<kver>/build).
+KDIR_KVER = $(patsubst linux-headers-%,%,$(notdir $(patsubst %/build,%,$(KDIR))))
 VENV ?= $(CURDIR)/.venv
 PY := $(VENV)/bin/python
 KMAKE = $(MAKE) -C $(KDIR) M=$(CURDIR) $(if $(NVIDIA_SRC),NVIDIA_SRC=$(NVIDIA_SRC))
 
 .PHONY: all modules clean setup pyext check check-kernel check-py test test-host test-vm \
-	test-gpu test-native test-long test-debug bench demo install help
+	test-gpu test-native test-long test-debug check-nvidia deb wheel test-deb bench demo install help
 
 all: modules
 
@@ -21,11 +23,17 @@ help:
 	@echo "make demo        build, load (in a VM if needed) and show pinning end to end"
 	@echo "make test        check + test-host + test-vm (+ test-gpu on a GPU host)"
 	@echo "make check       W=1, sparse, checkpatch --strict, ruff, mypy"
+	@echo "make check-nvidia  build against NVIDIA's 535 and 550 open driver sources, check CRCs"
+	@echo "make deb | wheel   Debian packages (gpupin-dkms, gpupin-sim-dkms, python3 wheel) in dist/"
 	@echo "make test-host | test-vm | test-gpu | test-native | test-long | bench | install"
 
+# With NVIDIA's driver sources under /usr/src (and no NVIDIA_SRC=), build the way DKMS does:
+# against the installed driver, with the CRCs of its nvidia.ko.
 modules:
 	@test -n "$(KDIR)" || { echo "no kernel headers: run 'make setup' (or set KDIR=)"; exit 1; }
-	$(KMAKE) modules
+	@if [ -z "$(NVIDIA_SRC)" ] && ls /usr/src/nvidia-*/nvidia/nv-p2p.h >/dev/null 2>&1; then \
+		scripts/dkms-build.sh "$(KDIR_KVER)" "$(KDIR)"; \
+	else $(KMAKE) modules; fi
 
 clean:
 	-$(KMAKE) clean
@@ -53,6 +61,7 @@ test-host: pyext
 
 test-vm: setup pyext
 	scripts/vm-run.sh test
+	$(VENV)/bin/pytest -q -p no:cacheprovider tests/pty
 
 test-gpu: pyext
 	$(VENV)/bin/pytest -q -m gpu tests/gpu
@@ -79,7 +88,27 @@ bench: setup pyext
 demo: setup pyext
 	scripts/demo.sh
 
-test: check test-host test-vm
+# Build gpupin.ko against NVIDIA's real open driver sources (535 from bookworm, 550 from trixie;
+# downloaded through a private apt configuration, built once and cached in /var/cache/gpupin)
+# and check its nvidia_p2p_* CRCs against the driver's Module.symvers.
+check-nvidia: setup
+	scripts/check-nvidia.sh "$(KDIR)"
+
+# Debian packages (gpupin-dkms, gpupin-sim-dkms) in dist/; see scripts/make-deb.sh.
+deb:
+	scripts/make-deb.sh
+
+# The Python package as a wheel in dist/ (the cffi extensions compiled in).
+wheel: setup
+	$(PY) -m pip wheel --no-deps -w dist . >/dev/null && ls dist/*.whl
+
+# Install the .deb, let DKMS build for the VM's kernel, modprobe there, run a smoke suite,
+# purge; then the wheel in a clean venv, used from outside the source tree.
+test-deb: setup
+	scripts/test-deb.sh
+	scripts/test-wheel.sh
+
+test: check check-nvidia test-host test-vm test-deb
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		$(MAKE) test-gpu; else echo "test-gpu: skipped, no NVIDIA driver on this host"; fi
 

@@ -7,7 +7,40 @@ VENV=${VENV:-$ROOT/.venv}
 
 PKGS=(build-essential python3 python3-venv python3-dev libkmod-dev libffi-dev kmod
       qemu-system-x86 linux-image-amd64 linux-headers-amd64 sparse linux-source-6.1
-      pciutils xz-utils libdrm-dev busybox-static)
+      pciutils xz-utils libdrm-dev busybox-static dkms git perl binutils ca-certificates file)
+
+# What the README's commands run, and the Debian package that provides it: checked after the
+# install (and by `setup.sh --verify`), so a missing one is named instead of failing later.
+TOOLS=(make:make gcc:gcc python3:python3 git:git perl:perl qemu-system-x86_64:qemu-system-x86
+       busybox:busybox-static sparse:sparse modinfo:kmod depmod:kmod xz:xz-utils lspci:pciutils
+       dkms:dkms readelf:binutils objcopy:binutils dpkg-deb:dpkg apt-get:apt script:bsdutils
+       timeout:coreutils tar:tar file:file)
+FILES=(/usr/include/libkmod.h:libkmod-dev "/usr/include/*-linux-gnu/ffi.h:libffi-dev"
+       /usr/include/libdrm/drm.h:libdrm-dev "/usr/include/python3*/Python.h:python3-dev"
+       "/usr/lib/python3*/venv/__init__.py:python3-venv" "/boot/vmlinuz-*-amd64:linux-image-amd64"
+       "/usr/src/linux-headers-*-amd64/Makefile:linux-headers-amd64"
+       "/usr/src/linux-source-6.1.tar.*:linux-source-6.1"
+       /usr/share/keyrings/debian-archive-keyring.gpg:debian-archive-keyring)
+
+verify() {
+	local t f bad=()
+	for t in "${TOOLS[@]}"; do
+		command -v "${t%%:*}" >/dev/null 2>&1 || bad+=("command '${t%%:*}' (Debian package ${t##*:})")
+	done
+	for f in "${FILES[@]}"; do
+		# shellcheck disable=SC2086 # the pattern is meant to glob
+		compgen -G "${f%%:*}" >/dev/null || bad+=("${f%%:*} (Debian package ${f##*:})")
+	done
+	if [ ${#bad[@]} -gt 0 ]; then
+		printf 'setup: missing %s\n' "${bad[@]}" >&2
+		echo "setup: install those packages (apt-get install ...), or run 'make setup' as root" >&2
+		return 1
+	fi
+}
+if [ "${1:-}" = --verify ]; then
+	verify && echo "setup: every tool and file the README's commands need is here"
+	exit
+fi
 missing=()
 for p in "${PKGS[@]}"; do
 	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
@@ -22,6 +55,8 @@ if [ ${#missing[@]} -gt 0 ]; then
 	apt-get update -qq
 	apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+
+verify
 
 # checkpatch.pl and its data files are not packaged alone: take them from
 # Debian's kernel source tarball once.

@@ -20,6 +20,19 @@ test)
 		--junitxml="$RESULTS/junit.xml" tests/vm "$@" 2>&1 | tee "$RESULTS/pytest.txt"
 	rc=${PIPESTATUS[0]}
 	;;
+installed)
+	# Against the DKMS-installed modules (make test-deb): modprobe by name, and the
+	# fixtures load by name too (nothing from the tree: GPUPIN_KO_DIR points nowhere).
+	export GPUPIN_KO_DIR=/nonexistent
+	modprobe gpupin && [ -d /sys/module/nvp2p_sim ] && {
+		f=$(modinfo -n gpupin)
+		echo "vm-guest: gpupin loaded from $f"
+		case "$f" in */updates/dkms/*) ;; *) echo "vm-guest: not the DKMS module" >&2; false ;; esac
+	} && [ "$(cat /sys/module/gpupin/srcversion)" = "$(modinfo -F srcversion gpupin)" ] &&
+	python -m pytest -q -p no:cacheprovider --timeout="${GPUPIN_TEST_TIMEOUT:-600}" \
+		tests/vm/test_pin.py tests/vm/test_cli_vm.py "$@" 2>&1 | tee "$RESULTS/pytest.txt"
+	rc=${PIPESTATUS[0]}
+	;;
 bench)
 	python -m gpupin.cli load --sim && python -m gpupin.bench --only-vm --out "$RESULTS/bench-vm.json" "$@"
 	rc=$?
@@ -29,8 +42,14 @@ demo)
 	rc=$?
 	;;
 shell)
+	# The console reaching us is not a terminal (no job control, no echo): give the shell a
+	# pseudo-terminal of its own with script(1), sized like the host's terminal.  The host
+	# side (vm-run.sh) puts its terminal in raw mode, so Ctrl-C, Ctrl-Z and Ctrl-D arrive
+	# here as bytes and the pty turns them into signals and end-of-file.
 	# --norc: a login .bashrc (pyenv and the like) would put another python first on PATH.
-	python -m gpupin.cli load --sim && bash --norc -i
+	size=${GPUPIN_TTY_SIZE:-24 80}
+	python -m gpupin.cli load --sim &&
+		TERM=${GPUPIN_TERM:-xterm} script -qefc "stty rows ${size% *} cols ${size#* }; exec bash --norc -i" /dev/null
 	;;
 *)
 	echo "vm-guest: unknown mode $MODE" >&2

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Boot Debian's kernel under QEMU (virtme-ng, software emulation), load the
-# modules and run MODE inside: test | bench | demo | shell.  The guest's
+# modules and run MODE inside: test | installed | bench | demo | shell.  The guest's
 # kernel log comes back in results/ and fails the run on any BUG, WARNING,
 # Oops, list or refcount corruption, or taint beyond O|E.
 set -euo pipefail
@@ -34,19 +34,36 @@ if [ -f "$VM_KDIR/drivers/gpu/drm/vgem/vgem.ko" ]; then
 	VGEM_KO="$ROOT/build/vgem.ko"
 fi
 
+TTY_SIZE="24 80"
+if [ "$MODE" = shell ]; then
+	[ -t 0 ] || { echo "vm-run: 'shell' needs a terminal on stdin" >&2; exit 1; }
+	TTY_SIZE=$(stty size)
+fi
 rm -rf "$RESULTS"
 mkdir -p "$RESULTS"
 start=$(date +%s)
 set +e
-VNG=(env PATH="$VENV/bin:$PATH" timeout "${VM_TIMEOUT:-3000}" vng -r "$VM_KIMAGE" --disable-kvm
+# timeout runs vng in a process group of its own: an interactive one must stay in the
+# terminal's foreground group, or the terminal stops it (SIGTTIN/SIGTTOU) at once.
+TMO=(timeout)
+[ "$MODE" = shell ] && TMO+=(--foreground)
+VNG=(env PATH="$VENV/bin:$PATH" "${TMO[@]}" "${VM_TIMEOUT:-3000}" vng -r "$VM_KIMAGE" --disable-kvm
 	--cpus 2 --memory "$VM_MEM" --append "slub_debug=FZPU panic_on_warn=0"
 	--rwdir "$RESULTS" --cwd "$ROOT"
 	--exec "$(printf '%q ' env "GPUPIN_LONG=${GPUPIN_LONG:-}" "GPUPIN_TEST_TIMEOUT=${GPUPIN_TEST_TIMEOUT:-600}" \
 		"GPUPIN_CYCLES=${GPUPIN_CYCLES:-20}" "GPUPIN_KMEMLEAK=${GPUPIN_KMEMLEAK:-}" \
-		"GPUPIN_VGEM_KO=$VGEM_KO" "$ROOT/scripts/vm-guest.sh" "$MODE" "$RESULTS" "${@:2}")")
+		"GPUPIN_VGEM_KO=$VGEM_KO" "GPUPIN_TTY_SIZE=$TTY_SIZE" "GPUPIN_TERM=${TERM:-xterm}" \
+		"$ROOT/scripts/vm-guest.sh" "$MODE" "$RESULTS" "${@:2}")")
 if [ "$MODE" = shell ]; then
-	"${VNG[@]}"     # interactive: the terminal stays the guest's stdin
+	# Interactive: the terminal stays the guest's stdin, in raw mode so every key (Ctrl-C
+	# included) reaches the guest's pseudo-terminal; restored however vng ends.
+	saved=$(stty -g)
+	trap 'stty "$saved"' EXIT
+	stty raw -echo
+	"${VNG[@]}"
 	rc=$?
+	stty "$saved"
+	echo
 else
 	# Through a pipe: QEMU reopens /proc/self/fd/1 for the guest's output, which truncates (and
 	# then overwrites from offset 0) a regular file, so 'make test > log' would lose what came before.

@@ -22,7 +22,6 @@ import pytest
 from . import kmod
 from .device import Device
 from .errors import ModuleError
-from .kmod import ko_dir
 from .memory import MemoryProvider
 from .peer import Peer, load_peer
 from .sim import SimMemory, set_sim_param, sim_stats
@@ -32,11 +31,12 @@ REQUIRED = os.environ.get("GPUPIN_REQUIRE_VM") == "1"
 
 
 def ensure_loaded(sim: bool = True, **params: object) -> None:
-    """Load nvp2p_sim (if ``sim``) and gpupin from the build tree unless loaded."""
+    """Load nvp2p_sim (if ``sim``) and gpupin unless loaded: from the build tree
+    (or GPUPIN_KO_DIR) where the .ko files are, else the installed modules by name."""
     if sim and not kmod.is_loaded("nvp2p_sim"):
-        kmod.load(str(ko_dir() / "nvp2p_sim.ko"))
+        kmod.load(kmod.module_file("nvp2p_sim"))
     if not kmod.is_loaded("gpupin"):
-        kmod.load(str(ko_dir() / "gpupin.ko"), params)
+        kmod.load(kmod.module_file("gpupin"), params)
 
 
 def _unavailable(reason: str) -> None:

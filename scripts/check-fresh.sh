@@ -1,0 +1,68 @@
+#!/bin/bash
+# SPDX-License-Identifier: (GPL-2.0 OR MIT)
+# A fresh Debian 12: debootstrap's minbase (fewer packages than any real
+# install) in a chroot, the source tree copied in, then `scripts/setup.sh`
+# (what the README's commands run first) and `setup.sh --verify`, and the
+# modules built there.  Catches the next package setup.sh forgets.
+# GPUPIN_FRESH_DEMO=1 also runs `make demo` in the chroot (boots the VM).
+# Usage: check-fresh.sh   (root; ~5 min, the base system cached)
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+CACHE=${GPUPIN_CACHE:-/var/cache/gpupin}/fresh
+BASE=$CACHE/bookworm-minbase.tar
+die() { echo "check-fresh: $*" >&2; exit 1; }
+[ "$(id -u)" -eq 0 ] || die "needs root (debootstrap, chroot)"
+command -v debootstrap >/dev/null || {
+	echo "check-fresh: installing debootstrap"
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap >/dev/null
+}
+
+mkdir -p "$CACHE"
+if [ ! -s "$BASE" ] || [ -n "$(find "$BASE" -mtime +7)" ]; then
+	echo "check-fresh: debootstrap --variant=minbase bookworm (once a week)"
+	tmp=$(mktemp -d /var/tmp/gpupin-base.XXXXXX)
+	debootstrap --variant=minbase bookworm "$tmp" http://deb.debian.org/debian >"$CACHE/debootstrap.log" 2>&1 ||
+		{ tail -n 20 "$CACHE/debootstrap.log"; rm -rf "$tmp"; die "debootstrap failed"; }
+	tar -C "$tmp" -cf "$BASE.new" . && mv "$BASE.new" "$BASE"
+	rm -rf "$tmp"
+fi
+
+R=$(mktemp -d /var/tmp/gpupin-fresh.XXXXXX)
+cleanup() {
+	for m in var/cache/apt/archives dev/pts dev proc sys; do umount -l "$R/$m" 2>/dev/null || true; done
+	rm -rf --one-file-system "$R"
+}
+trap cleanup EXIT
+tar -C "$R" -xf "$BASE"
+mount -t proc proc "$R/proc"
+mount -t sysfs sys "$R/sys"
+mount --bind /dev "$R/dev"
+mount --bind /dev/pts "$R/dev/pts"
+# Reuse the machine's downloaded .debs (the installs are what is tested, not the downloads).
+mount --bind /var/cache/apt/archives "$R/var/cache/apt/archives"
+cp /etc/resolv.conf "$R/etc/resolv.conf"
+# The machine's apt sources (a pinned snapshot, mirrors), as a fresh install of it would have.
+rm -f "$R/etc/apt/sources.list"
+cp -r /etc/apt/sources.list* "$R/etc/apt/" 2>/dev/null || true
+# This workplace's network trust (a TLS-inspecting proxy's CA for PyPI) is the machine's, not
+# something setup.sh could install: carry the CA bundle and pip's configuration over.
+mkdir -p "$R/etc/ssl"
+cp /etc/ssl/certs/ca-certificates.crt "$R/etc/ssl/host-ca.crt"
+[ ! -f /etc/pip.conf ] || cp /etc/pip.conf "$R/etc/pip.conf"
+mkdir -p "$R/src/gpupin"
+(cd "$ROOT" && git ls-files -z -co --exclude-standard | tar --null -T - -cf -) | tar -C "$R/src/gpupin" -xf -
+
+start=$(date +%s)
+cmd='set -e; cd /src/gpupin; export DEBIAN_FRONTEND=noninteractive
+scripts/setup.sh --verify >/dev/null 2>&1 && { echo "check-fresh: --verify passed before setup: it checks nothing"; exit 1; }
+scripts/setup.sh
+scripts/setup.sh --verify
+make modules >/dev/null
+test -f gpupin.ko -a -f nvp2p_sim.ko'
+[ "${GPUPIN_FRESH_DEMO:-}" = 1 ] && cmd="$cmd
+make demo"
+chroot "$R" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root TERM=dumb \
+	PIP_CERT=/etc/ssl/host-ca.crt SSL_CERT_FILE=/etc/ssl/host-ca.crt REQUESTS_CA_BUNDLE=/etc/ssl/host-ca.crt \
+	/bin/bash -c "$cmd" ||
+	die "the README's setup does not work on a fresh Debian 12 (above)"
+echo "check-fresh: fresh Debian 12 (minbase): setup.sh, --verify and the module build passed in $(($(date +%s) - start)) s"

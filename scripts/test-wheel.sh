@@ -1,0 +1,44 @@
+#!/bin/bash
+# SPDX-License-Identifier: (GPL-2.0 OR MIT)
+# The wheel of `make wheel` in a clean virtualenv, used from outside the
+# source tree: it must import its compiled cffi extensions from the venv,
+# find installed modules by name (modprobe/depmod), and run host-side code.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PY=${PYTHON:-python3}
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+die() { echo "test-wheel: $*" >&2; exit 1; }
+
+rm -f "$ROOT"/dist/gpupin-*.whl
+"$ROOT/.venv/bin/python" -m pip wheel -q --no-deps -w "$ROOT/dist" "$ROOT" >"$TMP/build.txt" 2>&1 ||
+	{ cat "$TMP/build.txt"; die "the wheel does not build"; }
+whl=$(ls "$ROOT"/dist/gpupin-*.whl)
+"$PY" -m venv "$TMP/venv"
+"$TMP/venv/bin/pip" install -q "$whl" >"$TMP/install.txt" 2>&1 ||
+	{ cat "$TMP/install.txt"; die "the wheel does not install into a clean venv"; }
+cd "$TMP"
+GPUPIN_KO_DIR='' "$TMP/venv/bin/python" - "$TMP/venv" <<'PYEOF' || die "the installed wheel does not work (above)"
+import sys
+import gpupin, gpupin._gpupin_cffi, gpupin._gpupin_kmod
+from gpupin import kmod
+from gpupin.cache import RegistrationCache
+from gpupin.fake import FakeDevice, FakeMemory
+
+venv = sys.argv[1]
+for m in (gpupin, gpupin._gpupin_cffi, gpupin._gpupin_kmod):
+    assert m.__file__.startswith(venv), f"{m.__name__} comes from {m.__file__}, not the venv"
+# Without a source tree the modules are loaded by name, as modprobe would.
+assert kmod.module_file("gpupin") == "gpupin", kmod.module_file("gpupin")
+mem = FakeMemory()
+dev = FakeDevice(mem)
+cache = RegistrationCache(dev, mem)
+va = mem.alloc(1 << 20)
+cache.acquire(va, 4096).release()
+cache.acquire(va, 4096).release()
+st = cache.stats()
+assert st.hits == 1 and st.misses == 1, st
+print("test-wheel: imports from", venv, "- cache hit through FakeDevice ok")
+PYEOF
+"$TMP/venv/bin/gpupin" --help >/dev/null || die "the gpupin command does not run"
+echo "test-wheel: $(basename "$whl") installs into a clean venv and works outside the tree: ok"
