@@ -14,17 +14,19 @@ PY := $(VENV)/bin/python
 KMAKE = $(MAKE) -C $(KDIR) M=$(CURDIR) $(if $(NVIDIA_SRC),NVIDIA_SRC=$(NVIDIA_SRC))
 
 .PHONY: all modules clean setup pyext check check-kernel check-py test test-host test-vm \
-	test-gpu test-native test-long test-debug check-nvidia deb wheel test-deb bench demo install help
+	test-gpu test-native test-long test-debug check-nvidia deb wheel test-deb check-fresh bench demo install help
 
 all: modules
 
 help:
 	@echo "make [modules]   build gpupin.ko (+ nvp2p_sim.ko) against KDIR=$(KDIR)"
 	@echo "make demo        build, load (in a VM if needed) and show pinning end to end"
-	@echo "make test        check + test-host + test-vm (+ test-gpu on a GPU host)"
+	@echo "make test        check, check-nvidia, test-host, test-vm, test-deb, check-fresh (+ test-gpu)"
 	@echo "make check       W=1, sparse, checkpatch --strict, ruff, mypy"
 	@echo "make check-nvidia  build against NVIDIA's 535 and 550 open driver sources, check CRCs"
-	@echo "make deb | wheel   Debian packages (gpupin-dkms, gpupin-sim-dkms, python3 wheel) in dist/"
+	@echo "make deb | wheel   Debian packages (gpupin-dkms, gpupin-sim-dkms) / the Python wheel in dist/"
+	@echo "make test-deb      install the .deb, DKMS, modprobe in the VM, smoke suite; the wheel in a clean venv"
+	@echo "make check-fresh   setup.sh on a fresh Debian 12 (debootstrap chroot)"
 	@echo "make test-host | test-vm | test-gpu | test-native | test-long | bench | install"
 
 # With NVIDIA's driver sources under /usr/src (and no NVIDIA_SRC=), build the way DKMS does:
@@ -108,7 +110,12 @@ test-deb: setup
 	scripts/test-deb.sh
 	scripts/test-wheel.sh
 
-test: check check-nvidia test-host test-vm test-deb
+# A fresh Debian 12 (debootstrap minbase chroot): setup.sh installs everything, --verify finds
+# every tool, the modules build.  GPUPIN_FRESH_DEMO=1 also runs 'make demo' there.
+check-fresh:
+	scripts/check-fresh.sh
+
+test: check check-nvidia test-host test-vm test-deb check-fresh
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		$(MAKE) test-gpu; else echo "test-gpu: skipped, no NVIDIA driver on this host"; fi
 

@@ -156,3 +156,7 @@ MODULE_LICENSE("Dual MIT/GPL");
 MODULE_DESCRIPTION("Pin NVIDIA GPU memory for third-party PCIe devices (nv-p2p)");
 MODULE_AUTHOR("gpupin developers");
 MODULE_VERSION(GPUPIN_VERSION);
+#ifdef GPUPIN_WITH_NVIDIA
+/* modprobe loads nvidia first even where the imports are unversioned (dkms-build.sh). */
+MODULE_SOFTDEP("pre: nvidia");
+#endif

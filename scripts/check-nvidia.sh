@@ -140,6 +140,16 @@ for suite in "${SUITES[@]}"; do
 		echo "check-nvidia: the simulator build's CRCs match NVIDIA $ver: the CRC check is broken" >&2
 		bad=1
 	fi
+	# The last resort (sources, no nvidia.ko, no Module.symvers): unversioned
+	# imports, said loudly, and a softdep so modprobe still loads nvidia first.
+	if ! NVIDIA_SRC="$src" NVIDIA_KO='' "$b/scripts/dkms-build.sh" "$KVER" "$KDIR" >"$dir/gpupin-unversioned.log" 2>&1 ||
+		! grep -q "WARNING: unversioned nvidia_p2p_" "$dir/gpupin-unversioned.log" ||
+		[ "$(modinfo -F softdep "$b/gpupin.ko")" != "pre: nvidia" ]; then
+		echo "check-nvidia: the unversioned last-resort build of dkms-build.sh misbehaves ($dir/gpupin-unversioned.log)" >&2
+		bad=1
+	fi
+	# Put the versioned build back for the checks below.
+	KBUILD_EXTRA_WARN=1 NVIDIA_SRC="$src" NVIDIA_KO="$out/nvidia.ko" "$b/scripts/dkms-build.sh" "$KVER" "$KDIR" >/dev/null 2>&1 || bad=1
 	deps=$(modinfo -F depends "$b/gpupin.ko")
 	[ "$deps" = nvidia ] || { echo "check-nvidia: gpupin.ko depends on '$deps', expected 'nvidia'" >&2; bad=1; }
 	[ $bad -eq 0 ] || fail=1

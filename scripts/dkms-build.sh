@@ -25,6 +25,7 @@ say() { echo "gpupin-dkms: $*" >&2; }
 # The nvidia.ko of KVER: modinfo resolves Debian's renamed modules
 # (nvidia-current-open.ko) through their aliases; else search updates/.
 ko=${NVIDIA_KO:-}
+[ -z "$ko" ] || [ -f "$ko" ] || { say "NVIDIA_KO=$ko: no such file"; exit 1; }
 if [ -z "$ko" ]; then
 	ko=$(modinfo -k "$KVER" -n nvidia 2>/dev/null || true)
 	case "$ko" in /*) ;; *) ko= ;; esac

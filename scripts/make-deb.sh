@@ -57,8 +57,10 @@ dkms status -m $dname -v $VER | grep -q . || dkms add -m $dname -v $VER
 for b in /lib/modules/*/build; do
 	[ -d "\$b" ] || continue
 	k=\$(basename "\$(dirname "\$b")")
-	dkms install -m $dname -v $VER -k "\$k" ||
+	if ! dkms install -m $dname -v $VER -k "\$k"; then
+		grep -s '^gpupin-dkms:' /var/lib/dkms/$dname/$VER/build/make.log >&2 || true
 		echo "$name: DKMS could not build for \$k; see /var/lib/dkms/$dname/$VER/build/make.log" >&2
+	fi
 done
 udevadm control --reload-rules 2>/dev/null || true
 POST
