@@ -9,7 +9,8 @@ import pytest
 import gpupin
 from conftest import GPU_PAGE
 from gpupin import Device, SimMemory, kmod, sim_stats
-from gpupin.testing import ensure_loaded, ko_dir
+from gpupin.kmod import ko_dir
+from gpupin.testing import ensure_loaded
 
 pytestmark = [pytest.mark.vm, pytest.mark.simonly]
 

@@ -220,7 +220,7 @@ def assert_departed_subscriber_port_gets_nothing(portid: int) -> None:
 
 def test_unicast_events_fallback(gpupin_loaded: None, leakcheck: None) -> None:
     """The build for kernels without GENL_MCAST_CAP_NET_ADMIN: SUBSCRIBE + unicast, admin only."""
-    from gpupin.testing import ko_dir
+    from gpupin.kmod import ko_dir
 
     variant = ko_dir() / "build" / "unicast" / "gpupin.ko"
     assert variant.exists(), "vm-run.sh builds this variant"
