@@ -7,14 +7,14 @@ VENV=${VENV:-$ROOT/.venv}
 
 PKGS=(build-essential python3 python3-venv python3-dev libkmod-dev libffi-dev kmod
       qemu-system-x86 linux-image-amd64 linux-headers-amd64 sparse linux-source-6.1
-      pciutils xz-utils libdrm-dev busybox-static dkms git perl binutils ca-certificates file)
+      pciutils xz-utils libdrm-dev busybox-static dkms git perl binutils ca-certificates file iproute2)
 
 # What the README's commands run, and the Debian package that provides it: checked after the
 # install (and by `setup.sh --verify`), so a missing one is named instead of failing later.
 TOOLS=(make:make gcc:gcc python3:python3 git:git perl:perl qemu-system-x86_64:qemu-system-x86
        busybox:busybox-static sparse:sparse modinfo:kmod depmod:kmod xz:xz-utils lspci:pciutils
        dkms:dkms readelf:binutils objcopy:binutils dpkg-deb:dpkg apt-get:apt script:bsdutils
-       timeout:coreutils tar:tar file:file)
+       timeout:coreutils tar:tar file:file ip:iproute2)
 FILES=(/usr/include/libkmod.h:libkmod-dev "/usr/include/*-linux-gnu/ffi.h:libffi-dev"
        /usr/include/libdrm/drm.h:libdrm-dev "/usr/include/python3*/Python.h:python3-dev"
        "/usr/lib/python3*/venv/__init__.py:python3-venv" "/boot/vmlinuz-*-amd64:linux-image-amd64"
