@@ -65,4 +65,4 @@ chroot "$R" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root TERM=d
 	PIP_CERT=/etc/ssl/host-ca.crt SSL_CERT_FILE=/etc/ssl/host-ca.crt REQUESTS_CA_BUNDLE=/etc/ssl/host-ca.crt \
 	/bin/bash -c "$cmd" ||
 	die "the README's setup does not work on a fresh Debian 12 (above)"
-echo "check-fresh: fresh Debian 12 (minbase): setup.sh, --verify and the module build passed in $(($(date +%s) - start)) s"
+echo "check-fresh: fresh Debian 12 (minbase): setup.sh, --verify, the module build$([ "${GPUPIN_FRESH_DEMO:-}" = 1 ] && echo " and make demo") passed in $(($(date +%s) - start)) s"
