@@ -38,7 +38,7 @@ modules:
 	else $(KMAKE) modules; fi
 
 clean:
-	-$(KMAKE) clean
+	-$(MAKE) -C $(KDIR) M=$(CURDIR) NVIDIA_SRC=none clean
 	rm -rf build pyctl/gpupin/_gpupin_cffi.* pyctl/gpupin/_gpupin_kmod.* pyctl/gpupin/_gpupin_drm.*
 
 # Installs apt packages and the virtualenv; idempotent.

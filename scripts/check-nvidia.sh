@@ -21,6 +21,7 @@ SUITES=("$@")
 [ ${#SUITES[@]} -gt 0 ] || SUITES=(bookworm trixie)
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 CACHE=${GPUPIN_CACHE:-/var/cache/gpupin}/nvidia
+KDIR=${KDIR%/}
 KVER=$(basename "${KDIR%/build}")
 KVER=${KVER#linux-headers-}
 JOBS=$(nproc)
@@ -89,9 +90,13 @@ for suite in "${SUITES[@]}"; do
 	fi
 	# Stable 6.1.y gave pci_resize_resource() an exclude_bars argument that
 	# these releases predate; BAR resizing is not what is checked here.
+	# The cached tree serves every kernel: patch or unpatch for this one.
 	if grep -q "int __must_check pci_resize_resource(.*int size,$" \
 		"/lib/modules/$KVER/source/include/linux/pci.h" "$KDIR/include/linux/pci.h" 2>/dev/null; then
 		sed -i 's/pci_resize_resource(pci_dev, NV_GPU_BAR1, requested_size);/pci_resize_resource(pci_dev, NV_GPU_BAR1, requested_size, 0);/' \
+			"$src/nvidia/nv-pci.c"
+	else
+		sed -i 's/pci_resize_resource(pci_dev, NV_GPU_BAR1, requested_size, 0);/pci_resize_resource(pci_dev, NV_GPU_BAR1, requested_size);/' \
 			"$src/nvidia/nv-pci.c"
 	fi
 	out="$dir/built-$KVER"
@@ -140,9 +145,16 @@ for suite in "${SUITES[@]}"; do
 		echo "check-nvidia: the simulator build's CRCs match NVIDIA $ver: the CRC check is broken" >&2
 		bad=1
 	fi
-	# The last resort (sources, no nvidia.ko, no Module.symvers): unversioned
-	# imports, said loudly, and a softdep so modprobe still loads nvidia first.
-	if ! NVIDIA_SRC="$src" NVIDIA_KO='' "$b/scripts/dkms-build.sh" "$KVER" "$KDIR" >"$dir/gpupin-unversioned.log" 2>&1 ||
+	# No nvidia.ko and no Module.symvers: a clear failure, and only with
+	# GPUPIN_ALLOW_UNVERSIONED=1 the last resort, unversioned imports said
+	# loudly, with a softdep so modprobe still loads nvidia first.
+	if NVIDIA_SRC="$src" NVIDIA_KO=none "$b/scripts/dkms-build.sh" "$KVER" "$KDIR" >"$dir/gpupin-unversioned.log" 2>&1 ||
+		! grep -q "CRCs are unknown" "$dir/gpupin-unversioned.log"; then
+		echo "check-nvidia: dkms-build.sh built without CRCs unasked ($dir/gpupin-unversioned.log)" >&2
+		bad=1
+	fi
+	if ! GPUPIN_ALLOW_UNVERSIONED=1 NVIDIA_SRC="$src" NVIDIA_KO=none "$b/scripts/dkms-build.sh" "$KVER" "$KDIR" \
+		>"$dir/gpupin-unversioned.log" 2>&1 ||
 		! grep -q "WARNING: unversioned nvidia_p2p_" "$dir/gpupin-unversioned.log" ||
 		[ "$(modinfo -F softdep "$b/gpupin.ko")" != "pre: nvidia" ]; then
 		echo "check-nvidia: the unversioned last-resort build of dkms-build.sh misbehaves ($dir/gpupin-unversioned.log)" >&2

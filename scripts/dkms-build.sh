@@ -9,8 +9,9 @@
 #  2. the nvidia.ko installed for KVER (or NVIDIA_KO=<file>): its exported
 #     __crc_nvidia_p2p_* values are read out of the module itself;
 #  3. NVIDIA_SRC/Module.symvers, where NVIDIA's installer leaves one;
-#  4. last resort: unversioned imports (modpost warns; the kernel loads the
-#     module with "no symbol version" warnings) - said loudly.
+#  4. last resort, only with GPUPIN_ALLOW_UNVERSIONED=1: unversioned imports
+#     (modpost warns; the kernel loads the module with "no symbol version"
+#     warnings) - said loudly.  Without it the build fails and says why.
 # The header comes from NVIDIA_SRC (the dir holding nvidia/nv-p2p.h), by
 # default the /usr/src/nvidia-* tree of the installed driver's version.
 # The simulator is never built here: see packaging/ for gpupin-sim-dkms.
@@ -25,7 +26,7 @@ say() { echo "gpupin-dkms: $*" >&2; }
 # The nvidia.ko of KVER: modinfo resolves Debian's renamed modules
 # (nvidia-current-open.ko) through their aliases; else search updates/.
 ko=${NVIDIA_KO:-}
-[ -z "$ko" ] || [ -f "$ko" ] || { say "NVIDIA_KO=$ko: no such file"; exit 1; }
+[ -z "$ko" ] || [ "$ko" = none ] || [ -f "$ko" ] || { say "NVIDIA_KO=$ko: no such file"; exit 1; }
 if [ -z "$ko" ]; then
 	ko=$(modinfo -k "$KVER" -n nvidia 2>/dev/null || true)
 	case "$ko" in /*) ;; *) ko= ;; esac
@@ -35,17 +36,25 @@ if [ -z "$ko" ]; then
 		if [ "$(modinfo -F name "$f" 2>/dev/null)" = nvidia ]; then ko=$f; break; fi
 	done < <(find "/lib/modules/$KVER" -name 'nvidia*.ko*' 2>/dev/null | sort)
 fi
+[ "$ko" != none ] || ko=
 ver=
 [ -n "$ko" ] && ver=$(modinfo -F version "$ko" 2>/dev/null || true)
 
+# The header must be the installed driver's own: the CRCs come from its
+# nvidia.ko whichever header is compiled in, so a wrong one would load.
 src=${NVIDIA_SRC:-}
-if [ -z "$src" ]; then
-	cands=()
-	[ -z "$ver" ] || cands+=(/usr/src/nvidia*-"$ver")
-	mapfile -t -O ${#cands[@]} cands < <(ls -d /usr/src/nvidia-* 2>/dev/null | sort -rV)
-	for d in "${cands[@]}"; do
+if [ -z "$src" ] && [ -n "$ver" ]; then
+	for d in /usr/src/nvidia*-"$ver"; do
 		if [ -e "$d/nvidia/nv-p2p.h" ]; then src=$d; break; fi
 	done
+	if [ -z "$src" ]; then
+		say "nvidia.ko for $KVER is driver $ver, but no /usr/src/nvidia*-$ver/nvidia/nv-p2p.h is installed."
+		say "Install that driver's kernel sources (Debian: nvidia-open-kernel-dkms $ver) or set NVIDIA_SRC=."
+		exit 1
+	fi
+elif [ -z "$src" ]; then
+	src=$(ls -d /usr/src/nvidia-*/nvidia/nv-p2p.h 2>/dev/null | sort -rV | head -n 1 || true)
+	src=${src%/nvidia/nv-p2p.h}
 fi
 if [ -z "$src" ] || [ ! -e "$src/nvidia/nv-p2p.h" ]; then
 	say "no NVIDIA driver sources with nvidia/nv-p2p.h found under /usr/src${ver:+ for driver $ver}."
@@ -58,6 +67,13 @@ fi
 # offset of the 32-bit CRC in that section.
 crcs_from_ko() {
 	local f=$1 plain="$TMP/nvidia.ko" sec idx type crc
+	case "$f" in
+	*.xz | *.zst | *.gz)
+		local tool
+		case "$f" in *.xz) tool=xz ;; *.zst) tool=zstd ;; *) tool=gzip ;; esac
+		command -v "$tool" >/dev/null || { say "$f is compressed: install $tool to read its CRCs"; exit 1; }
+		;;
+	esac
 	case "$f" in
 	*.xz) xz -dc "$f" >"$plain" ;;
 	*.zst) zstd -qdc "$f" >"$plain" ;;
@@ -92,9 +108,16 @@ if [ -z "$symvers" ] && grep -qs nvidia_p2p_get_pages "$src/Module.symvers"; the
 fi
 extra=()
 if [ -z "$symvers" ]; then
+	# Typically DKMS building for a new kernel before NVIDIA's module is there:
+	# fail, so that a later `dkms autoinstall` builds it right.
+	if [ "${GPUPIN_ALLOW_UNVERSIONED:-}" != 1 ]; then
+		say "no nvidia.ko for $KVER and no Module.symvers in $src: the nvidia_p2p_* CRCs are unknown."
+		say "Install the NVIDIA driver for $KVER first, then: dkms install gpupin/<version> -k $KVER"
+		say "(GPUPIN_ALLOW_UNVERSIONED=1 builds unversioned imports instead, as a last resort)"
+		exit 1
+	fi
 	say "WARNING: no nvidia.ko for $KVER and no Module.symvers in $src: building with"
 	say "WARNING: unversioned nvidia_p2p_* imports (modprobe will warn 'no symbol version')."
-	say "WARNING: install the NVIDIA driver for $KVER first, then: dkms install gpupin/<version> -k $KVER"
 	extra=(KBUILD_MODPOST_WARN=1)
 else
 	say "building against NVIDIA ${ver:-(version unknown)} sources in $src; CRCs $how"

@@ -271,15 +271,18 @@ static int sim_injected_error_locked(void)
 }
 
 /*
- * The table as the driver of @version allocates it: a 1.x table (R575 and
- * older) ends after gpu_uuid, so a client that reads `flags` from it reads
- * past the allocation (KASAN reports it) as it would on such a host.
+ * The table as the driver of @version allocates it: 1.2 (R535..R575) ends
+ * after gpu_uuid, older ones after entries, so a client that reads `flags`
+ * (or gpu_uuid) from a table without it reads past the allocation (KASAN
+ * reports it) as it would on such a host.
  */
 static size_t sim_table_size(u32 version)
 {
-	if (NVIDIA_P2P_MAJOR_VERSION(version) < 2)
+	if (NVIDIA_P2P_MAJOR_VERSION(version) >= 2)
+		return sizeof(struct nvidia_p2p_page_table);
+	if (NVIDIA_P2P_MAJOR_VERSION(version) == 1 && NVIDIA_P2P_MINOR_VERSION(version) >= 2)
 		return offsetofend(struct nvidia_p2p_page_table, gpu_uuid);
-	return sizeof(struct nvidia_p2p_page_table);
+	return offsetofend(struct nvidia_p2p_page_table, entries);
 }
 
 static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_table,
@@ -329,7 +332,8 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 	pin->pt->page_size = NVIDIA_P2P_PAGE_SIZE_64KB;
 	pin->pt->pages = pin->pages;
 	pin->pt->entries = entries;
-	pin->pt->gpu_uuid = sim_gpu_uuid;
+	if (pin->pt_size > offsetof(struct nvidia_p2p_page_table, gpu_uuid))
+		pin->pt->gpu_uuid = sim_gpu_uuid;
 
 	err = sim_api_lock(__func__);
 	if (err)
@@ -531,10 +535,6 @@ int nvidia_p2p_free_page_table(struct nvidia_p2p_page_table *page_table)
 }
 EXPORT_SYMBOL_GPL(nvidia_p2p_free_page_table);
 
-/*
- * The lookup done on entry: the table must be live.  A freed one is the
- * client's use after free.
- */
 /*
  * dma_map_pages' first read of @pt.  A table a free callback freed moments
  * ago (race_window_ms) is NVIDIA's window again, seen from the client's side:
