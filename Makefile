@@ -72,7 +72,7 @@ test-native: pyext modules
 	GPUPIN_NATIVE=1 $(VENV)/bin/pytest -q tests/vm
 
 test-long: setup pyext
-	GPUPIN_LONG=1 GPUPIN_CYCLES=20 scripts/vm-run.sh test
+	GPUPIN_LONG=1 GPUPIN_CYCLES=20 GPUPIN_TEST_TIMEOUT=1800 scripts/vm-run.sh test
 
 # A 6.1 kernel with KASAN, lockdep, DEBUG_ATOMIC_SLEEP and kmemleak, built once (~13 min,
 # cached in /var/cache/gpupin); the VM suites and campaigns under it at CI counts (KASAN makes
