@@ -9,6 +9,19 @@ mkdir -p "$OUT"
 cd "$ROOT"
 python3 -m pip install -q --no-index --find-links .wheels --target /tmp/gpupin-deps cffi pycparser pyroute2 \
 	>"$OUT/pip.txt" 2>&1 || { cat "$OUT/pip.txt"; exit 1; }
+# libcufile for the GDS tests (gpupin.gds finds it in site-packages); optional.
+python3 -m pip install -q --no-index --find-links .wheels --target /tmp/gpupin-deps nvidia-cufile \
+	>>"$OUT/pip.txt" 2>&1 || echo "gpu-run: no nvidia-cufile wheel in .wheels: the GDS tests will skip"
+# cuFile registers a file only if udev describes its block device (ID_FS_USAGE).  The lent
+# machines are containers without udev: describe the work tree's file system the way udev
+# would, so that the read path can be tested (GPUDIRECT_NO_UDEV_FIX=1 leaves it missing).
+dev=$(stat -c '%Hd:%Ld' .)
+if [ "${GPUDIRECT_NO_UDEV_FIX:-0}" != 1 ] && [ "$(id -u)" = 0 ] && [ "${dev%%:*}" != 0 ] \
+	&& [ ! -e "/run/udev/data/b$dev" ]; then
+	mkdir -p /run/udev/data
+	printf 'E:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE=%s\n' "$(stat -f -c %T .)" >"/run/udev/data/b$dev"
+	echo "gpu-run: wrote /run/udev/data/b$dev (no udev here) so that cuFile can register files"
+fi
 export PYTHONPATH=/tmp/gpupin-deps:$ROOT/pyctl
 (cd pyctl && python3 gpupin/_build.py --no-kmod) >"$OUT/build.txt" 2>&1 || { cat "$OUT/build.txt"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
@@ -16,5 +29,8 @@ python3 -c "import cuda.bindings, sys; print('cuda-bindings', cuda.bindings.__ve
 	| tee -a "$OUT/gpu.txt"
 python3 -m pytest -q -p no:cacheprovider -rsP tests/gpu 2>&1 | tee "$OUT/gpu-tests.txt"
 rc=${PIPESTATUS[0]}
+export PYTHONUNBUFFERED=1
+python3 -m gpupin.cli gds status 2>&1 | tee "$OUT/gds-status.txt"
+python3 -m gpupin.bench --gds --out "$OUT/bench-gds.json" 2>&1 | tee "$OUT/bench-gds.txt"
 python3 -m gpupin.bench --only-cuda --out "$OUT/bench-gpu.json" 2>&1 | tee "$OUT/bench-gpu.txt"
 exit "$rc"

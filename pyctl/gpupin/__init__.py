@@ -12,6 +12,7 @@ from .errors import (
     BarExhausted,
     BudgetExceeded,
     DriverNotLoaded,
+    GdsError,
     GpupinError,
     InvalidArgument,
     ModuleError,
@@ -28,7 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ABI_VERSION", "GPU_PAGE_SIZE", "AbiMismatch", "AllocationRange", "BarExhausted",
-    "BudgetExceeded", "Device", "DmaMapping", "DriverNotLoaded", "Event", "GpupinError", "Info",
+    "BudgetExceeded", "Device", "DmaMapping", "DriverNotLoaded", "Event", "GdsError", "GpupinError", "Info",
     "InvalidArgument", "MemoryProvider", "ModuleError", "NotGpuMemory", "PermissionDenied", "Pin",
     "PinInvalidated", "PinState", "SimMemory", "SimStats", "TransferAborted", "UnknownHandle",
     "sim_stats",

@@ -19,8 +19,10 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +40,9 @@ TARGETS = {
     "trace_speedup": 10.0,
     "scale_100k_over_100": 1.5,
     "pressure_failed_acquires": 0,
+    "gds_registration_reduction": 60.0,
+    "gds_speedup": 20.0,
+    "gds_hit_over_direct_query": 1.5,
 }
 
 
@@ -46,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vm", action="store_true", help="also time real pin/unpin ioctls (needs the modules)")
     p.add_argument("--cuda", action="store_true", help="also measure tag queries on a real GPU")
     p.add_argument("--only-cuda", action="store_true", help="only the GPU figures")
+    p.add_argument("--gds", action="store_true",
+                   help="only the GPUDirect Storage figures (needs a GPU, cuda-python and libcufile)")
     p.add_argument("--only-vm", action="store_true", help="only the real-ioctl pin/unpin times (needs the modules)")
     p.add_argument("--out", metavar="FILE", help="write the JSON here as well")
     p.add_argument("--seed", type=int, default=1)
@@ -301,10 +308,106 @@ def bench_cuda(reps: int, n: int) -> dict[str, Any]:
     return out
 
 
+def _gds_file(driver: Any, size: int) -> tuple[Any, str, str]:
+    """A file cuFile can read for the trace: (GdsFile or None, its path, why not)."""
+    from .errors import GdsError
+    from .gds import GdsFile
+
+    path = os.path.join(os.getcwd(), f".gpupin-gds-bench-{os.getpid()}.bin")
+    try:
+        with open(path, "wb") as f:
+            f.write(os.urandom(size))
+        return GdsFile(driver, path), path, ""
+    except (OSError, GdsError) as exc:
+        return None, path, str(exc).split(";")[0]
+
+
+def bench_gds(ios: int = 1000, buffers: int = 16, size: int = MiB, io_size: int = 64 * 1024,
+              seed: int = 1, reps: int = 15, n: int = 20000) -> dict[str, Any]:
+    """GPUDirect Storage: a reuse trace of ``ios`` reads over ``buffers`` buffers, registering per
+    IO (the guide's pattern 1) against GdsCache, and the cache's hit cost against one direct
+    BUFFER_ID query.  Needs a GPU, cuda-python and libcufile."""
+    from ._native import cuda_buffer_id
+    from .cuda import CudaMemory
+    from .gds import CuFileDriver, GdsCache
+
+    rng = random.Random(seed)
+    mem = CudaMemory()
+    drv = CuFileDriver()
+    cf = drv.cufile
+    ptrs = [mem.alloc(size) for _ in range(buffers)]
+    trace = zipf_trace(ios, buffers, 1.1, rng)
+    offs = [rng.randrange(0, size - io_size + 1) & ~4095 for _ in range(ios)]
+    gf, path, why = _gds_file(drv, 16 * MiB)
+    out: dict[str, Any] = {"gds_ios": ios, "gds_buffers": buffers, "gds_buffer_bytes": size,
+                           "gds_io_bytes": io_size, "gds_cufile_version": cf.get_version(),
+                           "gds_reads": gf is not None}
+    if gf is None:
+        out["gds_reads_skipped"] = why
+    file_offs = [rng.randrange(0, 16 * MiB - io_size + 1) & ~4095 for _ in range(ios)]
+    tty = sys.stderr.isatty()
+    try:
+        # Pattern 1: register and deregister the buffer around every IO.
+        t = time.perf_counter()
+        for i, b in enumerate(trace):
+            p = ptrs[b]
+            cf.buf_register(p, size, 0)
+            if gf is not None:
+                gf.read(p, io_size, file_offs[i], buf_offset=offs[i])
+            cf.buf_deregister(p)
+            if i % 100 == 0:
+                print(("\r" if tty else "") + f"gds: pattern 1, IO {i}/{ios}", end="" if tty else "\n",
+                      file=sys.stderr, flush=True)
+        out["gds_pattern1_s"] = time.perf_counter() - t
+        out["gds_pattern1_registrations"] = ios
+        # The cache: register each allocation once, a buffer-id-checked hit after.
+        cache = GdsCache(drv, mem)
+        t = time.perf_counter()
+        for i, b in enumerate(trace):
+            reg = cache.acquire(ptrs[b] + offs[i], io_size)
+            if gf is not None:
+                gf.read(reg, io_size, file_offs[i])
+            reg.release()
+        cache.close()
+        out["gds_cache_s"] = time.perf_counter() - t
+        out["gds_cache_registrations"] = drv.registrations
+        print(("\r" if tty else "") + f"gds: pattern 1 {out['gds_pattern1_s']:.2f} s, "
+              f"the cache {out['gds_cache_s']:.2f} s", file=sys.stderr, flush=True)
+        out["gds_registration_reduction"] = ios / max(1, drv.registrations)
+        out["gds_speedup"] = out["gds_pattern1_s"] / out["gds_cache_s"]
+        # The hit against one bare BUFFER_ID query through libcuda (interleaved batches).
+        cache = GdsCache(drv, mem)
+        for p in ptrs:
+            cache.acquire(p, 8).release()
+        direct = cuda_buffer_id or lib.gp_cuda_buffer_id_or_0
+        out.update(interleaved_ns({
+            "gds_direct_tag_query_ns": tag_loop(direct, ptrs),
+            "gds_hit_ns": hit_loop(cache, ptrs),
+            "gds_hit_release_ns": hit_release_loop(cache, ptrs),
+        }, n, reps))
+        cache.close()
+        out["gds_hit_over_direct_query"] = out["gds_hit_ns"] / out["gds_direct_tag_query_ns"]
+    finally:
+        if gf is not None:
+            gf.close()
+        if os.path.exists(path):
+            os.unlink(path)
+        for p in ptrs:
+            mem.free(p)
+        drv.close()
+        mem.close()
+    return out
+
+
 def run(quick: bool = False, vm: bool = False, cuda: bool = False, seed: int = 1,
-        only_cuda: bool = False, only_vm: bool = False) -> dict[str, Any]:
+        only_cuda: bool = False, only_vm: bool = False, gds: bool = False) -> dict[str, Any]:
     reps, n = (5, 2000) if quick else (15, 20000)
     res: dict[str, Any] = {}
+    if gds:
+        res.update(bench_gds(200 if quick else 1000, seed=seed, reps=reps, n=n))
+        res["targets"] = {k: {"target": v, "measured": res.get(k), "met": _met(k, v, res.get(k))}
+                          for k, v in TARGETS.items() if k.startswith("gds_")}
+        return res
     if only_vm:
         res.update(bench_vm(5 if quick else 50))
         res["targets"] = {}
@@ -330,7 +433,7 @@ def run(quick: bool = False, vm: bool = False, cuda: bool = False, seed: int = 1
 def _met(key: str, target: float, value: Any) -> bool | None:
     if not isinstance(value, (int, float)):
         return None
-    if key in ("trace_pin_reduction", "trace_speedup"):
+    if key in ("trace_pin_reduction", "trace_speedup", "gds_registration_reduction", "gds_speedup"):
         return value >= target
     return value <= target
 
@@ -353,7 +456,8 @@ def format_table(res: dict[str, Any]) -> str:
 
 
 def main_args(a: argparse.Namespace) -> None:
-    res = run(quick=a.quick, vm=a.vm, cuda=a.cuda, seed=a.seed, only_cuda=a.only_cuda, only_vm=a.only_vm)
+    res = run(quick=a.quick, vm=a.vm, cuda=a.cuda, seed=a.seed, only_cuda=a.only_cuda, only_vm=a.only_vm,
+              gds=getattr(a, "gds", False))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=2)

@@ -181,6 +181,7 @@ class RegistrationCache:
         self.validate = validate
         self.whole_allocation = whole_allocation
         self.sync_memops = sync_memops
+        self._granule = int(getattr(device, "granule", GPU_PAGE))
         check_kernel = validate in ("both", "kernel")
         check_tag = validate in ("both", "tag")
         # The tag check runs in C when the provider offers the direct CUDA query.
@@ -312,12 +313,15 @@ class RegistrationCache:
             raise InvalidArgument(
                 f"acquire(ptr={ptr:#x}, size={end - ptr}): the range runs past its allocation "
                 f"[{r.base:#x}, {r.base + r.size:#x}); register each allocation separately")
+        # What the device registers in: nv-p2p pins 64 KiB GPU pages; cuFile takes the
+        # allocation's own bounds (granule 1), and rounding them would leave the allocation.
+        g = self._granule
         if self.whole_allocation:
-            start = r.base & ~(GPU_PAGE - 1)
-            stop = -(-(r.base + r.size) // GPU_PAGE) * GPU_PAGE
+            start = r.base & ~(g - 1)
+            stop = -(-(r.base + r.size) // g) * g
         else:
-            start = ptr & ~(GPU_PAGE - 1)
-            stop = -(-end // GPU_PAGE) * GPU_PAGE
+            start = ptr & ~(g - 1)
+            stop = -(-end // g) * g
         need = stop - start
         if self.max_bytes and need > self.max_bytes:
             raise CacheFull(f"acquire: the allocation needs {need} bytes, more than max_bytes={self.max_bytes}")

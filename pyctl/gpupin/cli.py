@@ -321,6 +321,31 @@ def cmd_sim(s: Session, a: argparse.Namespace) -> Result:
     raise UsageError(f"sim: unknown operation {a.op}")
 
 
+def cmd_gds(s: Session, a: argparse.Namespace) -> Result:
+    from . import gds
+
+    if a.op == "bench":
+        from . import bench
+
+        a.gds = True
+        a.cuda = a.vm = a.only_cuda = a.only_vm = False
+        a.out = a.out or None
+        return bench.main_args(a)
+    out: dict[str, Any] = {}
+    try:
+        drv = gds.CuFileDriver()
+    except GpupinError as exc:
+        out["cufile"] = f"not usable: {exc}"
+    else:
+        try:
+            out.update(drv.properties().as_dict())
+        finally:
+            drv.close()
+    for c in doctor_mod.check_gds() + doctor_mod.check_async():
+        out[c.name] = f"{c.status}: {c.detail}" + (f" (fix: {c.fix})" if c.fix else "")
+    return out
+
+
 def cmd_bench(s: Session, a: argparse.Namespace) -> Result:
     from . import bench
 
@@ -385,6 +410,12 @@ def build_parser() -> _Parser:
     from . import bench
 
     bench.add_arguments(sp)
+    sp = add("gds", cmd_gds, "GPUDirect Storage: status (cuFile properties, GDS/Async readiness) | bench "
+                             "(register per IO vs the cache)")
+    sp.add_argument("op", choices=["status", "bench"])
+    sp.add_argument("--quick", action="store_true", help="bench: a 200-IO trace")
+    sp.add_argument("--seed", type=int, default=1)
+    sp.add_argument("--out", metavar="FILE", help="bench: write the JSON here as well")
     sub.add_parser("shell", help="interactive debugging shell (also -c 'cmd; cmd' or a script on stdin)",
                    description="interactive debugging shell").add_argument(
         "-c", dest="commands", help="run these ';'-separated commands and exit")

@@ -93,13 +93,17 @@ class CudaMemory(ProviderBase):
         if int(managed):
             raise NotGpuMemory(f"{ptr:#x} is managed (unified) memory, which GPUDirect RDMA "
                                "cannot pin: use cuMemAlloc")
-        base, length = int(start), int(size)
+        base, end = int(start), int(start) + int(size)
         if self.direct_tag_query and len(self._mapping_attrs) == 2:
+            # The allocation is where the address range and the physical mapping overlap:
+            # a VMM chunk is a mapping inside a larger reserved range, while a small
+            # cuMemAlloc or pool allocation sits inside a larger mapping (measured: 1 MiB
+            # cuMemAlloc in a 2 MiB mapping, a 300,000-byte pool block in 32 MiB).
             out = ffi.new("uint64_t[2]")
             if lib.gp_cuda_attr_u64(ptr, self._mapping_attrs[0], out) == 0 and \
                     lib.gp_cuda_attr_u64(ptr, self._mapping_attrs[1], out + 1) == 0 and out[1]:
-                base, length = int(out[0]), int(out[1])
-        return AllocationRange(base, length, int(buf_id))
+                base, end = max(base, int(out[0])), min(end, int(out[0]) + int(out[1]))
+        return AllocationRange(base, end - base, int(buf_id))
 
     def export_dmabuf(self, ptr: int) -> int:
         """A dma-buf fd for the allocation holding ``ptr`` (cuMemGetHandleForAddressRange).

@@ -1,4 +1,6 @@
-"""``gpupin doctor``: what the GPUDirect RDMA documents say matters, read from /proc and /sys.
+"""``gpupin doctor``: what the GPUDirect RDMA, Storage and Async documents say matters.
+
+Read from /proc, /sys, the modprobe configuration and cufile.json.
 
 Each check gives pass/warn/fail/info, what was seen, and a fix.  Nothing here
 changes the system.
@@ -8,7 +10,9 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -199,5 +203,170 @@ def check_bar1() -> list[Check]:
     return out
 
 
+# -- GPUDirect Storage and GPUDirect Async -------------------------------------
+def check_nvidia_fs(modules: str = "/sys/module") -> Check:
+    if os.path.isdir(os.path.join(modules, "nvidia_fs")):
+        ver = _read(os.path.join(modules, "nvidia_fs", "version"))
+        return Check("pass", "GDS nvidia-fs", f"loaded {ver}".strip() + ": cuFile can DMA between storage and GPU")
+    return Check("info", "GDS nvidia-fs", "not loaded: cuFile runs in compatibility mode (POSIX reads through "
+                 "host bounce buffers); buffer registration still works and still costs",
+                 "install NVIDIA's nvidia-fs (the nvidia-gds package) for the direct path, or use "
+                 "use_pci_p2pdma with a P2PDMA kernel")
+
+
+def strip_json_comments(text: str) -> str:
+    """cufile.json allows // comments; drop them (outside strings) so json can read it."""
+    out = []
+    for line in text.splitlines():
+        in_str = False
+        for i, ch in enumerate(line):
+            if ch == '"' and (i == 0 or line[i - 1] != "\\"):
+                in_str = not in_str
+            elif ch == "/" and not in_str and line[i:i + 2] == "//":
+                line = line[:i]
+                break
+        out.append(line)
+    return re.sub(r",(\s*[}\]])", r"\1", "\n".join(out))
+
+
+def check_cufile_json(path: str | None = None) -> list[Check]:
+    path = path or os.environ.get("CUFILE_ENV_PATH_JSON") or "/etc/cufile.json"
+    if not os.path.exists(path):
+        return [Check("info", "cufile.json", f"{path} not found: cuFile uses its built-in defaults",
+                      "copy the cufile.json from NVIDIA's GDS package to /etc, or set CUFILE_ENV_PATH_JSON")]
+    try:
+        cfg = json.loads(strip_json_comments(Path(path).read_text()))
+    except (OSError, ValueError) as exc:
+        return [Check("fail", "cufile.json", f"{path} cannot be read: {exc}",
+                      "fix the file: cuFile refuses to start with a broken configuration")]
+    props = cfg.get("properties", {})
+    keys = ("allow_compat_mode", "max_device_pinned_mem_size_kb", "per_buffer_cache_size_kb",
+            "use_pci_p2pdma", "max_direct_io_size_kb")
+    seen = ", ".join(f"{k}={props[k]}" for k in keys if k in props)
+    out = [Check("pass", "cufile.json", f"{path}: {seen or 'no properties set'}")]
+    if props.get("allow_compat_mode") is False and not os.path.isdir("/sys/module/nvidia_fs"):
+        out.append(Check("fail", "cufile.json", "allow_compat_mode is false and nvidia-fs is not loaded: every "
+                         "cuFile IO will fail", "load nvidia-fs, or set allow_compat_mode to true"))
+    return out
+
+
+def kernel_config(option: str, release: str | None = None) -> str | None:
+    """The value of a kernel config option from /boot/config-<release>, None if unknown."""
+    release = release or os.uname().release
+    text = _read(f"/boot/config-{release}")
+    if not text:
+        return None
+    m = re.search(rf"^{option}=(\S+)", text, re.M)
+    return m.group(1) if m else "n"
+
+
+def check_p2pdma(config: str | None = None) -> Check:
+    value = kernel_config("CONFIG_PCI_P2PDMA") if config is None else config
+    if value is None:
+        return Check("info", "P2PDMA", "kernel configuration not readable (/boot/config-*)")
+    if value == "y":
+        return Check("pass", "P2PDMA", "CONFIG_PCI_P2PDMA=y: cuFile's use_pci_p2pdma (no nvidia-fs) is possible "
+                     "with NVIDIA's open modules (R570+) and an NVMe driver that supports it")
+    return Check("info", "P2PDMA", "CONFIG_PCI_P2PDMA is not set: GDS needs nvidia-fs on this kernel")
+
+
+def nvreg_params(params: str = "/proc/driver/nvidia/params", modprobe_dir: str = "/etc/modprobe.d") -> tuple[
+        dict[str, str], str]:
+    """NVreg_* settings from the loaded driver (params), else from the modprobe configuration."""
+    text = _read(params)
+    if text:
+        out = {}
+        for line in text.splitlines():
+            k, _, v = line.partition(":")
+            out[k.strip()] = v.strip().strip('"')
+        return out, params
+    out = {}
+    for conf in sorted(glob.glob(os.path.join(modprobe_dir, "*.conf"))):
+        for line in _read(conf).splitlines():
+            words = line.split()
+            if len(words) >= 3 and words[0] == "options" and words[1] in ("nvidia", "nvidia-current"):
+                for w in words[2:]:
+                    k, _, v = w.partition("=")
+                    if k.startswith("NVreg_"):
+                        out[k[len("NVreg_"):]] = v.strip('"')
+    return out, modprobe_dir if out else ""
+
+
+def check_nvreg(params: str = "/proc/driver/nvidia/params", modprobe_dir: str = "/etc/modprobe.d") -> list[Check]:
+    vals, where = nvreg_params(params, modprobe_dir)
+    if not where:
+        return [Check("info", "NVreg", "no NVIDIA driver parameters found (driver not loaded, no modprobe options)")]
+    dwords = vals.get("RegistryDwords", "")
+    peer = re.search(r"PeerMappingOverride\s*=\s*(\w+)", dwords)
+    peer_on = bool(peer and peer.group(1) not in ("0", "0x0"))
+    memops = vals.get("EnableStreamMemOPs")
+    return [
+        Check("pass", "PeerMappingOverride", f"RegistryDwords={dwords!r} ({where})") if peer_on else
+        Check("info", "PeerMappingOverride", f"not set ({where}): GPUDirect Async from a NIC (e.g. NVSHMEM's "
+              "IBGDA) cannot map GPU memory for the NIC's doorbells",
+              'options nvidia NVreg_RegistryDwords="PeerMappingOverride=1;" in /etc/modprobe.d, then reload '
+              "the driver"),
+        Check("pass", "EnableStreamMemOPs", f"1 ({where})") if memops == "1" else
+        Check("info", "EnableStreamMemOPs", f"{memops or 'not set'} ({where}); recent drivers enable stream "
+              "memory operations anyway: the device attribute below says",
+              "options nvidia NVreg_EnableStreamMemOPs=1 (GPUDirect Async: cuStreamWaitValue/WriteValue on "
+              "older drivers)"),
+    ]
+
+
+def check_stream_memops() -> list[Check]:
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError:
+        return [Check("info", "stream memops", "cuda-python not installed: device attribute not read")]
+    try:
+        usable = cu.cuInit(0)[0] == cu.CUresult.CUDA_SUCCESS
+    except RuntimeError:   # libcuda.so missing
+        usable = False
+    if not usable:
+        return [Check("info", "stream memops", "the CUDA driver is not usable here")]
+    A = cu.CUdevice_attribute
+    names = [n for n in ("CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS", "CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1",
+                         "CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS") if hasattr(A, n)]
+    out = []
+    count = cu.cuDeviceGetCount()[1]
+    for i in range(count):
+        err, dev = cu.cuDeviceGet(i)
+        vals = {n.removeprefix("CU_DEVICE_ATTRIBUTE_"): cu.cuDeviceGetAttribute(getattr(A, n), dev)[1]
+                for n in names}
+        ok = any(v == 1 for k, v in vals.items() if not k.endswith("_V1")) or vals.get("CAN_USE_STREAM_MEM_OPS_V1") == 1
+        out.append(Check("pass" if ok else "warn", "stream memops",
+                         f"GPU {i}: " + ", ".join(f"{k}={v}" for k, v in vals.items()),
+                         "" if ok else "set NVreg_EnableStreamMemOPs=1 and reload the driver"))
+    return out
+
+
+def check_udev_for_gds(path: str = ".", udev_dir: str = "/run/udev/data") -> Check:
+    st = os.stat(path)
+    maj, mnr = os.major(st.st_dev), os.minor(st.st_dev)
+    if maj == 0:
+        return Check("info", "GDS files", f"{os.path.abspath(path)} is on a virtual file system (dev 0:{mnr}): "
+                     "cuFile cannot register files there", "keep GDS data on a block-device file system")
+    entry = os.path.join(udev_dir, f"b{maj}:{mnr}")
+    if "E:ID_FS_USAGE=" in _read(entry):
+        return Check("pass", "GDS files", f"udev knows block device {maj}:{mnr} ({entry})")
+    return Check("warn", "GDS files", f"udev has no ID_FS_USAGE for block device {maj}:{mnr} ({entry} "
+                 "missing): cuFileHandleRegister refuses every file here (HANDLE_NOT_REGISTERED, 5027)",
+                 "run udevd (in a container: bind-mount the host's /run/udev); measured on a lent "
+                 "machine: with that entry present, registration and reads work")
+
+
+def check_gds() -> list[Check]:
+    files = check_udev_for_gds()
+    if files.status == "warn" and not os.path.isdir("/sys/module/nvidia"):
+        files = Check("info", files.name, files.detail, files.fix)   # no GPU here: not a problem yet
+    return [check_nvidia_fs(), *check_cufile_json(), check_p2pdma(), files]
+
+
+def check_async() -> list[Check]:
+    return [*check_nvreg(), *check_stream_memops()]
+
+
 def run_all() -> list[Check]:
-    return [check_iommu(), check_acs(), *check_topology(), *check_modules(), *check_bar1()]
+    return [check_iommu(), check_acs(), *check_topology(), *check_modules(), *check_bar1(), *check_gds(),
+            *check_async()]

@@ -62,6 +62,16 @@ class ModuleError(GpupinError):
     """Loading or unloading a kernel module failed."""
 
 
+class GdsError(GpupinError):
+    """cuFile (GPUDirect Storage) refused a call.  ``status`` is its CUfileOpError number."""
+
+    status: int | None = None
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class TransferAborted(GpupinError):
     """A peer-driver transfer stopped because the GPU memory went away (ENODEV or EIO).
 

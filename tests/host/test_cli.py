@@ -92,3 +92,15 @@ def test_doctor_runs_anywhere() -> None:
     names = {c["name"] for c in checks}
     assert {"IOMMU", "ACS", "PCIe path", "gpupin", "BAR1"} <= names
     assert all(c["status"] in ("pass", "warn", "fail", "info") for c in checks)
+    assert {"GDS nvidia-fs", "cufile.json", "P2PDMA", "GDS files", "stream memops"} <= names
+
+
+def test_gds_status_without_cufile_says_what_is_missing() -> None:
+    r = run("gds", "status", "--json")
+    assert r.returncode == 0
+    st = json.loads(r.stdout)
+    if "cufile" in st:     # no cuda-python or libcufile on this host
+        assert "not usable" in st["cufile"] and ("nvidia-cufile" in st["cufile"] or "cuFile" in st["cufile"])
+    else:
+        assert st["max_device_pinned_mem_bytes"] > 0
+    assert st["GDS nvidia-fs"].split(":")[0] in ("pass", "info")

@@ -75,3 +75,66 @@ def test_modules(tmp_path: Path) -> None:
     assert checks["nvidia"].status == "pass"
     assert checks["nv_peer_mem"].status == "fail"
     assert checks["gpupin"].status == "warn"
+
+
+def test_gds_nvidia_fs_and_cufile_json(tmp_path: Path) -> None:
+    (tmp_path / "nvidia_fs").mkdir()
+    (tmp_path / "nvidia_fs" / "version").write_text("2.20.5\n")
+    c = doctor.check_nvidia_fs(str(tmp_path))
+    assert c.status == "pass" and "2.20.5" in c.detail
+    c = doctor.check_nvidia_fs(str(tmp_path / "none"))
+    assert c.status == "info" and "compatibility mode" in c.detail and "nvidia-gds" in c.fix
+    cfg = tmp_path / "cufile.json"
+    cfg.write_text('{\n  // comment\n  "logging": {"dir": "http://not-a-comment"},\n'
+                   '  "properties": {"max_device_pinned_mem_size_kb": 33554432, // trailing\n'
+                   '                 "allow_compat_mode": true, "use_pci_p2pdma": false,},\n}\n')
+    (c,) = doctor.check_cufile_json(str(cfg))
+    assert c.status == "pass"
+    assert "max_device_pinned_mem_size_kb=33554432" in c.detail and "use_pci_p2pdma=False" in c.detail
+    cfg.write_text('{"properties": {"allow_compat_mode": false}}')
+    checks = doctor.check_cufile_json(str(cfg))
+    if not Path("/sys/module/nvidia_fs").is_dir():
+        assert checks[-1].status == "fail" and "allow_compat_mode" in checks[-1].fix
+    cfg.write_text('{"properties": ')
+    (c,) = doctor.check_cufile_json(str(cfg))
+    assert c.status == "fail" and "cannot be read" in c.detail
+    (c,) = doctor.check_cufile_json(str(tmp_path / "absent.json"))
+    assert c.status == "info" and "CUFILE_ENV_PATH_JSON" in c.fix
+
+
+def test_p2pdma_from_kernel_config() -> None:
+    assert doctor.check_p2pdma("y").status == "pass"
+    assert "nvidia-fs" in doctor.check_p2pdma("n").detail
+
+
+def test_nvreg_from_params_and_modprobe(tmp_path: Path) -> None:
+    params = tmp_path / "params"
+    params.write_text('EnableStreamMemOPs: 0\nRegistryDwords: ""\n')
+    peer, memops = doctor.check_nvreg(str(params), str(tmp_path))
+    assert peer.status == "info" and "PeerMappingOverride=1" in peer.fix
+    assert memops.status == "info" and "NVreg_EnableStreamMemOPs=1" in memops.fix
+    params.write_text('EnableStreamMemOPs: 1\nRegistryDwords: "PeerMappingOverride=1;"\n')
+    assert [c.status for c in doctor.check_nvreg(str(params), str(tmp_path))] == ["pass", "pass"]
+    conf = tmp_path / "modprobe.d"
+    conf.mkdir()
+    (conf / "nv.conf").write_text('options nvidia NVreg_RegistryDwords="PeerMappingOverride=1;" '
+                                  'NVreg_EnableStreamMemOPs=1\n')
+    checks = doctor.check_nvreg(str(tmp_path / "no-params"), str(conf))
+    assert [c.status for c in checks] == ["pass", "pass"] and str(conf) in checks[0].detail
+    (c,) = doctor.check_nvreg(str(tmp_path / "no-params"), str(tmp_path / "empty"))
+    assert c.status == "info" and "no NVIDIA driver parameters" in c.detail
+
+
+def test_udev_entry_that_cufile_needs(tmp_path: Path) -> None:
+    import os
+
+    st = os.stat(tmp_path)
+    udev = tmp_path / "udev"
+    udev.mkdir()
+    c = doctor.check_udev_for_gds(str(tmp_path), str(udev))
+    if os.major(st.st_dev) == 0:
+        assert c.status == "info" and "virtual file system" in c.detail
+        return
+    assert c.status == "warn" and "HANDLE_NOT_REGISTERED" in c.detail
+    (udev / f"b{os.major(st.st_dev)}:{os.minor(st.st_dev)}").write_text("E:ID_FS_USAGE=filesystem\n")
+    assert doctor.check_udev_for_gds(str(tmp_path), str(udev)).status == "pass"
