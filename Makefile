@@ -22,7 +22,7 @@ help:
 	@echo "make [modules]   build gpupin.ko (+ nvp2p_sim.ko) against KDIR=$(KDIR)"
 	@echo "make demo        build, load (in a VM if needed) and show pinning end to end"
 	@echo "make test        check, check-nvidia, test-host, test-vm, test-deb, check-fresh (+ test-gpu)"
-	@echo "make check       W=1, sparse, checkpatch --strict, ruff, mypy"
+	@echo "make check       W=1, sparse, checkpatch --strict, ruff (lint, format), mypy, gcc -fanalyzer on pyctl C"
 	@echo "make check-nvidia  build against NVIDIA's 535 and 550 open driver sources, check CRCs"
 	@echo "make deb | wheel   Debian packages (gpupin-dkms, gpupin-sim-dkms) / the Python wheel in dist/"
 	@echo "make test-deb      install the .deb, DKMS, modprobe in the VM, smoke suite; the wheel in a clean venv"
@@ -55,8 +55,10 @@ check-kernel: setup
 	scripts/check-kernel.sh "$(KDIR)"
 
 check-py: pyext
-	$(VENV)/bin/ruff check pyctl tests
+	$(VENV)/bin/ruff check pyctl tests scripts
+	$(VENV)/bin/ruff format --check pyctl tests scripts
 	$(VENV)/bin/mypy pyctl/gpupin
+	scripts/check-c.sh
 
 test-host: pyext
 	$(VENV)/bin/pytest -q tests/host

@@ -1,4 +1,5 @@
 """Probe CUDA pointer-attribute facts on a GPU machine (VMM ranges, mapping attributes)."""
+
 from cuda.bindings import driver as cu
 
 
@@ -41,8 +42,16 @@ assert lib.gp_cuda_open(int(P.CU_POINTER_ATTRIBUTE_BUFFER_ID)) == 0
 plain = int(ok(cu.cuMemAlloc(4 << 20)))
 print("chunk", hex(chunk), "base", hex(base))
 for i, p in enumerate((base + 4096, base + chunk + 4096, plain + 4096)):
-    for n in ("RANGE_START_ADDR", "RANGE_SIZE", "BUFFER_ID", "MAPPING_SIZE", "MAPPING_BASE_ADDR", "IS_MANAGED",
-              "MEMORY_TYPE", "MEMPOOL_HANDLE"):
+    for n in (
+        "RANGE_START_ADDR",
+        "RANGE_SIZE",
+        "BUFFER_ID",
+        "MAPPING_SIZE",
+        "MAPPING_BASE_ADDR",
+        "IS_MANAGED",
+        "MEMORY_TYPE",
+        "MEMPOOL_HANDLE",
+    ):
         full = "CU_POINTER_ATTRIBUTE_" + n
         if full not in names:
             print(i, n, "absent")

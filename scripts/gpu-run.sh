@@ -30,7 +30,7 @@ python3 -c "import cuda.bindings, sys; print('cuda-bindings', cuda.bindings.__ve
 python3 -m pytest -q -p no:cacheprovider -rsP tests/gpu 2>&1 | tee "$OUT/gpu-tests.txt"
 rc=${PIPESTATUS[0]}
 export PYTHONUNBUFFERED=1
-python3 -m gpupin.cli gds status 2>&1 | tee "$OUT/gds-status.txt"
+python3 -m gpupin gds status 2>&1 | tee "$OUT/gds-status.txt"
 python3 -m gpupin.bench --gds --out "$OUT/bench-gds.json" 2>&1 | tee "$OUT/bench-gds.txt"
 python3 -m gpupin.bench --only-cuda --out "$OUT/bench-gpu.json" 2>&1 | tee "$OUT/bench-gpu.txt"
 exit "$rc"

@@ -34,7 +34,7 @@ installed)
 	rc=${PIPESTATUS[0]}
 	;;
 bench)
-	python -m gpupin.cli load --sim && python -m gpupin.bench --only-vm --out "$RESULTS/bench-vm.json" "$@"
+	python -m gpupin load --sim && python -m gpupin.bench --only-vm --out "$RESULTS/bench-vm.json" "$@"
 	rc=$?
 	;;
 demo)
@@ -48,7 +48,7 @@ shell)
 	# here as bytes and the pty turns them into signals and end-of-file.
 	# --norc: a login .bashrc (pyenv and the like) would put another python first on PATH.
 	size=${GPUPIN_TTY_SIZE:-24 80}
-	python -m gpupin.cli load --sim &&
+	python -m gpupin load --sim &&
 		TERM=${GPUPIN_TERM:-xterm} script -qefc "stty rows ${size% *} cols ${size#* }; exec bash --norc -i" /dev/null
 	;;
 *)

@@ -10,8 +10,7 @@ try:
     from . import _gpupin_cffi as _ext  # type: ignore[attr-defined]
 except ImportError as exc:  # pragma: no cover - depends on the build
     raise GpupinError(
-        "the gpupin C extension is not built: run 'make pyext' (or pip install .) "
-        f"in the gpupin source tree ({exc})"
+        f"the gpupin C extension is not built: run 'make pyext' (or pip install .) in the gpupin source tree ({exc})"
     ) from exc
 
 ffi: Any = _ext.ffi

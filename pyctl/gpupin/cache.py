@@ -76,8 +76,8 @@ class _Entry:
         self.end = end
         self.buffer_id = buffer_id
         self.pin = pin
-        self.stale = False      # out of the index; unpinned at the last release
-        self.done = False       # unpinned
+        self.stale = False  # out of the index; unpinned at the last release
+        self.done = False  # unpinned
         self.maps: dict[str, Any] = {}
 
     @property
@@ -151,6 +151,7 @@ def _forget_in_child(ref: weakref.ref[RegistrationCache]) -> Callable[[], None]:
         cache = ref()
         if cache is not None:
             cache._forget()
+
     return hook
 
 
@@ -205,12 +206,13 @@ class RegistrationCache:
         self._indexed: dict[int, _Entry] = {}
         self._st = CacheStats()
         self._py_tag_stale = 0
+        self._relookups = 0  # lookups repeated under the lock: not acquires of their own
         self._pid = os.getpid()
         self._closed = False
         os.register_at_fork(after_in_child=_forget_in_child(weakref.ref(self)))
         register = getattr(device, "register_child", None)
         if register is not None:
-            register(self)   # the device closes its caches when it closes
+            register(self)  # the device closes its caches when it closes
 
     # -- the hot path ------------------------------------------------------------
     def _set_fast_path(self) -> None:
@@ -251,7 +253,7 @@ class RegistrationCache:
 
     def release_token(self, token: int) -> None:
         if self._closed:
-            return   # close() unpinned everything already
+            return  # close() unpinned everything already
         refs = lib.gpc_release(self._c, token)
         if refs == 0:
             e = self._ents[token]
@@ -275,8 +277,14 @@ class RegistrationCache:
         with self._lock:
             if self._pid != os.getpid():
                 self._forget()
+                r = int(lib.GPC_MISS)  # r came from the parent's core
+            # Look again under the lock: another thread may have pinned this allocation
+            # since the lock-free lookup missed (inserts happen only under the lock).  Without
+            # this, _insert would take that thread's live entry for a stale one.
+            if r < 0:
                 r = int(self._lookup(self._c, ptr, size))
-            if r >= 0:                      # a C hit; the tag is checked here
+                self._relookups += 1
+            if r >= 0:  # a C hit; the tag is checked here
                 e = self._ents[r]
                 assert e is not None
                 if self._tag_ok(e, ptr):
@@ -284,8 +292,8 @@ class RegistrationCache:
                 self._py_tag_stale += 1
                 lib.gpc_release(self._c, r)
                 self._invalidate(e, "tag")
-                self._finish(e)             # if another thread made it stale first
-            elif r != lib.GPC_MISS:         # an entry covers it but its word changed
+                self._finish(e)  # if another thread made it stale first
+            elif r != lib.GPC_MISS:  # an entry covers it but its word changed
                 e = self._ents[-r - lib.GPC_STALE_BASE]
                 # Another thread may have dealt with it (and reused the id) meanwhile.
                 if e is not None and not e.pin.is_valid():
@@ -308,11 +316,12 @@ class RegistrationCache:
 
     def _insert(self, ptr: int, end: int) -> _Entry:
         self._drain_locked()
-        r = self.memory.range_of(ptr)   # raises NotGpuMemory for freed/host memory
+        r = self.memory.range_of(ptr)  # raises NotGpuMemory for freed/host memory
         if end > r.base + r.size:
             raise InvalidArgument(
                 f"acquire(ptr={ptr:#x}, size={end - ptr}): the range runs past its allocation "
-                f"[{r.base:#x}, {r.base + r.size:#x}); register each allocation separately")
+                f"[{r.base:#x}, {r.base + r.size:#x}); register each allocation separately"
+            )
         # What the device registers in: nv-p2p pins 64 KiB GPU pages; cuFile takes the
         # allocation's own bounds (granule 1), and rounding them would leave the allocation.
         g = self._granule
@@ -336,8 +345,12 @@ class RegistrationCache:
         pin = self._pin(start, need, r.base)
         e = _Entry(self._new_id(), start, stop, r.buffer_id, pin)
         self._ents[e.id] = e
-        if lib.gpc_insert(self._c, e.id, start, stop, r.buffer_id, getattr(pin, "slot", 0),
-                          getattr(pin, "valid_word", 0)) != 0:
+        if (
+            lib.gpc_insert(
+                self._c, e.id, start, stop, r.buffer_id, getattr(pin, "slot", 0), getattr(pin, "valid_word", 0)
+            )
+            != 0
+        ):
             self.device.unpin(pin.handle)
             raise MemoryError("gpupin cache: out of memory for the index")
         self._indexed[e.id] = e
@@ -351,22 +364,24 @@ class RegistrationCache:
 
     def _make_room(self, need: int) -> None:
         st = self._st
-        while (self.max_regions and st.regions + 1 > self.max_regions) or \
-                (self.max_bytes and st.bytes_pinned + need > self.max_bytes):
+        while (self.max_regions and st.regions + 1 > self.max_regions) or (
+            self.max_bytes and st.bytes_pinned + need > self.max_bytes
+        ):
             if not self._evict_lru():
                 raise CacheFull(
                     f"acquire: needs {need} bytes but {st.bytes_pinned} bytes in {st.regions} regions "
                     f"are cached and all {self._in_use()} in use (max_bytes={self.max_bytes}, "
-                    f"max_regions={self.max_regions}): release registrations first")
+                    f"max_regions={self.max_regions}): release registrations first"
+                )
             st.evictions_limit += 1
 
     def _pin_once(self, start: int, size: int, base: int) -> Any:
         if self.backend == "nvp2p":
             return self.device.pin(start, size, user_tag=base)
         # dma-buf: the whole allocation's buffer; the pin keeps it, so the fd can go.
-        fd = self.memory.export_dmabuf(base)   # type: ignore[attr-defined]
+        fd = self.memory.export_dmabuf(base)  # type: ignore[attr-defined]
         try:
-            return self.device.pin_dmabuf(fd, user_tag=base)   # type: ignore[attr-defined]
+            return self.device.pin_dmabuf(fd, user_tag=base)  # type: ignore[attr-defined]
         finally:
             os.close(fd)
 
@@ -383,7 +398,9 @@ class RegistrationCache:
                     raise type(exc)(
                         f"pin of {size} bytes at {start:#x} failed ({kind} exhausted) and nothing is "
                         f"evictable: {st.bytes_pinned} bytes pinned in {st.regions} regions, "
-                        f"{self._in_use()} in use; release registrations or raise the limit", exc.errno) from exc
+                        f"{self._in_use()} in use; release registrations or raise the limit",
+                        exc.errno,
+                    ) from exc
                 st.evictions_pressure += 1
             except GpupinError:
                 st.pin_failures += 1
@@ -423,9 +440,10 @@ class RegistrationCache:
             self.device.unpin(e.pin.handle)
         except UnknownHandle:
             pass
-        self._st.unpins += 1
-        self._ents[e.id] = None
-        self._free_ids.append(e.id)
+        finally:  # the entry is gone from the cache even if the device refused
+            self._st.unpins += 1
+            self._ents[e.id] = None
+            self._free_ids.append(e.id)
 
     def _invalidate(self, e: _Entry, reason: str) -> None:
         if e.stale:
@@ -476,7 +494,7 @@ class RegistrationCache:
             hits = ffi.new("uint64_t *")
             lib.gpc_counts(self._c, acq, hits)
             st = CacheStats(**self._st.__dict__)
-            st.acquires = int(acq[0])
+            st.acquires = int(acq[0]) - self._relookups
             st.hits = int(hits[0]) - self._py_tag_stale
             st.misses = st.acquires - st.hits
             st.in_use = self._in_use()
@@ -505,6 +523,7 @@ class RegistrationCache:
         self._indexed.clear()
         self._st = CacheStats()
         self._py_tag_stale = 0
+        self._relookups = 0
 
     def close(self) -> None:
         """Unpin everything and let go of the device's validity map; the cache is unusable after."""
@@ -521,11 +540,11 @@ class RegistrationCache:
                     try:
                         self.device.unpin(held.pin.handle)
                     except GpupinError:
-                        pass   # the device is closing, or the pin is gone already
+                        pass  # the device is closing, or the pin is gone already
                     self._st.unpins += 1
             self._ents, self._free_ids = [], []
             self.fast_lookup = _closed_lookup
-            lib.gpc_close(self._c)     # a saved fast_lookup now raises; freed with self._c
+            lib.gpc_close(self._c)  # a saved fast_lookup now raises; freed with self._c
             if self._map_buf is not None:
                 ffi.release(self._map_buf)
                 self._map_buf = None
@@ -553,9 +572,14 @@ def _pick_backend(backend: str, device: Any, memory: Any) -> str:
     if backend == "auto":
         return "nvp2p"
     raise InvalidArgument(
-        "backend='dmabuf': " + ("the device has no PIN_DMABUF (update gpupin.ko)" if not dev_ok else
-                                f"{type(memory).__name__} cannot export dma-bufs") +
-        "; use backend='nvp2p' or 'auto'")
+        "backend='dmabuf': "
+        + (
+            "the device has no PIN_DMABUF (update gpupin.ko)"
+            if not dev_ok
+            else f"{type(memory).__name__} cannot export dma-bufs"
+        )
+        + "; use backend='nvp2p' or 'auto'"
+    )
 
 
 def _closed_lookup(ptr: int, size: int) -> int:

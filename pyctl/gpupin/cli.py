@@ -76,7 +76,7 @@ class Session:
         self.pins: dict[int, Pin] = {}
         self.maps: dict[tuple[int, int], DmaMapping] = {}
         self.allocs: dict[int, int] = {}
-        self.vars: dict[str, str] = {}   # $va, $handle, $mapping: the last of each, for scripts
+        self.vars: dict[str, str] = {}  # $va, $handle, $mapping: the last of each, for scripts
         self.watcher: threading.Thread | None = None
         self.stop_watch = threading.Event()
         self.out: Callable[[str], None] = print
@@ -123,10 +123,18 @@ def cmd_status(s: Session, a: argparse.Namespace) -> Result:
         out[m] = kmod.info(m).state if os.path.isdir(f"/sys/module/{m}") else "absent"
     if os.path.exists("/dev/gpupin"):
         info = s.device.info()
-        out.update(abi=info.abi_version, version=info.version, provider=info.provider,
-                   persistent=info.persistent, dma_map=info.dma_map, simulator=info.simulator,
-                   max_pins_per_file=info.max_pins_per_file, pins_here=info.file_pins,
-                   pinned_bytes=info.pinned_bytes, max_pinned_bytes=info.max_pinned_bytes or "unlimited")
+        out.update(
+            abi=info.abi_version,
+            version=info.version,
+            provider=info.provider,
+            persistent=info.persistent,
+            dma_map=info.dma_map,
+            simulator=info.simulator,
+            max_pins_per_file=info.max_pins_per_file,
+            pins_here=info.file_pins,
+            pinned_bytes=info.pinned_bytes,
+            max_pinned_bytes=info.max_pinned_bytes or "unlimited",
+        )
     else:
         out["device"] = "/dev/gpupin missing: run 'gpupin load' (add --sim without a GPU)"
     return out
@@ -177,9 +185,18 @@ def cmd_unload(s: Session, a: argparse.Namespace) -> Result:
 
 
 def _pin_row(p: Pin) -> dict[str, Any]:
-    return {"handle": p.handle, "va": hex(p.va), "size": p.size, "aligned_va": hex(p.aligned_va),
-            "aligned_size": p.aligned_size, "entries": p.entries, "valid": p.is_valid(),
-            "persistent": p.persistent, "dmabuf": p.dmabuf, "tag": p.user_tag}
+    return {
+        "handle": p.handle,
+        "va": hex(p.va),
+        "size": p.size,
+        "aligned_va": hex(p.aligned_va),
+        "aligned_size": p.aligned_size,
+        "entries": p.entries,
+        "valid": p.is_valid(),
+        "persistent": p.persistent,
+        "dmabuf": p.dmabuf,
+        "tag": p.user_tag,
+    }
 
 
 def cmd_pin(s: Session, a: argparse.Namespace) -> Result:
@@ -223,9 +240,18 @@ def cmd_ls(s: Session, a: argparse.Namespace) -> Result:
 
 
 def _nl_row(p: Any) -> dict[str, Any]:
-    return {"pid": p.pid, "file": p.file_id, "handle": p.handle, "va": hex(p.va), "size": p.size,
-            "aligned_size": p.aligned_size, "state": p.state, "persistent": p.persistent,
-            "dma": ",".join(p.dma_peers) or "-", "tag": p.user_tag}
+    return {
+        "pid": p.pid,
+        "file": p.file_id,
+        "handle": p.handle,
+        "va": hex(p.va),
+        "size": p.size,
+        "aligned_size": p.aligned_size,
+        "state": p.state,
+        "persistent": p.persistent,
+        "dma": ",".join(p.dma_peers) or "-",
+        "tag": p.user_tag,
+    }
 
 
 def cmd_query(s: Session, a: argparse.Namespace) -> Result:
@@ -271,7 +297,7 @@ def cmd_watch(s: Session, a: argparse.Namespace) -> Result:
                 try:
                     events = dev.wait_invalidations(0.2)
                 except (GpupinError, OSError, ValueError):
-                    return   # the device was closed under us
+                    return  # the device was closed under us
                 for ev in events:
                     s.out(f"[watch] pin {ev.handle} (tag {ev.user_tag}) invalidated: {ev.reason}")
 
@@ -341,7 +367,7 @@ def cmd_gds(s: Session, a: argparse.Namespace) -> Result:
             out.update(drv.properties().as_dict())
         finally:
             drv.close()
-    for c in doctor_mod.check_gds() + doctor_mod.check_async():
+    for c in doctor_mod.check_gds(a.path) + doctor_mod.check_async():
         out[c.name] = f"{c.status}: {c.detail}" + (f" (fix: {c.fix})" if c.fix else "")
     return out
 
@@ -365,17 +391,19 @@ def build_parser() -> _Parser:
     add("status", cmd_status, "module state, ABI, provider, capabilities and limits")
     sp = add("load", cmd_load, "load nvp2p_sim (with --sim, or when nvidia is absent) and gpupin")
     sp.add_argument("--sim", action="store_true", help="use the simulator even if nvidia is loaded")
-    sp.add_argument("--peer", action="store_true",
-                    help="also load the example peer driver gpupin_peer (tests, demo)")
+    sp.add_argument("--peer", action="store_true", help="also load the example peer driver gpupin_peer (tests, demo)")
     sp.add_argument("params", nargs="*", help="gpupin parameters name=value; sim.name=value for the simulator")
     add("unload", cmd_unload, "unload the peer example, gpupin and the simulator")
     sp = add("pin", cmd_pin, "pin [VA, VA+SIZE) (released when this process exits)")
     sp.add_argument("va", nargs="?", type=parse_int)
     sp.add_argument("size", nargs="?", type=parse_size)
     sp.add_argument("--persistent", action="store_true")
-    sp.add_argument("--dmabuf", action="store_true",
-                    help="simulator: export the allocation as a dma-buf and pin by import "
-                         "(VA - allocation base must be page aligned)")
+    sp.add_argument(
+        "--dmabuf",
+        action="store_true",
+        help="simulator: export the allocation as a dma-buf and pin by import "
+        "(VA - allocation base must be page aligned)",
+    )
     sp.add_argument("--tag", type=parse_int, default=0, help="user tag reported with invalidations")
     sp.add_argument("--sim-alloc", type=parse_size, metavar="SIZE", help="allocate simulated memory and pin it")
     sp = add("unpin", cmd_unpin, "unpin a handle")
@@ -401,8 +429,11 @@ def build_parser() -> _Parser:
     sp.add_argument("--background", action="store_true", help="shell: keep watching while you type")
     add("stats", cmd_stats, "global counters of gpupin.ko (through netlink)")
     add("doctor", cmd_doctor, "check IOMMU, ACS, PCIe topology, drivers and BAR1 for GPUDirect RDMA")
-    sp = add("sim", cmd_sim, "simulated GPU memory: alloc SIZE | free VA | write VA DATA | read VA SIZE | "
-                             "query VA | stats | set NAME VALUE")
+    sp = add(
+        "sim",
+        cmd_sim,
+        "simulated GPU memory: alloc SIZE | free VA | write VA DATA | read VA SIZE | query VA | stats | set NAME VALUE",
+    )
     sp.add_argument("op", choices=["alloc", "free", "write", "read", "query", "stats", "set"])
     sp.add_argument("rest", nargs="*")
     sp.add_argument("--hex", action="store_true", help="write: DATA is hex")
@@ -410,22 +441,35 @@ def build_parser() -> _Parser:
     from . import bench
 
     bench.add_arguments(sp)
-    sp = add("gds", cmd_gds, "GPUDirect Storage: status (cuFile properties, GDS/Async readiness) | bench "
-                             "(register per IO vs the cache)")
+    sp = add(
+        "gds",
+        cmd_gds,
+        "GPUDirect Storage: status (cuFile properties, GDS/Async readiness) | bench (register per IO vs the cache)",
+    )
     sp.add_argument("op", choices=["status", "bench"])
-    sp.add_argument("--quick", action="store_true", help="bench: a 200-IO trace")
+    sp.add_argument("--quick", action="store_true", help="bench: fewer timing batches")
+    sp.add_argument("--path", default=".", help="status: where the GDS files live (default: here)")
     sp.add_argument("--seed", type=int, default=1)
     sp.add_argument("--out", metavar="FILE", help="bench: write the JSON here as well")
-    sub.add_parser("shell", help="interactive debugging shell (also -c 'cmd; cmd' or a script on stdin)",
-                   description="interactive debugging shell").add_argument(
-        "-c", dest="commands", help="run these ';'-separated commands and exit")
+    sub.add_parser(
+        "shell",
+        help="interactive debugging shell (also -c 'cmd; cmd' or a script on stdin)",
+        description="interactive debugging shell",
+    ).add_argument("-c", dest="commands", help="run these ';'-separated commands and exit")
     return p
 
 
 def _fix_sim_args(a: argparse.Namespace) -> None:
     rest = list(a.rest)
-    need = {"alloc": ["size"], "free": ["va"], "write": ["va", "data"], "read": ["va", "size"],
-            "query": ["va"], "stats": [], "set": ["name", "value"]}[a.op]
+    need = {
+        "alloc": ["size"],
+        "free": ["va"],
+        "write": ["va", "data"],
+        "read": ["va", "size"],
+        "query": ["va"],
+        "stats": [],
+        "set": ["name", "value"],
+    }[a.op]
     if len(rest) != len(need):
         raise UsageError(f"sim {a.op} takes {' '.join(n.upper() for n in need) or 'no arguments'}")
     for name, text in zip(need, rest, strict=True):
@@ -506,31 +550,3 @@ def _expand(s: Session, word: str) -> str:
             raise UsageError(f"{word} is not set yet (set by sim alloc / pin / dma-map: $va, $handle, $mapping)")
         return s.vars[word[1:]]
     return word
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    if argv and argv[0] == "shell":
-        try:
-            a = parser.parse_args(argv)
-        except (UsageError, _HelpShown) as exc:
-            print(exc, file=sys.stderr)
-            return 2
-        from .shell import Shell
-
-        return Shell().run(a.commands)
-    if not argv:
-        parser.print_help()
-        return 2
-    s = Session()
-    s.out = lambda text: print(text, flush=True)
-    try:
-        rc = run_command(s, argv, parser)
-    finally:
-        s.close()
-    return rc
-
-
-if __name__ == "__main__":
-    sys.exit(main())

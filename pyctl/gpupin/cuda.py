@@ -22,9 +22,7 @@ def _driver() -> Any:
         try:
             from cuda import cuda as driver  # cuda-python < 12.6 layout
         except ImportError:
-            raise DriverNotLoaded(
-                "cuda-python is not installed: pip install 'gpupin[cuda]' (or cuda-python)"
-            ) from None
+            raise DriverNotLoaded("cuda-python is not installed: pip install 'gpupin[cuda]' (or cuda-python)") from None
     return driver
 
 
@@ -66,8 +64,11 @@ class CudaMemory(ProviderBase):
         self._direct = cuda_buffer_id or lib.gp_cuda_buffer_id_or_0
         # VMM chunks: RANGE_* spans the whole reserved range, MAPPING_* the chunk
         # (measured on an H200, driver 580); cuda-python does not wrap MAPPING_*.
-        self._mapping_attrs = tuple(int(getattr(P, n)) for n in (
-            "CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR", "CU_POINTER_ATTRIBUTE_MAPPING_SIZE") if hasattr(P, n))
+        self._mapping_attrs = tuple(
+            int(getattr(P, n))
+            for n in ("CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR", "CU_POINTER_ATTRIBUTE_MAPPING_SIZE")
+            if hasattr(P, n)
+        )
 
     def _check(self, result: Any, call: str) -> Any:
         err = result[0] if isinstance(result, tuple) else result
@@ -88,11 +89,12 @@ class CudaMemory(ProviderBase):
             raise NotGpuMemory(f"{ptr:#x} is not CUDA memory ({err.name}): freed, or never allocated")
         mtype, managed, buf_id, start, size = vals
         if int(mtype) != int(self._device_type):
-            raise NotGpuMemory(f"{ptr:#x} is not device memory (memory type {int(mtype)}): "
-                               "only cuMemAlloc/VMM device memory can be pinned")
+            raise NotGpuMemory(
+                f"{ptr:#x} is not device memory (memory type {int(mtype)}): "
+                "only cuMemAlloc/VMM device memory can be pinned"
+            )
         if int(managed):
-            raise NotGpuMemory(f"{ptr:#x} is managed (unified) memory, which GPUDirect RDMA "
-                               "cannot pin: use cuMemAlloc")
+            raise NotGpuMemory(f"{ptr:#x} is managed (unified) memory, which GPUDirect RDMA cannot pin: use cuMemAlloc")
         base, end = int(start), int(start) + int(size)
         if self.direct_tag_query and len(self._mapping_attrs) == 2:
             # The allocation is where the address range and the physical mapping overlap:
@@ -100,8 +102,11 @@ class CudaMemory(ProviderBase):
             # cuMemAlloc or pool allocation sits inside a larger mapping (measured: 1 MiB
             # cuMemAlloc in a 2 MiB mapping, a 300,000-byte pool block in 32 MiB).
             out = ffi.new("uint64_t[2]")
-            if lib.gp_cuda_attr_u64(ptr, self._mapping_attrs[0], out) == 0 and \
-                    lib.gp_cuda_attr_u64(ptr, self._mapping_attrs[1], out + 1) == 0 and out[1]:
+            if (
+                lib.gp_cuda_attr_u64(ptr, self._mapping_attrs[0], out) == 0
+                and lib.gp_cuda_attr_u64(ptr, self._mapping_attrs[1], out + 1) == 0
+                and out[1]
+            ):
                 base, end = max(base, int(out[0])), min(end, int(out[0]) + int(out[1]))
         return AllocationRange(base, end - base, int(buf_id))
 
@@ -120,7 +125,8 @@ class CudaMemory(ProviderBase):
         if err != self._ok:
             raise GpupinError(
                 f"cuMemGetHandleForAddressRange({r.base:#x}, {size}, DMA_BUF_FD) failed: {err.name}; "
-                "dma-buf export needs the open kernel modules (R515+) and a GPU that supports it")
+                "dma-buf export needs the open kernel modules (R515+) and a GPU that supports it"
+            )
         return int(fd)
 
     def buffer_id(self, ptr: int) -> int:

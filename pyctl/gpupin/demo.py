@@ -46,11 +46,15 @@ def _peer_and_dmabuf(dev: Device, mem: SimMemory) -> None:
         fd = mem.export_dmabuf(va)
         dpin = dev.pin_dmabuf(fd)
         os.close(fd)
-        print(f"   dma-buf pin {dpin.handle}: {dpin.entries} pages of {dpin.page_size} bytes; peer read: "
-              f"{peer.read(dev, dpin, 70_000, 34)!r}")
+        print(
+            f"   dma-buf pin {dpin.handle}: {dpin.entries} pages of {dpin.page_size} bytes; peer read: "
+            f"{peer.read(dev, dpin, 70_000, 34)!r}"
+        )
         mem.free(va)
-        print(f"   freed: nv-p2p pin valid {pin.is_valid()}, dma-buf pin valid {dpin.is_valid()}, "
-              f"records {[e.reason for e in dev.read_events()]}")
+        print(
+            f"   freed: nv-p2p pin valid {pin.is_valid()}, dma-buf pin valid {dpin.is_valid()}, "
+            f"records {[e.reason for e in dev.read_events()]}"
+        )
     dev.unpin(pin)
     dev.unpin(dpin)
 
@@ -69,27 +73,32 @@ def main() -> int:
         return 0
     dev, mem = Device(), SimMemory()
     info = dev.info()
-    print(f"   /dev/gpupin: ABI {info.abi_version}, version {info.version}, provider {info.provider}, "
-          f"persistent={info.persistent}, dma_map={info.dma_map}")
+    print(
+        f"   /dev/gpupin: ABI {info.abi_version}, version {info.version}, provider {info.provider}, "
+        f"persistent={info.persistent}, dma_map={info.dma_map}"
+    )
 
     say("2. Pin GPU memory", "A buffer of 100 KiB at an odd offset is widened to whole 64 KiB GPU pages.")
     va = mem.alloc(1 * MiB)
     mem.write(va + 4096, b"hello from the GPU")
     pin = dev.pin(va + 4096, 100 * KiB, user_tag=42)
-    print(f"   pin {pin.handle}: asked [{pin.va:#x}, +{pin.size}) -> pinned [{pin.aligned_va:#x}, "
-          f"+{pin.aligned_size}), {pin.entries} pages of {pin.page_size} bytes")
+    print(
+        f"   pin {pin.handle}: asked [{pin.va:#x}, +{pin.size}) -> pinned [{pin.aligned_va:#x}, "
+        f"+{pin.aligned_size}), {pin.entries} pages of {pin.page_size} bytes"
+    )
     print(f"   GPU UUID {pin.gpu_uuid.hex()}; valid (one memory read of the validity map): {pin.is_valid()}")
     pages = dev.get_pages(pin)
     print(f"   physical pages (root only): {[hex(p) for p in pages]}")
     pci = pci_device()
     if pci:
         m = dev.dma_map(pin, pci)
-        print(f"   DMA-mapped for {pci}: mapping {m.mapping_id}, bus addresses "
-              f"{[hex(a) for a in dev.dma_addrs(m)]}")
+        print(f"   DMA-mapped for {pci}: mapping {m.mapping_id}, bus addresses {[hex(a) for a in dev.dma_addrs(m)]}")
 
-    say("3. Free the memory while it is pinned",
+    say(
+        "3. Free the memory while it is pinned",
         "The provider runs gpupin's free callback synchronously inside the free: the pin is "
-        "invalidated, its DMA mapping goes, the validity word changes and a record is queued.")
+        "invalidated, its DMA mapping goes, the validity word changes and a record is queued.",
+    )
     mem.free(va)
     print(f"   valid now: {pin.is_valid()}; state: {dev.query(pin).state}")
     for ev in dev.wait_invalidations(1.0):
@@ -97,9 +106,11 @@ def main() -> int:
     dev.unpin(pin)
     print("   unpinned the dead handle; simulator leaks:", sim_stats().leaks() or "none")
 
-    say("4. The registration cache",
+    say(
+        "4. The registration cache",
         "First use pins the whole allocation; later uses inside it are hits with no ioctl. "
-        "A new allocation at the same address is detected and re-pinned.")
+        "A new allocation at the same address is detected and re-pinned.",
+    )
     cache = RegistrationCache(dev, mem, validate="both")
     bufs = [mem.alloc(2 * MiB) for _ in range(4)]
     for i in range(1000):
@@ -114,13 +125,17 @@ def main() -> int:
     with cache.acquire(bufs[0], 4096) as reg:
         print(f"   acquire -> pin handle {reg.handle}, valid {reg.valid}")
     st = cache.stats()
-    print(f"   now {st.pins} pins, {st.invalidations_kernel + st.invalidations_tag} invalidation caught, "
-          f"{st.regions} regions, {st.bytes_pinned >> 20} MiB pinned")
+    print(
+        f"   now {st.pins} pins, {st.invalidations_kernel + st.invalidations_tag} invalidation caught, "
+        f"{st.regions} regions, {st.bytes_pinned >> 20} MiB pinned"
+    )
 
-    say("5. A third-party driver and a dma-buf",
+    say(
+        "5. A third-party driver and a dma-buf",
         "gpupin_peer (an example driver on gpupin's kernel API) copies through the pin's DMA "
         "mapping. The same memory exported as a dma-buf is pinned by import; freeing it revokes "
-        "the buffer and the pin is invalidated like an nv-p2p one.")
+        "the buffer and the pin is invalidated like an nv-p2p one.",
+    )
     _peer_and_dmabuf(dev, mem)
 
     say("6. Clean up")

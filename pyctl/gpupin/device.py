@@ -124,8 +124,20 @@ class Pin:
     """One pin of a :class:`Device`.  ``is_valid()`` is a single memory read."""
 
     __slots__ = (
-        "device", "handle", "va", "size", "aligned_va", "aligned_size", "page_size",
-        "entries", "gpu_uuid", "slot", "valid_word", "persistent", "user_tag", "dmabuf",
+        "device",
+        "handle",
+        "va",
+        "size",
+        "aligned_va",
+        "aligned_size",
+        "page_size",
+        "entries",
+        "gpu_uuid",
+        "slot",
+        "valid_word",
+        "persistent",
+        "user_tag",
+        "dmabuf",
     )
 
     def __init__(self, device: Device, c: Any, va: int, size: int, user_tag: int) -> None:
@@ -155,8 +167,10 @@ class Pin:
         self.device.unpin(self.handle)
 
     def __repr__(self) -> str:
-        return (f"Pin(handle={self.handle}, va={self.va:#x}, size={self.size}, "
-                f"aligned=[{self.aligned_va:#x}+{self.aligned_size:#x}], entries={self.entries})")
+        return (
+            f"Pin(handle={self.handle}, va={self.va:#x}, size={self.size}, "
+            f"aligned=[{self.aligned_va:#x}+{self.aligned_size:#x}], entries={self.entries})"
+        )
 
 
 class Device(Closable):
@@ -255,10 +269,16 @@ class Device(Closable):
         c = ffi.new("struct gpupin_info *")
         self._call(lib.GPUPIN_IOC_INFO, c, "INFO")
         return Info(
-            abi_version=c.abi_version, version=_cstr(c.version), provider=_cstr(c.provider),
-            caps=c.caps, gpu_page_size=c.gpu_page_size, max_pinned_bytes=c.max_pinned_bytes,
-            pinned_bytes=c.pinned_bytes, max_pins_per_file=c.max_pins_per_file,
-            file_pins=c.file_pins, map_size=c.map_size,
+            abi_version=c.abi_version,
+            version=_cstr(c.version),
+            provider=_cstr(c.provider),
+            caps=c.caps,
+            gpu_page_size=c.gpu_page_size,
+            max_pinned_bytes=c.max_pinned_bytes,
+            pinned_bytes=c.pinned_bytes,
+            max_pins_per_file=c.max_pins_per_file,
+            file_pins=c.file_pins,
+            map_size=c.map_size,
         )
 
     def pin(self, va: int, size: int, *, persistent: bool = False, user_tag: int = 0) -> Pin:
@@ -274,16 +294,20 @@ class Device(Closable):
         ret = lib.gpupin_call(self.fileno(), lib.GPUPIN_IOC_PIN, c)
         if ret == -errno.EINVAL:
             # The arguments passed our checks, so the provider refused the range.
-            raise from_errno(errno.EINVAL, "PIN", desc, cls=NotGpuMemory, hint=(
-                "the range is not GPU memory allocated by this process (or spans allocations)"))
+            raise from_errno(
+                errno.EINVAL,
+                "PIN",
+                desc,
+                cls=NotGpuMemory,
+                hint=("the range is not GPU memory allocated by this process (or spans allocations)"),
+            )
         if ret < 0:
             raise from_errno(-ret, "PIN", desc)
         if self._words is None:
             self._map_words()
         return Pin(self, c, va, size, user_tag)
 
-    def pin_dmabuf(self, fd: int, size: int | None = None, *, offset: int = 0,
-                   user_tag: int = 0) -> Pin:
+    def pin_dmabuf(self, fd: int, size: int | None = None, *, offset: int = 0, user_tag: int = 0) -> Pin:
         """Pin [offset, offset + size) of the dma-buf ``fd`` (default: to its end) by importing it.
 
         The pin holds the buffer, so ``fd`` may be closed afterwards.  Its ``va`` is ``offset``;
@@ -293,21 +317,28 @@ class Device(Closable):
             try:
                 size = os.lseek(fd, 0, os.SEEK_END) - offset
             except OSError as exc:
-                raise from_errno(exc.errno or errno.EBADF, "PIN_DMABUF", f"fd={fd}", hint=(
-                    "the fd is not an open dma-buf")) from None
+                raise from_errno(
+                    exc.errno or errno.EBADF, "PIN_DMABUF", f"fd={fd}", hint=("the fd is not an open dma-buf")
+                ) from None
         if size <= 0 or offset < 0 or offset + size - 1 > U64_MAX or not 0 <= user_tag <= U64_MAX:
-            raise InvalidArgument(f"PIN_DMABUF(fd={fd}, offset={offset}, size={size}): "
-                                  "size must be > 0 and the range inside 64-bit space")
+            raise InvalidArgument(
+                f"PIN_DMABUF(fd={fd}, offset={offset}, size={size}): size must be > 0 and the range inside 64-bit space"
+            )
         c = ffi.new("struct gpupin_pin_dmabuf *")
         c.fd, c.offset, c.size, c.user_tag = fd, offset, size, user_tag
         desc = f"fd={fd}, offset={offset}, size={size}"
         ret = lib.gpupin_call(self.fileno(), lib.GPUPIN_IOC_PIN_DMABUF, c)
         if ret == -errno.EINVAL:
-            raise from_errno(errno.EINVAL, "PIN_DMABUF", desc, hint=(
-                "fd must be a dma-buf, offset page aligned, and [offset, offset + size) inside it"))
+            raise from_errno(
+                errno.EINVAL,
+                "PIN_DMABUF",
+                desc,
+                hint=("fd must be a dma-buf, offset page aligned, and [offset, offset + size) inside it"),
+            )
         if ret == -errno.EBADF:
-            raise from_errno(errno.EBADF, "PIN_DMABUF", desc, cls=InvalidArgument,
-                             hint="fd is not an open file descriptor")
+            raise from_errno(
+                errno.EBADF, "PIN_DMABUF", desc, cls=InvalidArgument, hint="fd is not an open file descriptor"
+            )
         if ret < 0:
             raise from_errno(-ret, "PIN_DMABUF", desc)
         if self._words is None:
@@ -326,10 +357,17 @@ class Device(Closable):
         c.handle = _u64(h, "handle")
         self._call(lib.GPUPIN_IOC_QUERY, c, "QUERY", f"handle={h}")
         return PinState(
-            handle=h, state=STATE_NAMES.get(c.state, str(c.state)), va=c.va, size=c.size,
-            aligned_va=c.aligned_va, aligned_size=c.aligned_size, user_tag=c.user_tag,
-            entries=c.entries, dma_mappings=c.dma_mappings,
-            persistent=bool(c.pin_flags & lib.GPUPIN_PIN_PERSISTENT), slot=c.slot,
+            handle=h,
+            state=STATE_NAMES.get(c.state, str(c.state)),
+            va=c.va,
+            size=c.size,
+            aligned_va=c.aligned_va,
+            aligned_size=c.aligned_size,
+            user_tag=c.user_tag,
+            entries=c.entries,
+            dma_mappings=c.dma_mappings,
+            persistent=bool(c.pin_flags & lib.GPUPIN_PIN_PERSISTENT),
+            slot=c.slot,
             dmabuf=bool(c.pin_flags & lib.GPUPIN_PIN_DMABUF),
         )
 
@@ -366,15 +404,13 @@ class Device(Closable):
         c = ffi.new("struct gpupin_dma_addrs *")
         c.handle, c.mapping_id, c.first, c.count = mapping.handle, mapping.mapping_id, first, count
         c.addrs = int(ffi.cast("uintptr_t", out))
-        self._call(lib.GPUPIN_IOC_DMA_ADDRS, c, "DMA_ADDRS",
-                   f"handle={mapping.handle}, mapping={mapping.mapping_id}")
+        self._call(lib.GPUPIN_IOC_DMA_ADDRS, c, "DMA_ADDRS", f"handle={mapping.handle}, mapping={mapping.mapping_id}")
         return list(out)
 
     def dma_unmap(self, mapping: DmaMapping) -> None:
         c = ffi.new("struct gpupin_dma_unmap *")
         c.handle, c.mapping_id = mapping.handle, mapping.mapping_id
-        self._call(lib.GPUPIN_IOC_DMA_UNMAP, c, "DMA_UNMAP",
-                   f"handle={mapping.handle}, mapping={mapping.mapping_id}")
+        self._call(lib.GPUPIN_IOC_DMA_UNMAP, c, "DMA_UNMAP", f"handle={mapping.handle}, mapping={mapping.mapping_id}")
 
     # -- invalidation records ------------------------------------------------
     def read_events(self) -> list[Event]:

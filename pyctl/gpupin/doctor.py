@@ -18,13 +18,17 @@ from pathlib import Path
 
 SYS_PCI = Path("/sys/bus/pci/devices")
 ACS_CAP_ID = 0x000D
-ACS_P2P_BITS = {0x04: "P2P request redirect", 0x08: "P2P completion redirect", 0x10: "upstream forwarding",
-                0x20: "P2P egress control"}
+ACS_P2P_BITS = {
+    0x04: "P2P request redirect",
+    0x08: "P2P completion redirect",
+    0x10: "upstream forwarding",
+    0x20: "P2P egress control",
+}
 
 
 @dataclass(frozen=True)
 class Check:
-    status: str   # pass | warn | fail | info
+    status: str  # pass | warn | fail | info
     name: str
     detail: str
     fix: str = ""
@@ -65,9 +69,13 @@ def check_iommu(cmdline: str | None = None, iommu_dir: str = "/sys/class/iommu")
         return Check("pass", "IOMMU", "no IOMMU active")
     if "intel_iommu=off" in args or "amd_iommu=off" in args:
         return Check("pass", "IOMMU", "disabled on the command line")
-    return Check("warn", "IOMMU", f"IOMMU translation active ({', '.join(units)})",
-                 "boot with iommu=pt (or intel_iommu=off / amd_iommu=off): GPUDirect RDMA peer "
-                 "traffic is not supported through IOMMU translation")
+    return Check(
+        "warn",
+        "IOMMU",
+        f"IOMMU translation active ({', '.join(units)})",
+        "boot with iommu=pt (or intel_iommu=off / amd_iommu=off): GPUDirect RDMA peer "
+        "traffic is not supported through IOMMU translation",
+    )
 
 
 def acs_control(config: bytes) -> int | None:
@@ -75,11 +83,11 @@ def acs_control(config: bytes) -> int | None:
     off = 0x100
     seen = 0
     while 0x100 <= off and off + 8 <= len(config) and seen < 64:
-        header = int.from_bytes(config[off:off + 4], "little")
+        header = int.from_bytes(config[off : off + 4], "little")
         if header == 0 or header == 0xFFFFFFFF:
             return None
         if header & 0xFFFF == ACS_CAP_ID:
-            return int.from_bytes(config[off + 6:off + 8], "little")
+            return int.from_bytes(config[off + 6 : off + 8], "little")
         off = header >> 20
         seen += 1
     return None
@@ -105,8 +113,12 @@ def check_acs(root: Path = SYS_PCI) -> Check:
             if bits:
                 flagged.append(f"{b.name} ({', '.join(bits)})")
     if flagged:
-        return Check("warn", "ACS", "ACS redirects peer traffic on " + "; ".join(flagged),
-                     "disable ACS on the bridges between GPU and NIC (BIOS, or setpci ECAP_ACS+6.w=0)")
+        return Check(
+            "warn",
+            "ACS",
+            "ACS redirects peer traffic on " + "; ".join(flagged),
+            "disable ACS on the bridges between GPU and NIC (BIOS, or setpci ECAP_ACS+6.w=0)",
+        )
     if unreadable:
         return Check("info", "ACS", f"{unreadable} bridge(s) unreadable: run as root to see extended config space")
     return Check("pass", "ACS", f"no P2P redirection on {len(bridges)} bridge(s)")
@@ -152,18 +164,36 @@ def check_modules(modules: str = "/sys/module") -> list[Check]:
         lic = _read(os.path.join(modules, "nvidia", "version"))
         out.append(Check("pass", "nvidia", f"loaded {lic}".strip()))
     else:
-        out.append(Check("info", "nvidia", "not loaded (no NVIDIA GPU driver): gpupin needs nvp2p_sim here",
-                         "load the open kernel modules for real GPUs, or 'gpupin load --sim'"))
+        out.append(
+            Check(
+                "info",
+                "nvidia",
+                "not loaded (no NVIDIA GPU driver): gpupin needs nvp2p_sim here",
+                "load the open kernel modules for real GPUs, or 'gpupin load --sim'",
+            )
+        )
     if loaded("nvidia_peermem"):
         out.append(Check("pass", "nvidia-peermem", "loaded"))
     else:
         out.append(Check("info", "nvidia-peermem", "not loaded (only RDMA verbs users need it)"))
     if loaded("nv_peer_mem") and loaded("nvidia_peermem"):
-        out.append(Check("fail", "nv_peer_mem", "both nv_peer_mem and nvidia_peermem are loaded",
-                         "unload the legacy nv_peer_mem: the two conflict"))
+        out.append(
+            Check(
+                "fail",
+                "nv_peer_mem",
+                "both nv_peer_mem and nvidia_peermem are loaded",
+                "unload the legacy nv_peer_mem: the two conflict",
+            )
+        )
     elif loaded("nv_peer_mem"):
-        out.append(Check("warn", "nv_peer_mem", "the legacy nv_peer_mem is loaded",
-                         "replace it with nvidia-peermem (shipped with the driver)"))
+        out.append(
+            Check(
+                "warn",
+                "nv_peer_mem",
+                "the legacy nv_peer_mem is loaded",
+                "replace it with nvidia-peermem (shipped with the driver)",
+            )
+        )
     for m, fix in (("gpupin", "gpupin load"), ("nvp2p_sim", "gpupin load --sim (hosts without a GPU)")):
         if loaded(m):
             out.append(Check("pass", m, "loaded"))
@@ -190,14 +220,21 @@ def check_bar1() -> list[Check]:
         for i in range(count.value):
             h = ctypes.c_void_p()
             bar = _Bar1()
-            if nvml.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(h)) or \
-                    nvml.nvmlDeviceGetBAR1MemoryInfo(h, ctypes.byref(bar)):
+            if nvml.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(h)) or nvml.nvmlDeviceGetBAR1MemoryInfo(
+                h, ctypes.byref(bar)
+            ):
                 out.append(Check("warn", "BAR1", f"GPU {i}: BAR1 info unavailable"))
                 continue
             pct = 100 * bar.used / bar.total if bar.total else 0
             status = "warn" if pct > 90 else "pass"
-            out.append(Check(status, "BAR1", f"GPU {i}: {bar.used >> 20} MiB used of {bar.total >> 20} MiB",
-                             "unpin unused regions (BAR1 space limits how much can be pinned)" if pct > 90 else ""))
+            out.append(
+                Check(
+                    status,
+                    "BAR1",
+                    f"GPU {i}: {bar.used >> 20} MiB used of {bar.total >> 20} MiB",
+                    "unpin unused regions (BAR1 space limits how much can be pinned)" if pct > 90 else "",
+                )
+            )
     finally:
         nvml.nvmlShutdown()
     return out
@@ -208,10 +245,14 @@ def check_nvidia_fs(modules: str = "/sys/module") -> Check:
     if os.path.isdir(os.path.join(modules, "nvidia_fs")):
         ver = _read(os.path.join(modules, "nvidia_fs", "version"))
         return Check("pass", "GDS nvidia-fs", f"loaded {ver}".strip() + ": cuFile can DMA between storage and GPU")
-    return Check("info", "GDS nvidia-fs", "not loaded: cuFile runs in compatibility mode (POSIX reads through "
-                 "host bounce buffers); buffer registration still works and still costs",
-                 "install NVIDIA's nvidia-fs (the nvidia-gds package) for the direct path, or use "
-                 "use_pci_p2pdma with a P2PDMA kernel")
+    return Check(
+        "info",
+        "GDS nvidia-fs",
+        "not loaded: cuFile runs in compatibility mode (POSIX reads through "
+        "host bounce buffers); buffer registration still works and still costs",
+        "install NVIDIA's nvidia-fs (the nvidia-gds package) for the direct path, or use "
+        "use_pci_p2pdma with a P2PDMA kernel",
+    )
 
 
 def strip_json_comments(text: str) -> str:
@@ -222,7 +263,7 @@ def strip_json_comments(text: str) -> str:
         for i, ch in enumerate(line):
             if ch == '"' and (i == 0 or line[i - 1] != "\\"):
                 in_str = not in_str
-            elif ch == "/" and not in_str and line[i:i + 2] == "//":
+            elif ch == "/" and not in_str and line[i : i + 2] == "//":
                 line = line[:i]
                 break
         out.append(line)
@@ -232,21 +273,44 @@ def strip_json_comments(text: str) -> str:
 def check_cufile_json(path: str | None = None) -> list[Check]:
     path = path or os.environ.get("CUFILE_ENV_PATH_JSON") or "/etc/cufile.json"
     if not os.path.exists(path):
-        return [Check("info", "cufile.json", f"{path} not found: cuFile uses its built-in defaults",
-                      "copy the cufile.json from NVIDIA's GDS package to /etc, or set CUFILE_ENV_PATH_JSON")]
+        return [
+            Check(
+                "info",
+                "cufile.json",
+                f"{path} not found: cuFile uses its built-in defaults",
+                "copy the cufile.json from NVIDIA's GDS package to /etc, or set CUFILE_ENV_PATH_JSON",
+            )
+        ]
     try:
         cfg = json.loads(strip_json_comments(Path(path).read_text()))
     except (OSError, ValueError) as exc:
-        return [Check("fail", "cufile.json", f"{path} cannot be read: {exc}",
-                      "fix the file: cuFile refuses to start with a broken configuration")]
+        return [
+            Check(
+                "fail",
+                "cufile.json",
+                f"{path} cannot be read: {exc}",
+                "fix the file: cuFile refuses to start with a broken configuration",
+            )
+        ]
     props = cfg.get("properties", {})
-    keys = ("allow_compat_mode", "max_device_pinned_mem_size_kb", "per_buffer_cache_size_kb",
-            "use_pci_p2pdma", "max_direct_io_size_kb")
+    keys = (
+        "allow_compat_mode",
+        "max_device_pinned_mem_size_kb",
+        "per_buffer_cache_size_kb",
+        "use_pci_p2pdma",
+        "max_direct_io_size_kb",
+    )
     seen = ", ".join(f"{k}={props[k]}" for k in keys if k in props)
     out = [Check("pass", "cufile.json", f"{path}: {seen or 'no properties set'}")]
     if props.get("allow_compat_mode") is False and not os.path.isdir("/sys/module/nvidia_fs"):
-        out.append(Check("fail", "cufile.json", "allow_compat_mode is false and nvidia-fs is not loaded: every "
-                         "cuFile IO will fail", "load nvidia-fs, or set allow_compat_mode to true"))
+        out.append(
+            Check(
+                "fail",
+                "cufile.json",
+                "allow_compat_mode is false and nvidia-fs is not loaded: every cuFile IO will fail",
+                "load nvidia-fs, or set allow_compat_mode to true",
+            )
+        )
     return out
 
 
@@ -265,13 +329,18 @@ def check_p2pdma(config: str | None = None) -> Check:
     if value is None:
         return Check("info", "P2PDMA", "kernel configuration not readable (/boot/config-*)")
     if value == "y":
-        return Check("pass", "P2PDMA", "CONFIG_PCI_P2PDMA=y: cuFile's use_pci_p2pdma (no nvidia-fs) is possible "
-                     "with NVIDIA's open modules (R570+) and an NVMe driver that supports it")
+        return Check(
+            "pass",
+            "P2PDMA",
+            "CONFIG_PCI_P2PDMA=y: cuFile's use_pci_p2pdma (no nvidia-fs) is possible "
+            "with NVIDIA's open modules (R570+) and an NVMe driver that supports it",
+        )
     return Check("info", "P2PDMA", "CONFIG_PCI_P2PDMA is not set: GDS needs nvidia-fs on this kernel")
 
 
-def nvreg_params(params: str = "/proc/driver/nvidia/params", modprobe_dir: str = "/etc/modprobe.d") -> tuple[
-        dict[str, str], str]:
+def nvreg_params(
+    params: str = "/proc/driver/nvidia/params", modprobe_dir: str = "/etc/modprobe.d"
+) -> tuple[dict[str, str], str]:
     """NVreg_* settings from the loaded driver (params), else from the modprobe configuration."""
     text = _read(params)
     if text:
@@ -288,7 +357,7 @@ def nvreg_params(params: str = "/proc/driver/nvidia/params", modprobe_dir: str =
                 for w in words[2:]:
                     k, _, v = w.partition("=")
                     if k.startswith("NVreg_"):
-                        out[k[len("NVreg_"):]] = v.strip('"')
+                        out[k[len("NVreg_") :]] = v.strip('"')
     return out, modprobe_dir if out else ""
 
 
@@ -301,16 +370,25 @@ def check_nvreg(params: str = "/proc/driver/nvidia/params", modprobe_dir: str = 
     peer_on = bool(peer and peer.group(1) not in ("0", "0x0"))
     memops = vals.get("EnableStreamMemOPs")
     return [
-        Check("pass", "PeerMappingOverride", f"RegistryDwords={dwords!r} ({where})") if peer_on else
-        Check("info", "PeerMappingOverride", f"not set ({where}): GPUDirect Async from a NIC (e.g. NVSHMEM's "
-              "IBGDA) cannot map GPU memory for the NIC's doorbells",
-              'options nvidia NVreg_RegistryDwords="PeerMappingOverride=1;" in /etc/modprobe.d, then reload '
-              "the driver"),
-        Check("pass", "EnableStreamMemOPs", f"1 ({where})") if memops == "1" else
-        Check("info", "EnableStreamMemOPs", f"{memops or 'not set'} ({where}); recent drivers enable stream "
-              "memory operations anyway: the device attribute below says",
-              "options nvidia NVreg_EnableStreamMemOPs=1 (GPUDirect Async: cuStreamWaitValue/WriteValue on "
-              "older drivers)"),
+        Check("pass", "PeerMappingOverride", f"RegistryDwords={dwords!r} ({where})")
+        if peer_on
+        else Check(
+            "info",
+            "PeerMappingOverride",
+            f"not set ({where}): GPUDirect Async from a NIC (e.g. NVSHMEM's "
+            "IBGDA) cannot map GPU memory for the NIC's doorbells",
+            'options nvidia NVreg_RegistryDwords="PeerMappingOverride=1;" in /etc/modprobe.d, then reload the driver',
+        ),
+        Check("pass", "EnableStreamMemOPs", f"1 ({where})")
+        if memops == "1"
+        else Check(
+            "info",
+            "EnableStreamMemOPs",
+            f"{memops or 'not set'} ({where}); recent drivers enable stream "
+            "memory operations anyway: the device attribute below says",
+            "options nvidia NVreg_EnableStreamMemOPs=1 (GPUDirect Async: cuStreamWaitValue/WriteValue on "
+            "older drivers)",
+        ),
     ]
 
 
@@ -321,45 +399,90 @@ def check_stream_memops() -> list[Check]:
         return [Check("info", "stream memops", "cuda-python not installed: device attribute not read")]
     try:
         usable = cu.cuInit(0)[0] == cu.CUresult.CUDA_SUCCESS
-    except RuntimeError:   # libcuda.so missing
+    except RuntimeError:  # libcuda.so missing
         usable = False
     if not usable:
         return [Check("info", "stream memops", "the CUDA driver is not usable here")]
     A = cu.CUdevice_attribute
-    names = [n for n in ("CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS", "CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1",
-                         "CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS") if hasattr(A, n)]
+    names = [
+        n
+        for n in (
+            "CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS",
+            "CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1",
+            "CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS",
+        )
+        if hasattr(A, n)
+    ]
     out = []
     count = cu.cuDeviceGetCount()[1]
     for i in range(count):
         err, dev = cu.cuDeviceGet(i)
-        vals = {n.removeprefix("CU_DEVICE_ATTRIBUTE_"): cu.cuDeviceGetAttribute(getattr(A, n), dev)[1]
-                for n in names}
+        vals = {n.removeprefix("CU_DEVICE_ATTRIBUTE_"): cu.cuDeviceGetAttribute(getattr(A, n), dev)[1] for n in names}
         ok = any(v == 1 for k, v in vals.items() if not k.endswith("_V1")) or vals.get("CAN_USE_STREAM_MEM_OPS_V1") == 1
-        out.append(Check("pass" if ok else "warn", "stream memops",
-                         f"GPU {i}: " + ", ".join(f"{k}={v}" for k, v in vals.items()),
-                         "" if ok else "set NVreg_EnableStreamMemOPs=1 and reload the driver"))
+        out.append(
+            Check(
+                "pass" if ok else "warn",
+                "stream memops",
+                f"GPU {i}: " + ", ".join(f"{k}={v}" for k, v in vals.items()),
+                "" if ok else "set NVreg_EnableStreamMemOPs=1 and reload the driver",
+            )
+        )
     return out
 
 
-def check_udev_for_gds(path: str = ".", udev_dir: str = "/run/udev/data") -> Check:
+# File systems cuFile reads through their own GDS support, without a local block device.
+NETWORK_FS = {"nfs", "nfs4", "lustre", "gpfs", "wekafs", "beegfs", "cifs", "smb3"}
+
+
+def fs_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> str:
+    """The type of the file system holding ``path`` (longest mount point that prefixes it)."""
+    path = os.path.realpath(path)
+    best, kind = "", ""
+    for line in _read(mountinfo).splitlines():
+        left, _, right = line.partition(" - ")
+        fields = left.split()
+        if len(fields) < 5 or not right:
+            continue
+        mnt = fields[4].replace("\\040", " ")
+        if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+            best, kind = mnt, right.split()[0]
+    return kind
+
+
+def check_udev_for_gds(
+    path: str = ".", udev_dir: str = "/run/udev/data", mountinfo: str = "/proc/self/mountinfo"
+) -> Check:
+    """Whether cuFile can register files under ``path``: it reads udev's ID_FS_USAGE of the block device."""
     st = os.stat(path)
     maj, mnr = os.major(st.st_dev), os.minor(st.st_dev)
+    where = os.path.abspath(path)
+    kind = fs_type(path, mountinfo)
+    if kind in NETWORK_FS:
+        return Check("info", "GDS files", f"{where} is on {kind}: cuFile uses that file system's own GDS support")
     if maj == 0:
-        return Check("info", "GDS files", f"{os.path.abspath(path)} is on a virtual file system (dev 0:{mnr}): "
-                     "cuFile cannot register files there", "keep GDS data on a block-device file system")
+        return Check(
+            "info",
+            "GDS files",
+            f"{where} is on {kind or 'a virtual file system'} (dev 0:{mnr}): cuFile cannot register files there",
+            "keep GDS data on a block-device or GDS-enabled network file system",
+        )
     entry = os.path.join(udev_dir, f"b{maj}:{mnr}")
     if "E:ID_FS_USAGE=" in _read(entry):
-        return Check("pass", "GDS files", f"udev knows block device {maj}:{mnr} ({entry})")
-    return Check("warn", "GDS files", f"udev has no ID_FS_USAGE for block device {maj}:{mnr} ({entry} "
-                 "missing): cuFileHandleRegister refuses every file here (HANDLE_NOT_REGISTERED, 5027)",
-                 "run udevd (in a container: bind-mount the host's /run/udev); measured on a lent "
-                 "machine: with that entry present, registration and reads work")
+        return Check("pass", "GDS files", f"udev knows block device {maj}:{mnr} of {where} ({entry})")
+    return Check(
+        "warn",
+        "GDS files",
+        f"udev has no ID_FS_USAGE for block device {maj}:{mnr} of {where} ({entry} missing): "
+        "cuFileHandleRegister refuses every file there (HANDLE_NOT_REGISTERED, 5027)",
+        "run udevd (in a container: bind-mount the host's /run/udev); measured on a lent machine: with "
+        "that entry present, registration and reads work",
+    )
 
 
-def check_gds() -> list[Check]:
-    files = check_udev_for_gds()
+def check_gds(path: str = ".") -> list[Check]:
+    files = check_udev_for_gds(path)
     if files.status == "warn" and not os.path.isdir("/sys/module/nvidia"):
-        files = Check("info", files.name, files.detail, files.fix)   # no GPU here: not a problem yet
+        files = Check("info", files.name, files.detail, files.fix)  # no GPU here: not a problem yet
     return [check_nvidia_fs(), *check_cufile_json(), check_p2pdma(), files]
 
 
@@ -368,5 +491,12 @@ def check_async() -> list[Check]:
 
 
 def run_all() -> list[Check]:
-    return [check_iommu(), check_acs(), *check_topology(), *check_modules(), *check_bar1(), *check_gds(),
-            *check_async()]
+    return [
+        check_iommu(),
+        check_acs(),
+        *check_topology(),
+        *check_modules(),
+        *check_bar1(),
+        *check_gds(),
+        *check_async(),
+    ]

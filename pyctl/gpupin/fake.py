@@ -41,8 +41,19 @@ class FakeMapping:
 
 
 class FakePin:
-    __slots__ = ("device", "handle", "va", "size", "aligned_va", "aligned_size", "entries", "slot",
-                 "valid_word", "user_tag", "persistent")
+    __slots__ = (
+        "device",
+        "handle",
+        "va",
+        "size",
+        "aligned_va",
+        "aligned_size",
+        "entries",
+        "slot",
+        "valid_word",
+        "user_tag",
+        "persistent",
+    )
 
     def __init__(self, device: FakeDevice, handle: int, va: int, size: int, slot: int, tag: int) -> None:
         self.device = device
@@ -65,8 +76,7 @@ class FakeDevice:
     """Pins against a provider (FakeMemory, or CudaMemory on a GPU host without gpupin.ko);
     ``bar_size`` bytes of fake BAR, ``pin_latency`` seconds per pin."""
 
-    def __init__(self, memory: Any, *, bar_size: int = 0, pin_latency: float = 0.0,
-                 slots: int = 1 << 18) -> None:
+    def __init__(self, memory: Any, *, bar_size: int = 0, pin_latency: float = 0.0, slots: int = 1 << 18) -> None:
         self.memory = memory
         if isinstance(memory, FakeMemory):
             memory.devices.append(self)
@@ -162,7 +172,8 @@ class FakeMemory:
     name = "fake"
     BASE = 1 << 40
 
-    def __init__(self) -> None:
+    def __init__(self, *, granule: int = GPU_PAGE) -> None:
+        self.granule = granule  # sizes round up to this (1: exact, like a pool block)
         self._bases: list[int] = []
         self._allocs: dict[int, AllocationRange] = {}
         self._ids = itertools.count(1)
@@ -175,7 +186,7 @@ class FakeMemory:
     def alloc(self, size: int, *, at: int | None = None) -> int:
         if size <= 0:
             raise InvalidArgument(f"alloc(size={size}): size must be > 0")
-        size = -(-size // GPU_PAGE) * GPU_PAGE
+        size = -(-size // self.granule) * self.granule
         with self._lock:
             va = self.BASE if at is None else at
             if at is None:
@@ -228,11 +239,11 @@ class FakeMemory:
 
     def write(self, ptr: int, data: bytes) -> None:
         r = self.range_of(ptr)
-        self.data[r.base][ptr - r.base:ptr - r.base + len(data)] = data
+        self.data[r.base][ptr - r.base : ptr - r.base + len(data)] = data
 
     def read(self, ptr: int, size: int) -> bytes:
         r = self.range_of(ptr)
-        return bytes(self.data[r.base][ptr - r.base:ptr - r.base + size])
+        return bytes(self.data[r.base][ptr - r.base : ptr - r.base + size])
 
     def close(self) -> None:
         pass
@@ -269,12 +280,22 @@ class FakeCuFile:
     """
 
     cuFileError = FakeCuFileError
-    SizeTConfigParameter = _Params("PROPERTIES_MAX_DEVICE_PINNED_MEM_SIZE_KB",
-                                   "PROPERTIES_PER_BUFFER_CACHE_SIZE_KB", "PROPERTIES_MAX_DIRECT_IO_SIZE_KB")
+    SizeTConfigParameter = _Params(
+        "PROPERTIES_MAX_DEVICE_PINNED_MEM_SIZE_KB",
+        "PROPERTIES_PER_BUFFER_CACHE_SIZE_KB",
+        "PROPERTIES_MAX_DIRECT_IO_SIZE_KB",
+    )
     BoolConfigParameter = _Params("PROPERTIES_ALLOW_COMPAT_MODE", "FORCE_COMPAT_MODE")
 
-    def __init__(self, memory: Any, *, bar_size: int = 0, max_pinned: int = 32 << 30,
-                 register_latency: float = 0.0, bar1_kb: int = 128 << 20) -> None:
+    def __init__(
+        self,
+        memory: Any,
+        *,
+        bar_size: int = 0,
+        max_pinned: int = 32 << 30,
+        register_latency: float = 0.0,
+        bar1_kb: int = 128 << 20,
+    ) -> None:
         self.memory = memory
         self.bar_size = bar_size
         self.max_pinned = max_pinned
@@ -284,7 +305,8 @@ class FakeCuFile:
         self.opened = 0
         self.register_calls = 0
         self.deregister_calls = 0
-        self.handle_register_status = 0   # set to a CUfileOpError to refuse files
+        self.handle_register_status = 0  # set to a CUfileOpError to refuse files
+        self.deregister_status = 0  # set to a CUfileOpError to refuse the next deregistration
         self._lock = threading.Lock()
 
     def driver_open(self) -> None:
@@ -302,9 +324,11 @@ class FakeCuFile:
         return self.bar1_kb
 
     def get_parameter_size_t(self, param: str) -> int:
-        return {"PROPERTIES_MAX_DEVICE_PINNED_MEM_SIZE_KB": self.max_pinned >> 10,
-                "PROPERTIES_PER_BUFFER_CACHE_SIZE_KB": 1024,
-                "PROPERTIES_MAX_DIRECT_IO_SIZE_KB": 16384}[param]
+        return {
+            "PROPERTIES_MAX_DEVICE_PINNED_MEM_SIZE_KB": self.max_pinned >> 10,
+            "PROPERTIES_PER_BUFFER_CACHE_SIZE_KB": 1024,
+            "PROPERTIES_MAX_DIRECT_IO_SIZE_KB": 16384,
+        }[param]
 
     def get_parameter_bool(self, param: str) -> bool:
         return param == "PROPERTIES_ALLOW_COMPAT_MODE"
@@ -333,6 +357,9 @@ class FakeCuFile:
     def buf_deregister(self, ptr: int) -> None:
         with self._lock:
             self.deregister_calls += 1
+            if self.deregister_status:
+                st, self.deregister_status = self.deregister_status, 0
+                raise FakeCuFileError(st, "INTERNAL_ERROR")
             if self.registered.pop(ptr, None) is None:
                 raise FakeCuFileError(5024, "MEMORY_NOT_REGISTERED")
 
@@ -356,7 +383,7 @@ class FakeCuFile:
         pass
 
     def read(self, fh: int, base: int, size: int, offset: int, buf_offset: int) -> int:
-        with open(f"/proc/self/fd/{fh - 1000}", "rb") as f:   # the POSIX path, without O_DIRECT
+        with open(f"/proc/self/fd/{fh - 1000}", "rb") as f:  # the POSIX path, without O_DIRECT
             f.seek(offset)
             data = f.read(size)
         self.memory.write(base + buf_offset, data)

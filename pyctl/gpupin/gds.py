@@ -24,10 +24,12 @@ loaded, so no LD_LIBRARY_PATH is needed).
 from __future__ import annotations
 
 import ctypes
+import errno
 import glob
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -35,8 +37,8 @@ from typing import Any
 
 from ._closable import Closable
 from ._native import lib
-from .cache import CacheStats, Registration, RegistrationCache
-from .errors import BarExhausted, DriverNotLoaded, GdsError, InvalidArgument
+from .cache import CacheStats, Registration, RegistrationCache, _Entry
+from .errors import BarExhausted, DriverNotLoaded, GdsError, InvalidArgument, UnknownHandle
 from .memory import MemoryProvider
 
 KiB = 1 << 10
@@ -101,14 +103,14 @@ class CuFileBuffer:
         self.handle = handle
         self.va = va
         self.size = size
-        self.aligned_va = va         # cuFile registers the allocation's own bounds
+        self.aligned_va = va  # cuFile registers the allocation's own bounds
         self.aligned_size = size
         self.entries = 1
         self.slot = 0
         self.valid_word = 0
 
     def is_valid(self) -> bool:
-        return True   # cuFile has no invalidation callback: the buffer-id check is the validity
+        return True  # cuFile has no invalidation callback: the buffer-id check is the validity
 
 
 @dataclass(frozen=True)
@@ -137,24 +139,26 @@ class CuFileDriver(Closable):
     (``cuFileDriverOpen``, about 0.4 s) and closes it on ``close()``.
     """
 
-    granule = 1   # register allocations at their own bounds (RegistrationCache reads this)
+    granule = 1  # register allocations at their own bounds (RegistrationCache reads this)
 
     def __init__(self, cufile: Any = None, *, device: int = 0) -> None:
         self.cufile = cufile if cufile is not None else load_cufile()
         self.gpu = device
-        self._lock = threading.Lock()
         self._next = 1
-        self._by_handle: dict[int, int] = {}   # live handle -> address registered
-        self._by_addr: dict[int, int] = {}     # address -> the handle that owns its registration
+        self._by_handle: dict[int, int] = {}  # live handle -> address registered
+        self._by_addr: dict[int, int] = {}  # address -> the handle that owns its registration
         self.registrations = 0
         self.deregistrations = 0
         self.superseded = 0
+        self._lock = threading.RLock()
+        self._cache: Any = None  # weak reference to the one GdsCache over this driver
         self._open = False
         try:
             self.cufile.driver_open()
         except self.cufile.cuFileError as exc:
-            raise GdsError(f"cuFileDriverOpen failed: {exc}; run 'gpupin doctor' for GDS readiness",
-                           _status(exc)) from None
+            raise GdsError(
+                f"cuFileDriverOpen failed: {exc}; run 'gpupin doctor' for GDS readiness", _status(exc)
+            ) from None
         self._open = True
 
     # -- the device protocol of RegistrationCache ------------------------------
@@ -163,27 +167,16 @@ class CuFileDriver(Closable):
             raise InvalidArgument(f"cuFileBufRegister({va:#x}, {size}): size must be > 0")
         cf = self.cufile
         with self._lock:
-            old = self._by_addr.get(va)
-            if old is not None:
-                # A stale registration of freed memory at this address is still held (its
-                # last user has not released it): cuFile would answer ALREADY_REGISTERED.
-                # Deregister it now; the old handle's unpin becomes a no-op.
-                self._deregister(va)
-                self._by_addr.pop(va, None)
-                self._by_handle[old] = -1
-                self.superseded += 1
+            if self._by_addr.get(va) is not None:
+                # The cache found this address's registration stale (its memory was freed and
+                # reallocated) but an IO still holds it.  cuFile keys registrations by address
+                # and would answer ALREADY_REGISTERED: deregister it now, and make the old
+                # handle's later unpin a no-op.
+                self.supersede(va)
             try:
                 cf.buf_register(va, size, 0)
             except cf.cuFileError as exc:
-                st = _status(exc)
-                if st in _RESOURCE:
-                    raise BarExhausted(f"cuFileBufRegister({va:#x}, {size}) failed: {exc}") from None
-                if st == MEMORY_ALREADY_REGISTERED:
-                    raise GdsError(
-                        f"cuFileBufRegister({va:#x}, {size}): the address is registered with cuFile outside "
-                        "this cache (by the application or another library); deregister it there, or let "
-                        "the cache own every registration of this memory", st) from None
-                raise GdsError(f"cuFileBufRegister({va:#x}, {size}) failed: {exc}", st) from None
+                raise self._register_error(va, size, exc) from None
             h = self._next
             self._next += 1
             self._by_handle[h] = va
@@ -191,16 +184,52 @@ class CuFileDriver(Closable):
             self.registrations += 1
             return CuFileBuffer(h, va, size)
 
+    def _register_error(self, va: int, size: int, exc: Any) -> Exception:
+        st = _status(exc)
+        what = f"cuFileBufRegister({va:#x}, {size})"
+        if st == INVALID_MAPPING_SIZE and size > self.max_pinned_bytes():
+            return GdsError(
+                f"{what} failed: {exc}; one buffer over cuFile's max_device_pinned_mem_size "
+                f"({self.max_pinned_bytes()} bytes): leave it to bounce buffers (GdsCache.use) or raise "
+                "max_device_pinned_mem_size_kb in cufile.json",
+                st,
+            )
+        if st in _RESOURCE:  # out of pinnable memory: the cache evicts and retries
+            return BarExhausted(f"{what} failed: {exc}")
+        if st == MEMORY_ALREADY_REGISTERED:
+            return GdsError(
+                f"{what}: the address is registered with cuFile outside this cache (by the application, "
+                "another library or another GdsCache); deregister it there, or let one cache own every "
+                "registration of this memory",
+                st,
+            )
+        return GdsError(f"{what} failed: {exc}", st)
+
+    def max_pinned_bytes(self) -> int:
+        S = self.cufile.SizeTConfigParameter
+        return int(self.cufile.get_parameter_size_t(S.PROPERTIES_MAX_DEVICE_PINNED_MEM_SIZE_KB)) * KiB
+
+    def supersede(self, va: int) -> None:
+        """Deregister the registration at ``va`` now, whoever holds it; its unpin becomes a no-op."""
+        with self._lock:
+            old = self._by_addr.get(va)
+            if old is None:
+                return
+            self._deregister(va)
+            del self._by_addr[va]
+            self._by_handle[old] = -1
+            self.superseded += 1
+
     def unpin(self, handle: Any) -> None:
         h = int(getattr(handle, "handle", handle))
         with self._lock:
-            va = self._by_handle.pop(h, None)
+            va = self._by_handle.get(h)
             if va is None:
-                raise InvalidArgument(f"unpin({h}): not a registration of this driver")
-            if va < 0 or self._by_addr.get(va) != h:
-                return   # superseded: its address was deregistered and registered again
-            del self._by_addr[va]
-            self._deregister(va)
+                raise UnknownHandle(f"cuFile registration {h}: not a registration of this driver")
+            if va >= 0 and self._by_addr.get(va) == h:
+                self._deregister(va)  # raises, keeping the records, if cuFile refuses
+                del self._by_addr[va]
+            del self._by_handle[h]  # (superseded: deregistered already)
 
     def _deregister(self, va: int) -> None:
         cf = self.cufile
@@ -209,10 +238,11 @@ class CuFileDriver(Closable):
         except cf.cuFileError as exc:
             if _status(exc) != MEMORY_NOT_REGISTERED:
                 raise GdsError(f"cuFileBufDeregister({va:#x}) failed: {exc}", _status(exc)) from None
+            return  # nothing was registered there: not a deregistration
         self.deregistrations += 1
 
     def read_events(self) -> list[Any]:
-        return []   # cuFile has no invalidation callback
+        return []  # cuFile has no invalidation callback
 
     def validity_map(self) -> Any:
         raise InvalidArgument("cuFile has no validity map: use the registration cache with validate='tag'")
@@ -244,7 +274,22 @@ class CuFileDriver(Closable):
     def live(self) -> int:
         return len(self._by_addr)
 
+    def register_child(self, cache: Any) -> None:
+        """RegistrationCache calls this: one cache per driver (the driver's records are its
+        registrations), closed before cuFile is."""
+        if self._cache is not None and self._cache() is not None and not self._cache()._closed:
+            raise InvalidArgument(
+                "this CuFileDriver already has a GdsCache: cuFile keys registrations by address, so "
+                "two caches over one process's cuFile would deregister each other's buffers; share the "
+                "cache (it is thread safe)"
+            )
+        self._cache = weakref.ref(cache)
+
     def close(self) -> None:
+        """Close the cache over this driver (deregistering everything), then cuFile."""
+        cache = self._cache() if self._cache is not None else None
+        if cache is not None:
+            cache.close()
         if self._open:
             self._open = False
             try:
@@ -289,7 +334,7 @@ class GdsPolicy:
 @dataclass(frozen=True)
 class Advice:
     register: bool
-    reason: str   # "reuse", "small", "one-shot", "bar", "too-large"
+    reason: str  # "reuse", "small", "one-shot", "bar", "too-large"
     detail: str = ""
 
 
@@ -331,14 +376,28 @@ class GdsCache(RegistrationCache):
     of pinnable memory evicts the least recently used unused entry and retries.
     """
 
-    def __init__(self, driver: CuFileDriver, memory: MemoryProvider, *, max_bytes: int | None = None,
-                 max_regions: int = 0, policy: GdsPolicy | None = None) -> None:
+    def __init__(
+        self,
+        driver: CuFileDriver,
+        memory: MemoryProvider,
+        *,
+        max_bytes: int | None = None,
+        max_regions: int = 0,
+        policy: GdsPolicy | None = None,
+    ) -> None:
         props = driver.properties()
         self.properties = props
         if max_bytes is None:
             max_bytes = props.max_device_pinned_mem_bytes
-        super().__init__(driver, memory, max_bytes=max_bytes, max_regions=max_regions, validate="tag",
-                         whole_allocation=True, sync_memops=False)
+        super().__init__(
+            driver,
+            memory,
+            max_bytes=max_bytes,
+            max_regions=max_regions,
+            validate="tag",
+            whole_allocation=True,
+            sync_memops=False,
+        )
         self.driver = driver
         self.policy = policy or GdsPolicy()
         self._skipped: dict[str, int] = {}
@@ -363,31 +422,54 @@ class GdsCache(RegistrationCache):
         if bar:
             free = bar - self._st.bytes_pinned if bar_free is None else bar_free
             if free - size < p.bar_headroom * bar:
-                return Advice(False, "bar", f"{free} bytes of BAR1 free, {size} wanted, "
-                                            f"{p.bar_headroom:.0%} of {bar} must stay free")
+                return Advice(
+                    False,
+                    "bar",
+                    f"{free} bytes of BAR1 free, {size} wanted, {p.bar_headroom:.0%} of {bar} must stay free",
+                )
         return Advice(True, "reuse")
 
     def use(self, ptr: int, size: int, *, reuse: int = 2, bar_free: int | None = None) -> GdsUse:
         """The buffer for one IO: a cached registration if the policy says so, else none.
 
         Advice is for the whole allocation (what would be registered); a buffer
-        already cached is a hit whatever the advice.
+        already cached is a hit whatever the advice.  Every call counts as an acquire;
+        a use left unregistered is a miss and counts in ``stats().skipped``.
         """
-        if self._closed:
+        tok = int(self._lookup(self._c, ptr, size))  # the C index; counts the acquire
+        if tok == lib.GPC_CLOSED:
             raise InvalidArgument("this GdsCache is closed")
-        tok = int(self._lookup(self._c, ptr, size))   # the C index; counts the acquire
-        if tok == lib.GPC_MISS:
-            r = self.memory.range_of(ptr)
-            adv = self.advise(r.size, reuse, bar_free)
-            if not adv.register:
-                with self._lock:
-                    self._skipped[adv.reason] = self._skipped.get(adv.reason, 0) + 1
-                return GdsUse(ptr, size, adv, None)
-        if tok < 0 or self._py_tag:
-            tok = self.miss(ptr, size, tok)    # registers, or re-registers a stale entry
+        if tok == lib.GPC_BAD_ARG:
+            self.miss(ptr, size, tok)  # raises the argument error
+        stale: _Entry | None = None
+        if tok >= 0 and self._py_tag:  # the tag is checked here, not in C
+            e = self._ents[tok]
+            assert e is not None
+            if not self._tag_ok(e, ptr):
+                self._py_tag_stale += 1
+                lib.gpc_release(self._c, tok)
+                stale, tok = e, int(lib.GPC_MISS)
+        elif tok <= -lib.GPC_STALE_BASE:
+            stale = self._ents[-tok - lib.GPC_STALE_BASE]
+        if tok >= 0:
+            e = self._ents[tok]
+            assert e is not None
+            return GdsUse(ptr, size, Advice(True, "reuse"), Registration(self, e, ptr, size))
+        r = self.memory.range_of(ptr)
+        adv = self.advise(r.size, reuse, bar_free)
+        if not adv.register:
+            with self._lock:
+                if stale is not None and self._ents[stale.id] is stale and not self._tag_ok(stale, ptr):
+                    # cuFile finds registrations by address: an unregistered IO here would
+                    # use the freed memory's registration.  Drop it now, held or not.
+                    self._invalidate(stale, "tag")
+                    self.driver.supersede(stale.start)
+                self._skipped[adv.reason] = self._skipped.get(adv.reason, 0) + 1
+            return GdsUse(ptr, size, adv, None)
+        tok = self.miss(ptr, size, tok)  # registers, or replaces a stale entry
         e = self._ents[tok]
         assert e is not None
-        return GdsUse(ptr, size, Advice(True, "reuse"), Registration(self, e, ptr, size))
+        return GdsUse(ptr, size, adv, Registration(self, e, ptr, size))
 
     @contextmanager
     def buffer(self, ptr: int, size: int, *, reuse: int = 2) -> Iterator[GdsUse]:
@@ -420,8 +502,10 @@ class GdsFile(Closable):
         try:
             self.fd = os.open(path, flags)
         except OSError as exc:
-            raise GdsError(f"open({path!r}, O_DIRECT) failed: {exc.strerror}; GDS needs a file system "
-                           "that supports O_DIRECT (not tmpfs)") from None
+            hint = (
+                "; GDS needs a file system that supports O_DIRECT (tmpfs does not)" if exc.errno == errno.EINVAL else ""
+            )
+            raise GdsError(f"open({path!r}, O_DIRECT) failed: {exc.strerror}{hint}") from None
         self._descr = cf.Descr()
         self._descr.type = cf.FileHandleType.OPAQUE_FD
         self._descr.handle.fd = self.fd
@@ -433,7 +517,9 @@ class GdsFile(Closable):
             raise GdsError(
                 f"cuFileHandleRegister({path!r}) failed: {exc}; cuFile reads the file system's udev "
                 "properties (ID_FS_USAGE): in a container without udev it refuses every file. "
-                "'gpupin doctor' checks this", _status(exc)) from None
+                "'gpupin doctor' checks this",
+                _status(exc),
+            ) from None
         self._open = True
 
     @staticmethod

@@ -42,7 +42,7 @@ def module_file(name: str) -> str:
 @dataclass(frozen=True)
 class ModuleInfo:
     name: str
-    state: str          # "live", "coming", "going", "builtin" or "absent"
+    state: str  # "live", "coming", "going", "builtin" or "absent"
     refcount: int
     holders: list[str]
     parameters: dict[str, str]
@@ -64,8 +64,7 @@ def _module(ctx: Any, name_or_path: str) -> Iterator[Any]:
     mod = ffi.new("struct kmod_module **")
     if "/" in name_or_path or name_or_path.endswith(".ko"):
         if not os.path.exists(name_or_path):
-            raise ModuleError(f"module file {name_or_path} does not exist: run 'make modules'",
-                              errno.ENOENT)
+            raise ModuleError(f"module file {name_or_path} does not exist: run 'make modules'", errno.ENOENT)
         ret = lib.kmod_module_new_from_path(ctx, os.fsencode(os.path.abspath(name_or_path)), mod)
     else:
         ret = lib.kmod_module_new_from_name(ctx, name_or_path.encode(), mod)
@@ -93,16 +92,27 @@ def _load_error(target: str, err: int) -> ModuleError:
         missing = _missing_symbols() or list(_REQUIRED_SYMBOLS)
         return ModuleError(
             f"loading {target} failed: unknown symbol {missing[0]}: "
-            "load nvidia (open kernel modules) or nvp2p_sim first ('gpupin load --sim')", err)
+            "load nvidia (open kernel modules) or nvp2p_sim first ('gpupin load --sim')",
+            err,
+        )
     if err == errno.ENOENT:
-        return ModuleError(f"loading {target} failed: module not found or unknown symbol "
-                           "(see dmesg): run 'make modules' or load its dependencies first", err)
+        return ModuleError(
+            f"loading {target} failed: module not found or unknown symbol "
+            "(see dmesg): run 'make modules' or load its dependencies first",
+            err,
+        )
     if err == errno.EPERM:
-        return ModuleError(f"loading {target} failed: not permitted (root, and module loading "
-                           "enabled; unsigned modules need Secure Boot off)", err)
+        return ModuleError(
+            f"loading {target} failed: not permitted (root, and module loading "
+            "enabled; unsigned modules need Secure Boot off)",
+            err,
+        )
     if err == errno.ENOEXEC:
-        return ModuleError(f"loading {target} failed: invalid module format: it was built for "
-                           "another kernel; rebuild with 'make modules'", err)
+        return ModuleError(
+            f"loading {target} failed: invalid module format: it was built for "
+            "another kernel; rebuild with 'make modules'",
+            err,
+        )
     if err == errno.EINVAL:
         return ModuleError(f"loading {target} failed: invalid parameters (see dmesg)", err)
     return ModuleError(f"loading {target} failed: {os.strerror(err)}", err)
@@ -116,7 +126,8 @@ def load(name_or_path: str, params: Mapping[str, object] | None = None) -> None:
             ret = lib.kmod_module_insert_module(mod, 0, opts.encode())
         else:
             ret = lib.kmod_module_probe_insert_module(
-                mod, lib.KMOD_PROBE_FAIL_ON_LOADED, opts.encode(), ffi.NULL, ffi.NULL, ffi.NULL)
+                mod, lib.KMOD_PROBE_FAIL_ON_LOADED, opts.encode(), ffi.NULL, ffi.NULL, ffi.NULL
+            )
             if ret > 0:  # blacklisted or install command refused
                 ret = -errno.EPERM
     if ret < 0:

@@ -49,25 +49,69 @@ class gpupinmsg(genlmsg):  # type: ignore[misc]  # noqa: N801 - pyroute2 naming
     """Messages of the family: top-level GPUPIN_NL_A_* attributes."""
 
     class pin(nla):  # type: ignore[misc]  # noqa: N801
-        nla_map = _names("GPUPIN_NL_PIN_A_", lib.GPUPIN_NL_PIN_A_MAX, {
-            "PID": "uint32", "FILE_ID": "uint64", "HANDLE": "uint64", "VA": "uint64", "SIZE": "uint64",
-            "ALIGNED_VA": "uint64", "ALIGNED_SIZE": "uint64", "ENTRIES": "uint32", "PAGE_SIZE": "uint32",
-            "STATE": "uint32", "PERSISTENT": "flag", "CREATED_NS": "uint64", "USER_TAG": "uint64",
-            "DMA_PEER": "asciiz", "REASON": "uint32",
-        })
+        nla_map = _names(
+            "GPUPIN_NL_PIN_A_",
+            lib.GPUPIN_NL_PIN_A_MAX,
+            {
+                "PID": "uint32",
+                "FILE_ID": "uint64",
+                "HANDLE": "uint64",
+                "VA": "uint64",
+                "SIZE": "uint64",
+                "ALIGNED_VA": "uint64",
+                "ALIGNED_SIZE": "uint64",
+                "ENTRIES": "uint32",
+                "PAGE_SIZE": "uint32",
+                "STATE": "uint32",
+                "PERSISTENT": "flag",
+                "CREATED_NS": "uint64",
+                "USER_TAG": "uint64",
+                "DMA_PEER": "asciiz",
+                "REASON": "uint32",
+            },
+        )
 
     class stats(nla):  # type: ignore[misc]  # noqa: N801
-        nla_map = _names("GPUPIN_NL_STAT_A_", lib.GPUPIN_NL_STAT_A_MAX, {
-            n: "uint64" for n in ("PINS", "UNPINS", "INVAL_FREED", "INVAL_PROCESS_EXIT", "DMA_MAPS", "BYTES_NOW",
-                                  "BYTES_PEAK", "FAIL_ENOMEM", "FAIL_ENOSPC", "FAIL_EINVAL", "FAIL_OTHER",
-                                  "CALLBACK_MAX_NS")
-        })
+        nla_map = _names(
+            "GPUPIN_NL_STAT_A_",
+            lib.GPUPIN_NL_STAT_A_MAX,
+            {
+                n: "uint64"
+                for n in (
+                    "PINS",
+                    "UNPINS",
+                    "INVAL_FREED",
+                    "INVAL_PROCESS_EXIT",
+                    "DMA_MAPS",
+                    "BYTES_NOW",
+                    "BYTES_PEAK",
+                    "FAIL_ENOMEM",
+                    "FAIL_ENOSPC",
+                    "FAIL_EINVAL",
+                    "FAIL_OTHER",
+                    "CALLBACK_MAX_NS",
+                )
+            },
+        )
 
-    nla_map = _names("GPUPIN_NL_A_", lib.GPUPIN_NL_A_MAX, {
-        "PID": "uint32", "HANDLE": "uint64", "PIN": "pin", "ABI_VERSION": "uint32", "VERSION": "asciiz",
-        "PROVIDER": "asciiz", "CAPS": "uint32", "MAX_PINNED_BYTES": "uint64", "PINNED_BYTES": "uint64",
-        "MAX_PINS_PER_FILE": "uint32", "STATS": "stats", "SIZE": "uint64",
-    })
+    nla_map = _names(
+        "GPUPIN_NL_A_",
+        lib.GPUPIN_NL_A_MAX,
+        {
+            "PID": "uint32",
+            "HANDLE": "uint64",
+            "PIN": "pin",
+            "ABI_VERSION": "uint32",
+            "VERSION": "asciiz",
+            "PROVIDER": "asciiz",
+            "CAPS": "uint32",
+            "MAX_PINNED_BYTES": "uint64",
+            "PINNED_BYTES": "uint64",
+            "MAX_PINS_PER_FILE": "uint32",
+            "STATS": "stats",
+            "SIZE": "uint64",
+        },
+    )
 
 
 @dataclass(frozen=True)
@@ -101,11 +145,20 @@ def _pin_of(msg: Any) -> NlPin:
     peers = [v for k, v in p["attrs"] if k == "GPUPIN_NL_PIN_A_DMA_PEER"]
     reason = p.get_attr("GPUPIN_NL_PIN_A_REASON")
     return NlPin(
-        pid=g("PID"), file_id=g("FILE_ID"), handle=g("HANDLE"), va=g("VA"), size=g("SIZE"),
-        aligned_va=g("ALIGNED_VA"), aligned_size=g("ALIGNED_SIZE"), entries=g("ENTRIES"),
-        page_size=g("PAGE_SIZE"), state=STATE_NAMES.get(g("STATE"), str(g("STATE"))),
+        pid=g("PID"),
+        file_id=g("FILE_ID"),
+        handle=g("HANDLE"),
+        va=g("VA"),
+        size=g("SIZE"),
+        aligned_va=g("ALIGNED_VA"),
+        aligned_size=g("ALIGNED_SIZE"),
+        entries=g("ENTRIES"),
+        page_size=g("PAGE_SIZE"),
+        state=STATE_NAMES.get(g("STATE"), str(g("STATE"))),
         persistent=any(k == "GPUPIN_NL_PIN_A_PERSISTENT" for k, _ in p["attrs"]),
-        created_ns=g("CREATED_NS"), user_tag=g("USER_TAG"), dma_peers=peers,
+        created_ns=g("CREATED_NS"),
+        user_tag=g("USER_TAG"),
+        dma_peers=peers,
         reason=None if reason is None else REASON_NAMES.get(reason, str(reason)),
     )
 
@@ -116,9 +169,12 @@ def _error(exc: NetlinkError, what: str) -> GpupinError:
     text = f"netlink {what} failed: {errno.errorcode.get(exc.code, exc.code)}"
     if detail:
         text += f": {detail}"
-    cls: type[GpupinError] = {errno.EINVAL: InvalidArgument, errno.ENOENT: UnknownHandle,
-                              errno.EPERM: PermissionDenied, errno.EACCES: PermissionDenied}.get(exc.code,
-                                                                                                GpupinError)
+    cls: type[GpupinError] = {
+        errno.EINVAL: InvalidArgument,
+        errno.ENOENT: UnknownHandle,
+        errno.EPERM: PermissionDenied,
+        errno.EACCES: PermissionDenied,
+    }.get(exc.code, GpupinError)
     return cls(text, exc.code)
 
 
@@ -132,8 +188,10 @@ class Netlink(Closable):
         except NetlinkError as exc:
             self.sock.close()
             if exc.code == errno.ENOENT:
-                raise DriverNotLoaded("gpupin module not loaded (no generic netlink family 'gpupin'): "
-                                      "run 'gpupin load' (add --sim without a GPU)") from None
+                raise DriverNotLoaded(
+                    "gpupin module not loaded (no generic netlink family 'gpupin'): "
+                    "run 'gpupin load' (add --sim without a GPU)"
+                ) from None
             raise _error(exc, "bind") from None
         self.msg_class = msg_class
         self._subscribed = False
@@ -151,8 +209,9 @@ class Netlink(Closable):
         msg["attrs"] = list(attrs or [])
         flags = NLM_F_REQUEST | (NLM_F_DUMP if dump else NLM_F_ACK)
         try:
-            return [m for m in self.sock.nlm_request(msg, msg_type=self.sock.prid, msg_flags=flags)
-                    if m.get("cmd") == cmd]
+            return [
+                m for m in self.sock.nlm_request(msg, msg_type=self.sock.prid, msg_flags=flags) if m.get("cmd") == cmd
+            ]
         except NetlinkError as exc:
             raise _error(exc, f"command {cmd}") from None
 
@@ -163,8 +222,7 @@ class Netlink(Closable):
     def stats(self) -> dict[str, int]:
         (m,) = self.request(lib.GPUPIN_NL_CMD_GET_STATS)
         s = m.get_attr("GPUPIN_NL_A_STATS")
-        return {k.removeprefix("GPUPIN_NL_STAT_A_").lower(): v for k, v in s["attrs"]
-                if not k.endswith("_PAD")}
+        return {k.removeprefix("GPUPIN_NL_STAT_A_").lower(): v for k, v in s["attrs"] if not k.endswith("_PAD")}
 
     def list_pins(self) -> list[NlPin]:
         return [_pin_of(m) for m in self.request(lib.GPUPIN_NL_CMD_GET_PINS, dump=True)]
@@ -182,15 +240,19 @@ class Netlink(Closable):
             try:
                 self.request(lib.GPUPIN_NL_CMD_SUBSCRIBE)
             except PermissionDenied:
-                raise PermissionDenied("subscribing to gpupin events needs CAP_NET_ADMIN "
-                                       "(events name other processes' addresses)", errno.EPERM) from None
+                raise PermissionDenied(
+                    "subscribing to gpupin events needs CAP_NET_ADMIN (events name other processes' addresses)",
+                    errno.EPERM,
+                ) from None
             self._subscribed = True
             return
         try:
             self.sock.add_membership("events")
         except PermissionError:
-            raise PermissionDenied("joining the gpupin 'events' group needs CAP_NET_ADMIN "
-                                   "(events name other processes' addresses)", errno.EPERM) from None
+            raise PermissionDenied(
+                "joining the gpupin 'events' group needs CAP_NET_ADMIN (events name other processes' addresses)",
+                errno.EPERM,
+            ) from None
         except OSError as exc:
             if exc.errno in (errno.EPERM, errno.EACCES):
                 raise PermissionDenied("joining the gpupin 'events' group needs CAP_NET_ADMIN", exc.errno) from None
@@ -220,9 +282,12 @@ class Netlink(Closable):
                     continue
                 ev: dict[str, Any] = {"event": name}
                 if name == "budget_exhausted":
-                    ev.update(pid=m.get_attr("GPUPIN_NL_A_PID"), size=m.get_attr("GPUPIN_NL_A_SIZE"),
-                              pinned_bytes=m.get_attr("GPUPIN_NL_A_PINNED_BYTES"),
-                              max_pinned_bytes=m.get_attr("GPUPIN_NL_A_MAX_PINNED_BYTES"))
+                    ev.update(
+                        pid=m.get_attr("GPUPIN_NL_A_PID"),
+                        size=m.get_attr("GPUPIN_NL_A_SIZE"),
+                        pinned_bytes=m.get_attr("GPUPIN_NL_A_PINNED_BYTES"),
+                        max_pinned_bytes=m.get_attr("GPUPIN_NL_A_MAX_PINNED_BYTES"),
+                    )
                 else:
                     pin = _pin_of(m)
                     ev.update(pin.__dict__)

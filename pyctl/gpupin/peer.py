@@ -62,8 +62,7 @@ class Peer(Closable):
             raise InvalidArgument(f"{what}: the peer device is closed")
         return int(lib.gpupin_call(self._fd, cmd, arg))
 
-    def _xfer(self, device: Device, pin: Pin | int, offset: int, buf: bytearray | bytes,
-              to_gpu: bool) -> None:
+    def _xfer(self, device: Device, pin: Pin | int, offset: int, buf: bytearray | bytes, to_gpu: bool) -> None:
         c = ffi.new("struct gpupin_peer_xfer *")
         c.gpupin_fd = device.fileno()
         c.handle = _handle(pin)
@@ -78,7 +77,10 @@ class Peer(Closable):
         if ret in (-errno.ENODEV, -errno.EIO):
             raise TransferAborted(
                 f"{what}({desc}) stopped after {int(c.done)} bytes: the GPU memory was freed "
-                "(the pin is invalidated; pin the new memory again)", -ret, int(c.done))
+                "(the pin is invalidated; pin the new memory again)",
+                -ret,
+                int(c.done),
+            )
         if ret < 0:
             raise from_errno(-ret, what, desc)
 
@@ -90,7 +92,7 @@ class Peer(Closable):
         try:
             self._xfer(device, pin, offset, out, False)
         except TransferAborted as exc:
-            exc.partial = bytes(out[:exc.done])
+            exc.partial = bytes(out[: exc.done])
             raise
         return bytes(out)
 
@@ -107,8 +109,10 @@ class Peer(Closable):
         c.handle = _handle(pin)
         ret = self._call(lib.GPUPIN_PEER_IOC_HOLD, c, "peer hold")
         if ret == -errno.ENODEV:
-            raise PinInvalidated(f"peer hold(handle={c.handle}) failed: the GPU memory was freed; "
-                                 "unpin it and pin the new memory", errno.ENODEV)
+            raise PinInvalidated(
+                f"peer hold(handle={c.handle}) failed: the GPU memory was freed; unpin it and pin the new memory",
+                errno.ENODEV,
+            )
         if ret < 0:
             raise from_errno(-ret, "peer hold", f"handle={c.handle}")
         return int(c.hold_id)
@@ -120,8 +124,7 @@ class Peer(Closable):
         c.flags = lib.GPUPIN_PEER_RELEASE_ASYNC if from_kworker else 0
         ret = self._call(lib.GPUPIN_PEER_IOC_RELEASE, c, "peer release")
         if ret < 0:
-            raise from_errno(-ret, "peer release", f"hold_id={hold_id}",
-                             hint="no such hold on this peer file")
+            raise from_errno(-ret, "peer release", f"hold_id={hold_id}", hint="no such hold on this peer file")
 
     def status(self) -> PeerStatus:
         c = ffi.new("struct gpupin_peer_status *")

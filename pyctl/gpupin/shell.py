@@ -26,8 +26,10 @@ class Shell:
         self.session.out = lambda text: print(text, flush=True)
         self.parser = build_parser()
         self.commands = sorted(
-            name for name in self.parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
-            if name != "shell")
+            name
+            for name in self.parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+            if name != "shell"
+        )
         self.status = 0
 
     def help(self, args: list[str]) -> None:
@@ -67,8 +69,7 @@ class Shell:
         else:
             sp = self.parser._subparsers._group_actions[0].choices.get(words[0])  # type: ignore[union-attr]
             flags = [o for act in (sp._actions if sp else []) for o in act.option_strings]
-            choices = [c for act in (sp._actions if sp else []) for c in (act.choices or [])
-                       if isinstance(c, str)]
+            choices = [c for act in (sp._actions if sp else []) for c in (act.choices or []) if isinstance(c, str)]
             options = [o + " " for o in flags + choices if o.startswith(text)]
         return options[state] if state < len(options) else None
 

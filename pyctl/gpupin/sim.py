@@ -50,10 +50,22 @@ class SimStats:
         waits given up (deadlock) and callbacks that overran.  ``dma_map_races``
         is not among them: it counts NVIDIA's own window in dma_map_pages.
         """
-        keys = ("pinned_pages", "bar_bytes", "live_callbacks", "page_tables", "dma_mappings",
-                "tables_not_freed", "mappings_not_freed", "poison_errors", "dmabuf_exports",
-                "dmabuf_mappings", "use_after_free_calls", "puts_not_found", "lock_timeouts",
-                "callback_overruns")
+        keys = (
+            "pinned_pages",
+            "bar_bytes",
+            "live_callbacks",
+            "page_tables",
+            "dma_mappings",
+            "tables_not_freed",
+            "mappings_not_freed",
+            "poison_errors",
+            "dmabuf_exports",
+            "dmabuf_mappings",
+            "use_after_free_calls",
+            "puts_not_found",
+            "lock_timeouts",
+            "callback_overruns",
+        )
         return {k: getattr(self, k) for k in keys if getattr(self, k)}
 
 
@@ -101,16 +113,16 @@ class SimMemory(ProviderBase):
         try:
             self._call(lib.NVP2P_SIM_IOC_FREE, c, "sim free", f"{ptr:#x}")
         except InvalidArgument:
-            raise NotGpuMemory(f"sim free({ptr:#x}): not the start of a live allocation",
-                               errno.EINVAL) from None
+            raise NotGpuMemory(f"sim free({ptr:#x}): not the start of a live allocation", errno.EINVAL) from None
 
     def range_of(self, ptr: int) -> AllocationRange:
         c = ffi.new("struct nvp2p_sim_query *")
         c.va = ptr
         ret = lib.gpupin_call(self._fd, lib.NVP2P_SIM_IOC_QUERY, c)
         if ret == -errno.ENOENT:
-            raise NotGpuMemory(f"{ptr:#x} is not simulated device memory of this context "
-                               "(freed, or never allocated)", errno.ENOENT)
+            raise NotGpuMemory(
+                f"{ptr:#x} is not simulated device memory of this context (freed, or never allocated)", errno.ENOENT
+            )
         if ret < 0:
             raise from_errno(-ret, "sim query", f"{ptr:#x}")
         return AllocationRange(int(c.base), int(c.size), int(c.buffer_id))
@@ -152,8 +164,7 @@ class SimMemory(ProviderBase):
         c.va = ptr
         ret = lib.gpupin_call(self._fd, lib.NVP2P_SIM_IOC_EXPORT, c)
         if ret == -errno.ENOENT:
-            raise NotGpuMemory(f"sim export({ptr:#x}): not simulated device memory of this context",
-                               errno.ENOENT)
+            raise NotGpuMemory(f"sim export({ptr:#x}): not simulated device memory of this context", errno.ENOENT)
         if ret < 0:
             raise from_errno(-ret, "sim export", f"{ptr:#x}")
         return int(c.fd)

@@ -36,8 +36,7 @@ class VgemBuffer(Closable):
 
     def __init__(self, size: int) -> None:
         if drm_lib is None:
-            raise GpupinError("gpupin was built without the DRM headers: install libdrm-dev "
-                              "and run 'make pyext'")
+            raise GpupinError("gpupin was built without the DRM headers: install libdrm-dev and run 'make pyext'")
         if size <= 0:
             raise GpupinError(f"VgemBuffer(size={size}): size must be > 0")
         self.fd = -1
@@ -69,15 +68,15 @@ class VgemBuffer(Closable):
 
     def write(self, offset: int, data: bytes) -> None:
         assert self._map is not None
-        self._map[offset:offset + len(data)] = data
+        self._map[offset : offset + len(data)] = data
 
     def read(self, offset: int, size: int) -> bytes:
         assert self._map is not None
-        return bytes(self._map[offset:offset + size])
+        return bytes(self._map[offset : offset + size])
 
     def close(self) -> None:
         if getattr(self, "_map", None) is not None:
-            self._map.close()   # type: ignore[union-attr]
+            self._map.close()  # type: ignore[union-attr]
             self._map = None
         if getattr(self, "fd", -1) >= 0:
             os.close(self.fd)

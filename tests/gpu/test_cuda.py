@@ -75,8 +75,13 @@ class Vmm:
         prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         prop.location.id = device
         self.prop = prop
-        gran = int(ok(cu.cuMemGetAllocationGranularity(
-            prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
+        gran = int(
+            ok(
+                cu.cuMemGetAllocationGranularity(
+                    prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+                )
+            )
+        )
         self.chunk = max(gran, 2 * MiB)
         self.base = int(ok(cu.cuMemAddressReserve(2 * self.chunk, 0, 0, 0)))
         self.handles = [None, None]
@@ -146,7 +151,7 @@ def test_sync_memops_once_per_allocation(cuda) -> None:  # type: ignore[no-untyp
         cache.acquire(a + off, 64).release()
     assert cuda.sync_memops_calls == 1
     cache.purge()
-    cache.acquire(a, 64).release()      # same allocation: not set again
+    cache.acquire(a, 64).release()  # same allocation: not set again
     assert cuda.sync_memops_calls == 1
     cache.purge()
     cuda.free(a)

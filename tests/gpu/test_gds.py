@@ -8,6 +8,8 @@ properties; where cuFile refuses it the read test skips with cuFile's reason.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -104,7 +106,7 @@ def test_stale_entry_still_in_use_is_superseded(cuda, driver) -> None:  # type: 
     try:
         for _ in range(8):
             a = cuda.alloc(MiB)
-            held = cache.acquire(a, 64)   # an IO still holds the registration
+            held = cache.acquire(a, 64)  # an IO still holds the registration
             cuda.free(a)
             b = cuda.alloc(MiB)
             if b == a:
@@ -113,9 +115,9 @@ def test_stale_entry_still_in_use_is_superseded(cuda, driver) -> None:  # type: 
             cuda.free(b)
         else:
             pytest.fail("cuMemAlloc never handed a freed address back")
-        new = cache.acquire(b, 64)        # deregisters the stale one, registers the new memory
+        new = cache.acquire(b, 64)  # deregisters the stale one, registers the new memory
         assert driver.superseded == 1
-        held.release()                    # must not deregister the new registration
+        held.release()  # must not deregister the new registration
         assert registered(driver, b, MiB)
         new.release()
         cache.close()
@@ -131,16 +133,17 @@ def test_pool_and_vmm_memory(cuda, cu, driver) -> None:  # type: ignore[no-untyp
     stream = ok(cu.cuStreamCreate(0))
     v = Vmm(cu)
     try:
-        a = int(ok(cu.cuMemAllocAsync(3 * 100_000, stream)))      # not a multiple of 64 KiB
+        a = int(ok(cu.cuMemAllocAsync(3 * 100_000, stream)))  # not a multiple of 64 KiB
         ok(cu.cuStreamSynchronize(stream))
         with cache.acquire(a + 1000, 1000) as r:
             assert (r.aligned_va, r.aligned_size) == (a, 300_000)
         ok(cu.cuMemFreeAsync(a, stream))
         b = int(ok(cu.cuMemAllocAsync(3 * 100_000, stream)))
         ok(cu.cuStreamSynchronize(stream))
+        assert b == a, "the pool did not hand the freed block back"
         before = cache.stats().invalidations_tag
         cache.acquire(b, 64).release()
-        assert b != a or cache.stats().invalidations_tag == before + 1
+        assert cache.stats().invalidations_tag == before + 1
         # VMM: each mapped chunk is an allocation of its own.
         with cache.acquire(v.base + v.chunk + 64, 64) as r:
             assert (r.aligned_va, r.aligned_size) == (v.base + v.chunk, v.chunk)
@@ -193,7 +196,7 @@ def _udev_reason() -> str:
 
 
 def test_read_into_cached_and_unregistered_buffers(cuda, driver, tmp_path: Any) -> None:  # type: ignore[no-untyped-def]
-    path = os.path.join(os.getcwd(), ".gds-test.bin")    # a block-device file system, not tmpfs
+    path = os.path.join(os.getcwd(), ".gds-test.bin")  # a block-device file system, not tmpfs
     payload = os.urandom(2 * MiB)
     with open(path, "wb") as f:
         f.write(payload)
@@ -224,13 +227,14 @@ def test_read_into_cached_and_unregistered_buffers(cuda, driver, tmp_path: Any) 
         os.unlink(path)
 
 
-def test_readme_example_runs(cuda, driver, tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+def test_readme_example_runs(cuda, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
     """The README's "For GPUDirect Storage users" example, as written."""
     readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
     section = readme.split("## For GPUDirect Storage users", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     cwd = os.getcwd()
-    os.chdir(tmp_path)
+    work = tempfile.mkdtemp(dir=cwd)  # on the work tree's file system (tmp_path may be tmpfs)
+    os.chdir(work)
     try:
         try:
             exec(compile(code, "README.md", "exec"), {})
@@ -240,5 +244,6 @@ def test_readme_example_runs(cuda, driver, tmp_path: Any, capsys: pytest.Capture
             raise
     finally:
         os.chdir(cwd)
+        shutil.rmtree(work)
     out = capsys.readouterr().out
     assert "pins=1," in out and "hits=7," in out and "skipped={}" in out, out

@@ -34,9 +34,9 @@ def test_hit_and_subrange_hit(validate: str) -> None:
     r1 = cache.acquire(a, 100)
     assert (r1.aligned_va, r1.aligned_size) == (a, MiB) and r1.valid and r1.offset == 0
     r1.release()
-    with cache.acquire(a + 4096, 8192) as r2:   # inside the same allocation
+    with cache.acquire(a + 4096, 8192) as r2:  # inside the same allocation
         assert r2.handle == r1.handle and r2.offset == 4096
-    with cache.acquire(a + MiB - 1, 1) as r3:   # last byte
+    with cache.acquire(a + MiB - 1, 1) as r3:  # last byte
         assert r3.handle == r1.handle
     counters(cache, acquires=3, hits=2, misses=1, pins=1, unpins=0, regions=1, bytes_pinned=MiB)
     assert dev.pin_calls == 1
@@ -46,11 +46,11 @@ def test_end_of_range_and_spanning_refused() -> None:
     mem, dev, cache = make()
     a = mem.alloc(MiB)
     b = mem.alloc(MiB)
-    assert b == a + MiB   # adjacent allocations
+    assert b == a + MiB  # adjacent allocations
     cache.acquire(a, 10).release()
     with pytest.raises(gpupin.InvalidArgument, match="runs past its allocation"):
-        cache.acquire(a + MiB - 10, 20)   # spans a and b
-    with cache.acquire(b, 10) as rb:      # adjacent: its own entry
+        cache.acquire(a + MiB - 10, 20)  # spans a and b
+    with cache.acquire(b, 10) as rb:  # adjacent: its own entry
         assert rb.aligned_va == b
     counters(cache, misses=3, hits=0, pins=2, regions=2)
 
@@ -65,11 +65,11 @@ def test_refcount_and_in_use_not_evicted() -> None:
     with pytest.raises(CacheFull, match="all 2 in use"):
         cache.acquire(bufs[2], 1)
     r0.release()
-    with pytest.raises(CacheFull):   # r0b still holds entry 0
+    with pytest.raises(CacheFull):  # r0b still holds entry 0
         cache.acquire(bufs[2], 1)
     r0b.release()
-    r0b.release()   # a second release is a no-op
-    r2 = cache.acquire(bufs[2], 1)   # evicts entry 0, the only unused one
+    r0b.release()  # a second release is a no-op
+    r2 = cache.acquire(bufs[2], 1)  # evicts entry 0, the only unused one
     counters(cache, evictions_limit=1, unpins=1, regions=2, in_use=2)
     assert r1.valid and r2.valid
     r1.release()
@@ -81,12 +81,12 @@ def test_lru_order() -> None:
     bufs = [mem.alloc(GPU_PAGE) for _ in range(4)]
     for b in bufs[:3]:
         cache.acquire(b, 1).release()
-    cache.acquire(bufs[0], 1).release()       # 0 is now most recent; 1 is the LRU
-    cache.acquire(bufs[3], 1).release()       # evicts 1
+    cache.acquire(bufs[0], 1).release()  # 0 is now most recent; 1 is the LRU
+    cache.acquire(bufs[3], 1).release()  # evicts 1
     cache.acquire(bufs[0], 1).release()
     cache.acquire(bufs[2], 1).release()
     counters(cache, hits=3, misses=4, evictions_limit=1)
-    cache.acquire(bufs[1], 1).release()       # 1 was evicted: a miss, evicting 3
+    cache.acquire(bufs[1], 1).release()  # 1 was evicted: a miss, evicting 3
     counters(cache, misses=5, evictions_limit=2)
     cache.acquire(bufs[0], 1).release()
     counters(cache, hits=4)
@@ -121,8 +121,10 @@ def test_clean_error_when_all_in_use_under_pressure() -> None:
         r.release()
 
 
-@pytest.mark.parametrize("validate,reason", [("kernel", "invalidations_kernel"), ("tag", "invalidations_tag"),
-                                             ("both", "invalidations_kernel")])
+@pytest.mark.parametrize(
+    "validate,reason",
+    [("kernel", "invalidations_kernel"), ("tag", "invalidations_tag"), ("both", "invalidations_kernel")],
+)
 def test_same_va_reuse_misses(validate: str, reason: str) -> None:
     mem, dev, cache = make(validate=validate)
     a = mem.alloc(MiB)
@@ -170,10 +172,10 @@ def test_invalidated_while_in_use() -> None:
     mem.free(a)
     assert not r.valid
     a2 = mem.alloc(MiB)
-    r2 = cache.acquire(a2, 1)        # new entry; the old one waits for its holder
+    r2 = cache.acquire(a2, 1)  # new entry; the old one waits for its holder
     assert r2.valid and r2.handle != r.handle
     counters(cache, regions=1, unpins=0, in_use=2)
-    r.release()                       # last release cleans it up
+    r.release()  # last release cleans it up
     counters(cache, unpins=1, in_use=1)
     assert r.handle not in dev.pins
     r2.release()
@@ -202,7 +204,7 @@ def test_vmm_like_chunks_are_separate_entries() -> None:
         assert r0.handle != r1.handle and r0.aligned_size == r1.aligned_size == MiB
     with pytest.raises(gpupin.InvalidArgument):
         cache.acquire(c0 + MiB - 4, 8)
-    mem.free(c1)                              # unmap + remap: a new id
+    mem.free(c1)  # unmap + remap: a new id
     c1b = mem.alloc(MiB, at=base + MiB)
     with cache.acquire(c1b, 10):
         pass
@@ -215,7 +217,7 @@ def test_sync_memops_once_per_allocation() -> None:
     for off in (0, 100, 4096):
         cache.acquire(a + off, 1).release()
     cache.purge()
-    cache.acquire(a, 1).release()          # re-pinned: same allocation, no second call
+    cache.acquire(a, 1).release()  # re-pinned: same allocation, no second call
     assert mem.sync_memops_calls == 1
 
 
@@ -226,8 +228,21 @@ def test_purge_and_exact_stats() -> None:
     for p in bufs:
         cache.acquire(p, 1).release()
     assert cache.purge() == 4
-    counters(cache, acquires=6, hits=1, misses=5, pins=5, unpins=4, regions=1, bytes_pinned=GPU_PAGE,
-             peak_bytes=GPU_PAGE * 15, in_use=1, pin_failures=0, evictions_limit=0, evictions_pressure=0)
+    counters(
+        cache,
+        acquires=6,
+        hits=1,
+        misses=5,
+        pins=5,
+        unpins=4,
+        regions=1,
+        bytes_pinned=GPU_PAGE,
+        peak_bytes=GPU_PAGE * 15,
+        in_use=1,
+        pin_failures=0,
+        evictions_limit=0,
+        evictions_pressure=0,
+    )
     held.release()
 
 
@@ -264,7 +279,7 @@ def test_threads_hammering() -> None:
                 i = rng.randrange(16)
                 op = rng.random()
                 if op < 0.02:
-                    with lock:   # free and reallocate at the same address
+                    with lock:  # free and reallocate at the same address
                         mem.free(bufs[i])
                         bufs[i] = mem.alloc(GPU_PAGE, at=bufs[i])
                         frees[0] += 1
@@ -315,12 +330,12 @@ def test_close_unpins_everything_and_refuses_use() -> None:
     assert len(dev.pins) == 2
     cache.close()
     assert len(dev.pins) == 0 and cache.stats().unpins == 2
-    held.release()   # harmless after close
+    held.release()  # harmless after close
     with pytest.raises(gpupin.InvalidArgument, match="closed"):
         cache.acquire(a, 1)
     with pytest.raises(gpupin.InvalidArgument, match="closed"):
         cache.fast_lookup(a, 1)
-    cache.close()    # idempotent
+    cache.close()  # idempotent
 
 
 def test_python_tag_mode_cache_is_freed_without_gc() -> None:

@@ -14,8 +14,10 @@ from gpupin.device import parse_pci
 from gpupin.errors import InvalidArgument
 
 
-@pytest.mark.parametrize("text,value", [("4096", 4096), ("64K", 65536), ("1M", 1 << 20), ("2GiB", 2 << 30),
-                                        ("0x10000", 65536), ("1mb", 1 << 20)])
+@pytest.mark.parametrize(
+    "text,value",
+    [("4096", 4096), ("64K", 65536), ("1M", 1 << 20), ("2GiB", 2 << 30), ("0x10000", 65536), ("1mb", 1 << 20)],
+)
 def test_parse_size(text: str, value: int) -> None:
     assert cli.parse_size(text) == value
 
@@ -47,8 +49,9 @@ def test_table_and_json_output() -> None:
 
 def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "GPUPIN_HISTORY": os.devnull}
-    return subprocess.run([sys.executable, "-m", "gpupin.cli", *args], input=stdin, capture_output=True,
-                          text=True, env=env, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "gpupin", *args], input=stdin, capture_output=True, text=True, env=env, timeout=60
+    )
 
 
 def test_usage_errors_exit_nonzero() -> None:
@@ -74,7 +77,7 @@ def test_without_module_says_how_to_load() -> None:
 
 def test_shell_keeps_going_after_errors() -> None:
     r = run("shell", "-c", "help; pin; sim alloc; bogus; help query")
-    assert r.returncode == 1   # an error happened, the shell ran every command
+    assert r.returncode == 1  # an error happened, the shell ran every command
     out = r.stdout
     assert "commands:" in out and "give VA and SIZE" in out and "sim alloc takes SIZE" in out
     assert "invalid choice" in out and "usage: gpupin query" in out
@@ -99,7 +102,7 @@ def test_gds_status_without_cufile_says_what_is_missing() -> None:
     r = run("gds", "status", "--json")
     assert r.returncode == 0
     st = json.loads(r.stdout)
-    if "cufile" in st:     # no cuda-python or libcufile on this host
+    if "cufile" in st:  # no cuda-python or libcufile on this host
         assert "not usable" in st["cufile"] and ("nvidia-cufile" in st["cufile"] or "cuFile" in st["cufile"])
     else:
         assert st["max_device_pinned_mem_bytes"] > 0

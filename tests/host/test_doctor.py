@@ -85,9 +85,11 @@ def test_gds_nvidia_fs_and_cufile_json(tmp_path: Path) -> None:
     c = doctor.check_nvidia_fs(str(tmp_path / "none"))
     assert c.status == "info" and "compatibility mode" in c.detail and "nvidia-gds" in c.fix
     cfg = tmp_path / "cufile.json"
-    cfg.write_text('{\n  // comment\n  "logging": {"dir": "http://not-a-comment"},\n'
-                   '  "properties": {"max_device_pinned_mem_size_kb": 33554432, // trailing\n'
-                   '                 "allow_compat_mode": true, "use_pci_p2pdma": false,},\n}\n')
+    cfg.write_text(
+        '{\n  // comment\n  "logging": {"dir": "http://not-a-comment"},\n'
+        '  "properties": {"max_device_pinned_mem_size_kb": 33554432, // trailing\n'
+        '                 "allow_compat_mode": true, "use_pci_p2pdma": false,},\n}\n'
+    )
     (c,) = doctor.check_cufile_json(str(cfg))
     assert c.status == "pass"
     assert "max_device_pinned_mem_size_kb=33554432" in c.detail and "use_pci_p2pdma=False" in c.detail
@@ -117,8 +119,9 @@ def test_nvreg_from_params_and_modprobe(tmp_path: Path) -> None:
     assert [c.status for c in doctor.check_nvreg(str(params), str(tmp_path))] == ["pass", "pass"]
     conf = tmp_path / "modprobe.d"
     conf.mkdir()
-    (conf / "nv.conf").write_text('options nvidia NVreg_RegistryDwords="PeerMappingOverride=1;" '
-                                  'NVreg_EnableStreamMemOPs=1\n')
+    (conf / "nv.conf").write_text(
+        'options nvidia NVreg_RegistryDwords="PeerMappingOverride=1;" NVreg_EnableStreamMemOPs=1\n'
+    )
     checks = doctor.check_nvreg(str(tmp_path / "no-params"), str(conf))
     assert [c.status for c in checks] == ["pass", "pass"] and str(conf) in checks[0].detail
     (c,) = doctor.check_nvreg(str(tmp_path / "no-params"), str(tmp_path / "empty"))

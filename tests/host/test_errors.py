@@ -10,12 +10,19 @@ import gpupin
 from gpupin.errors import from_errno
 
 
-@pytest.mark.parametrize("err,cls", [
-    (errno.EINVAL, gpupin.InvalidArgument), (errno.ENOENT, gpupin.UnknownHandle),
-    (errno.ENXIO, gpupin.PinInvalidated), (errno.ENOMEM, gpupin.BarExhausted),
-    (errno.ENOSPC, gpupin.BudgetExceeded), (errno.EPERM, gpupin.PermissionDenied),
-    (errno.EACCES, gpupin.PermissionDenied), (errno.EIO, gpupin.GpupinError),
-])
+@pytest.mark.parametrize(
+    "err,cls",
+    [
+        (errno.EINVAL, gpupin.InvalidArgument),
+        (errno.ENOENT, gpupin.UnknownHandle),
+        (errno.ENXIO, gpupin.PinInvalidated),
+        (errno.ENOMEM, gpupin.BarExhausted),
+        (errno.ENOSPC, gpupin.BudgetExceeded),
+        (errno.EPERM, gpupin.PermissionDenied),
+        (errno.EACCES, gpupin.PermissionDenied),
+        (errno.EIO, gpupin.GpupinError),
+    ],
+)
 def test_mapping(err: int, cls: type) -> None:
     exc = from_errno(err, "PIN", "va=0x1000, size=4096")
     assert type(exc) is cls and exc.errno == err

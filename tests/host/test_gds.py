@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from gpupin.cache import CacheFull
-from gpupin.errors import DriverNotLoaded, GdsError, InvalidArgument, NotGpuMemory
+from gpupin.errors import DriverNotLoaded, GdsError, InvalidArgument, NotGpuMemory, UnknownHandle
 from gpupin.fake import FakeCuFile, FakeMemory
 from gpupin.gds import CuFileDriver, GdsCache, GdsPolicy
 
@@ -16,7 +16,7 @@ MiB = 1 << 20
 
 
 def make(**kw: Any) -> tuple[FakeMemory, FakeCuFile, GdsCache]:
-    mem = FakeMemory()
+    mem = FakeMemory(granule=kw.pop("granule", 1 << 16))
     cf = FakeCuFile(mem, **{k: kw.pop(k) for k in ("bar_size", "max_pinned") if k in kw})
     cache = GdsCache(CuFileDriver(cf), mem, **kw)
     return mem, cf, cache
@@ -67,13 +67,13 @@ def test_stale_registration_after_free_and_realloc_is_never_used() -> None:
 def test_stale_entry_held_in_use_is_superseded_not_deregistered_twice() -> None:
     mem, cf, cache = make()
     p = mem.alloc(MiB)
-    held = cache.acquire(p, 8)        # an IO still holds the old registration
+    held = cache.acquire(p, 8)  # an IO still holds the old registration
     mem.free(p)
     q = mem.alloc(MiB)
     assert q == p
-    new = cache.acquire(q, 8)         # the address is deregistered and registered again
+    new = cache.acquire(q, 8)  # the address is deregistered and registered again
     assert cache.driver.superseded == 1
-    held.release()                    # the old entry goes; the new registration stays
+    held.release()  # the old entry goes; the new registration stays
     assert cf.registered == {q: MiB}
     new.release()
     cache.close()
@@ -85,7 +85,7 @@ def test_lru_eviction_by_count_and_bytes_and_in_use_never_evicted() -> None:
     a, b, c = (mem.alloc(MiB) for _ in range(3))
     cache.acquire(a, 8).release()
     cache.acquire(b, 8).release()
-    cache.acquire(a, 8).release()     # b is now least recently used
+    cache.acquire(a, 8).release()  # b is now least recently used
     cache.acquire(c, 8).release()
     assert set(cf.registered) == {a, c}
     assert cache.stats().evictions_limit == 1
@@ -119,6 +119,7 @@ def test_pinned_memory_exhausted_evicts_lru_and_retries() -> None:
 
 def gpupin_bar_exhausted() -> type[Exception]:
     from gpupin.errors import BarExhausted
+
     return BarExhausted
 
 
@@ -138,7 +139,7 @@ def test_policy_leaves_small_one_shot_scarce_bar_and_oversized_buffers_unregiste
         assert not u.registered and u.advice.reason == "one-shot"
     with cache.buffer(big, 4096, reuse=8) as u:
         assert u.registered and u.registration is not None and u.registration.ptr == big
-    with cache.buffer(big, 4096, reuse=1) as u:   # cached already: a hit whatever the advice
+    with cache.buffer(big, 4096, reuse=1) as u:  # cached already: a hit whatever the advice
         assert u.registered
     st = cache.stats()
     assert st.skipped == {"small": 1, "one-shot": 1}
@@ -163,7 +164,7 @@ def test_bad_ranges_and_foreign_registrations_have_clear_errors() -> None:
     with pytest.raises(NotGpuMemory):
         cache.acquire(0x1000, 8)
     q = mem.alloc(MiB)
-    cf.buf_register(q, MiB, 0)        # the application registered it itself
+    cf.buf_register(q, MiB, 0)  # the application registered it itself
     with pytest.raises(GdsError, match="outside this cache") as ei:
         cache.acquire(q, 8)
     assert ei.value.status == 5023
@@ -191,7 +192,7 @@ def test_driver_errors_and_missing_cuda_python(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(GdsError, match="CUDA_POINTER_INVALID") as ei:
         drv.pin(0x1000, 4096)
     assert ei.value.status == 5012
-    with pytest.raises(InvalidArgument, match="not a registration"):
+    with pytest.raises(UnknownHandle, match="not a registration"):
         drv.unpin(99)
     with pytest.raises(InvalidArgument, match="validate='tag'"):
         drv.validity_map()
@@ -212,21 +213,118 @@ def test_file_reads_land_in_registered_and_unregistered_buffers(tmp_path: Any) -
 
     mem, cf, cache = make(policy=GdsPolicy(min_size=MiB))
     path = tmp_path / "data.bin"
-    payload = bytes(range(256)) * 4096 * 2           # 2 MiB
+    payload = bytes(range(256)) * 4096 * 2  # 2 MiB
     path.write_bytes(payload)
     big, small = mem.alloc(2 * MiB), mem.alloc(64 * 1024)
     with GdsFile(cache.driver, str(path)) as f:
         with cache.buffer(big + 4096, MiB, reuse=4) as u:
             assert u.registered
             assert f.read(u, MiB, offset=MiB) == MiB
-        assert mem.read(big + 4096, MiB) == payload[MiB:2 * MiB]
+        assert mem.read(big + 4096, MiB) == payload[MiB : 2 * MiB]
         with cache.buffer(small, 4096) as u:
             assert not u.registered
             assert f.read(u, 4096, offset=8192) == 4096
-        assert mem.read(small, 4096) == payload[8192:8192 + 4096]
+        assert mem.read(small, 4096) == payload[8192 : 8192 + 4096]
     cf.handle_register_status = 5027
     with pytest.raises(GdsError, match="ID_FS_USAGE") as ei:
         GdsFile(cache.driver, str(path))
     assert ei.value.status == 5027
-    with pytest.raises(GdsError, match="O_DIRECT"):
+    with pytest.raises(GdsError, match="No such file") as e2:
         GdsFile(cache.driver, str(tmp_path / "missing"))
+    assert "O_DIRECT (tmpfs" not in str(e2.value)
+
+
+def test_allocation_bounds_are_registered_exactly() -> None:
+    mem, cf, cache = make(granule=1)
+    p = mem.alloc(300_000)  # like a pool block: no 64 KiB rounding
+    with cache.acquire(p + 1000, 1000) as r:
+        assert (r.aligned_va, r.aligned_size) == (p, 300_000)
+    assert cf.registered == {p: 300_000}
+
+
+def test_threads_using_new_buffers_at_once_never_supersede_live_ones() -> None:
+    import threading
+
+    mem, cf, cache = make()
+    cf.register_latency = 0.001  # widen the window between a miss and its insert
+    ptrs = [mem.alloc(1 << 20) for _ in range(20)]
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        try:
+            for i in range(200):
+                p = ptrs[(seed * 7 + i) % len(ptrs)]
+                with cache.acquire(p + 64, 64) as r:
+                    assert r.valid
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    st = cache.stats()
+    assert cache.driver.registrations == 20 and cache.driver.superseded == 0
+    assert st.invalidations_tag == 0 and st.pins == 20 and st.regions == 20
+    assert (st.acquires, st.hits, st.misses) == (800, 780, 20)
+    assert set(cf.registered) == set(ptrs)
+
+
+def test_one_cache_per_driver_and_closing_the_driver_closes_it() -> None:
+    mem, cf, cache = make()
+    with pytest.raises(InvalidArgument, match="already has a GdsCache"):
+        GdsCache(cache.driver, mem)
+    p = mem.alloc(1 << 20)
+    cache.acquire(p, 8).release()
+    cache.driver.close()  # deregisters through the cache, then closes cuFile
+    assert cf.registered == {} and cf.opened == 0
+    with pytest.raises(InvalidArgument, match="closed"):
+        cache.acquire(p, 8)
+
+
+def test_buffer_over_the_per_buffer_limit_is_an_error_not_an_eviction() -> None:
+    mem, cf, cache = make(max_pinned=4 * MiB, max_bytes=0)
+    small = [mem.alloc(MiB) for _ in range(3)]
+    for p in small:
+        cache.acquire(p, 8).release()
+    big = mem.alloc(8 * MiB)
+    with pytest.raises(GdsError, match="max_device_pinned_mem_size") as ei:
+        cache.acquire(big, 8)
+    assert ei.value.status == 5016
+    st = cache.stats()
+    assert st.regions == 3 and st.evictions_pressure == 0 and set(cf.registered) == set(small)
+
+
+def test_failed_deregistration_keeps_the_record_and_recovers() -> None:
+    mem, cf, cache = make()
+    p = mem.alloc(MiB)
+    cache.acquire(p, 8).release()
+    cf.deregister_status = 5030
+    with pytest.raises(GdsError, match="cuFileBufDeregister") as ei:
+        cache.purge()
+    assert ei.value.status == 5030
+    st = cache.stats()
+    assert st.regions == 0 and st.unpins == 1 and p in cf.registered  # cuFile still has it
+    with cache.acquire(p, 8):  # the driver deregisters the leftover, then registers
+        pass
+    assert cf.registered == {p: MiB} and cache.driver.superseded == 1
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_stale_registration_is_dropped_even_when_the_new_buffer_is_left_unregistered(held: bool) -> None:
+    mem, cf, cache = make(policy=GdsPolicy(min_size=MiB))
+    p = mem.alloc(4 * MiB)
+    u = cache.use(p, 4096, reuse=8)
+    assert u.registered
+    if not held:
+        u.release()
+    mem.free(p)
+    q = mem.alloc(64 * 1024)  # the same address, now too small to register
+    assert q == p
+    v = cache.use(q, 4096, reuse=8)
+    assert not v.registered and v.advice.reason == "small"
+    assert q not in cf.registered  # an IO here must not use the freed memory's registration
+    u.release()  # (a no-op when it was released already)
+    assert cf.registered == {} and cache.stats().regions == 0

@@ -37,8 +37,16 @@ class Terminal:
         import termios
 
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
-        self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=ROOT,
-                                     start_new_session=True, preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            env=env,
+            cwd=ROOT,
+            start_new_session=True,
+            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+        )
         os.close(slave)
         self.out = b""
 
@@ -49,12 +57,14 @@ class Terminal:
         while True:
             m = rx.search(self.out)
             if m:
-                self.out = self.out[m.end():]
+                self.out = self.out[m.end() :]
                 return m
             left = deadline - time.monotonic()
             if left <= 0:
-                raise AssertionError(f"no {pattern!r} within {timeout:.0f} s; the terminal shows:\n"
-                                     + self.out[-3000:].decode(errors="replace"))
+                raise AssertionError(
+                    f"no {pattern!r} within {timeout:.0f} s; the terminal shows:\n"
+                    + self.out[-3000:].decode(errors="replace")
+                )
             r, _, _ = select.select([self.master], [], [], min(left, 1.0))
             if r:
                 try:
@@ -62,8 +72,10 @@ class Terminal:
                 except OSError:  # EIO: the child closed the terminal
                     data = b""
                 if not data and self.proc.poll() is not None:
-                    raise AssertionError(f"the VM ended (status {self.proc.returncode}) before {pattern!r}:\n"
-                                         + self.out[-3000:].decode(errors="replace"))
+                    raise AssertionError(
+                        f"the VM ended (status {self.proc.returncode}) before {pattern!r}:\n"
+                        + self.out[-3000:].decode(errors="replace")
+                    )
                 self.out += data
 
     def send(self, data: str) -> None:

@@ -50,7 +50,7 @@ def test_invalidated_while_in_use_is_reported(device: Device, sim: SimMemory) ->
 def test_bar_smaller_than_working_set(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
     sim_params(bar_size=16 * MiB)
     cache = RegistrationCache(device, sim, validate="both")
-    bufs = [sim.alloc(2 * MiB) for _ in range(32)]      # 64 MiB working set
+    bufs = [sim.alloc(2 * MiB) for _ in range(32)]  # 64 MiB working set
     rng = random.Random(3)
     for _ in range(400):
         with cache.acquire(rng.choice(bufs), 4096) as r:
@@ -63,8 +63,7 @@ def test_bar_smaller_than_working_set(device: Device, sim: SimMemory, sim_params
         sim.free(b)
 
 
-def test_all_in_use_under_bar_pressure_is_a_clean_error(device: Device, sim: SimMemory,
-                                                        sim_params) -> None:  # type: ignore[no-untyped-def]
+def test_all_in_use_under_bar_pressure_is_a_clean_error(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
     sim_params(bar_size=2 * MiB)
     cache = RegistrationCache(device, sim)
     held = [cache.acquire(sim.alloc(MiB), 1) for _ in range(2)]
@@ -93,7 +92,7 @@ def test_device_close_closes_its_caches(gpupin_loaded: None, leakcheck: None) ->
         va = sim.alloc(MiB)
         r = cache.acquire(va, 10)
         assert dev.info().file_pins == 1
-        dev.close()                     # closes the cache, unmaps the validity map, releases the pins
+        dev.close()  # closes the cache, unmaps the validity map, releases the pins
         assert dev.closed and sim_stats().page_tables == 0
         r.release()
         with pytest.raises(gpupin.InvalidArgument, match="closed"):

@@ -19,8 +19,14 @@ pytestmark = [pytest.mark.vm, pytest.mark.simonly]
 
 def gp(*args: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "GPUPIN_HISTORY": os.devnull}
-    r = subprocess.run([sys.executable, "-m", "gpupin.cli", *args], input=stdin, capture_output=True, text=True,
-                       env=env, timeout=120 * SLOW)
+    r = subprocess.run(
+        [sys.executable, "-m", "gpupin", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120 * SLOW,
+    )
     if check:
         assert r.returncode == 0, r.stdout + r.stderr
     return r
@@ -34,7 +40,7 @@ def test_status_and_load(gpupin_loaded: None, leakcheck: None) -> None:
     st = js("status")
     assert st["gpupin"] == "live" and st["nvp2p_sim"] == "live" and st["provider"] == "nvp2p_sim"
     assert st["abi"] == 1 and st["persistent"] is True
-    assert js("load")["loaded"] == []          # already loaded: nothing to do
+    assert js("load")["loaded"] == []  # already loaded: nothing to do
     table = gp("status").stdout
     assert "provider" in table and "nvp2p_sim" in table
 
@@ -72,12 +78,12 @@ unpin 999
 def test_shell_script_on_stdin(gpupin_loaded: None, leakcheck: None) -> None:
     r = gp("shell", stdin=SCRIPT.format(pci=first_pci_device()), check=False)
     out = r.stdout
-    assert r.returncode == 1, out            # the last command fails, the rest ran
+    assert r.returncode == 1, out  # the last command fails, the rest ran
     assert '"text": "hello"' in out
     assert '"state": "pinned"' in out and '"user_tag": 7' in out
     assert "physical_address" in out
-    assert '"entries": 32' in out            # dma-map of 2 MiB
-    assert '"reason": "freed"' in out        # watch saw the invalidation
+    assert '"entries": 32' in out  # dma-map of 2 MiB
+    assert '"reason": "freed"' in out  # watch saw the invalidation
     assert "invalidated" in out
     assert "UNPIN(handle=999) failed" in out
     assert out.count("error:") == 1
@@ -121,10 +127,10 @@ def test_shell_on_a_pty_with_completion(gpupin_loaded: None, leakcheck: None, tm
     done, status = 0, 0
     if pid == 0:
         os.environ["GPUPIN_HISTORY"] = str(tmp_path / "hist")
-        os.execv(sys.executable, [sys.executable, "-m", "gpupin.cli", "shell"])
+        os.execv(sys.executable, [sys.executable, "-m", "gpupin", "shell"])
     try:
         read_until(fd, b"gpupin> ")
-        os.write(fd, b"statu\t\r")                   # tab completes "status"
+        os.write(fd, b"statu\t\r")  # tab completes "status"
         out = read_until(fd, b"gpupin> ")
         assert b"provider" in out and b"nvp2p_sim" in out
         os.write(fd, b"pin --sim-alloc 128K\r")
@@ -132,7 +138,7 @@ def test_shell_on_a_pty_with_completion(gpupin_loaded: None, leakcheck: None, tm
         assert b"entries" in out
         os.write(fd, b"query 77\r")
         out = read_until(fd, b"gpupin> ")
-        assert b"error:" in out                       # and the shell goes on
+        assert b"error:" in out  # and the shell goes on
         os.write(fd, b"exit\r")
         deadline = time.monotonic() + 30 * SLOW
         while time.monotonic() < deadline and done == 0:
@@ -148,8 +154,12 @@ def test_shell_on_a_pty_with_completion(gpupin_loaded: None, leakcheck: None, tm
 
 
 def test_shell_pins_through_a_dmabuf(gpupin_loaded: None, leakcheck: None) -> None:
-    r = gp("shell", "-c", "sim alloc 1M; pin $va 8K --dmabuf --tag 5 --json; query $handle --json; "
-                          "sim free $va; query $handle --json; unpin $handle")
+    r = gp(
+        "shell",
+        "-c",
+        "sim alloc 1M; pin $va 8K --dmabuf --tag 5 --json; query $handle --json; "
+        "sim free $va; query $handle --json; unpin $handle",
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert '"dmabuf": true' in r.stdout and '"entries": 2' in r.stdout
     assert '"state": "pinned"' in r.stdout and '"state": "invalidated"' in r.stdout

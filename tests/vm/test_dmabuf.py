@@ -29,22 +29,22 @@ def test_sim_export_pinned_and_read_exactly(device: Device, sim: SimMemory, peer
     va = sim.alloc(size)
     data = pattern(4 * GPU_PAGE, 1)
     sim.write(va, data)
-    fd = sim.export_dmabuf(va + 5000)      # any address in the allocation exports all of it
+    fd = sim.export_dmabuf(va + 5000)  # any address in the allocation exports all of it
     assert os.lseek(fd, 0, os.SEEK_END) == 4 * GPU_PAGE
     pin = device.pin_dmabuf(fd, user_tag=7)
-    os.close(fd)                           # the pin holds the buffer
+    os.close(fd)  # the pin holds the buffer
     assert pin.dmabuf and pin.page_size == PAGE and pin.entries == 4 * GPU_PAGE // PAGE
     q = device.query(pin)
     assert q.dmabuf and q.state == "pinned" and q.va == 0 and q.size == 4 * GPU_PAGE
     assert pin.is_valid()
     for off, n in ((0, 1), (12345, 100_000), (4 * GPU_PAGE - 7, 7), (PAGE - 1, 2)):
-        assert peer.read(device, pin, off, n) == data[off:off + n]
+        assert peer.read(device, pin, off, n) == data[off : off + n]
     new = pattern(70_000, 2)
     peer.write(device, pin, 3333, new)
     assert sim.read(va + 3333, len(new)) == new
     assert sim.read(va, 3333) == data[:3333]
     s = sim_stats()
-    assert s.dmabuf_exports == 1 and s.dmabuf_mappings == 1   # gpupin's import
+    assert s.dmabuf_exports == 1 and s.dmabuf_mappings == 1  # gpupin's import
     device.unpin(pin)
     s = sim_stats()
     assert s.dmabuf_exports == 0 and s.dmabuf_mappings == 0
@@ -61,9 +61,9 @@ def test_offset_and_size(device: Device, sim: SimMemory, peer: Peer) -> None:
     finally:
         os.close(fd)
     assert pin.va == GPU_PAGE and pin.aligned_size == 2 * PAGE and pin.entries == 2
-    assert peer.read(device, pin, 0, 5000) == data[GPU_PAGE:GPU_PAGE + 5000]
+    assert peer.read(device, pin, 0, 5000) == data[GPU_PAGE : GPU_PAGE + 5000]
     with pytest.raises(gpupin.InvalidArgument):
-        peer.read(device, pin, 4000, 1001)      # past the pinned 5000 bytes
+        peer.read(device, pin, 4000, 1001)  # past the pinned 5000 bytes
     device.unpin(pin)
     sim.free(va)
 
@@ -91,9 +91,9 @@ def test_revoke_while_pinned(device: Device, sim: SimMemory, peer: Peer) -> None
     pin = device.pin_dmabuf(fd, user_tag=99)
     os.close(fd)
     m = device.dma_map(pin, first_pci_device())
-    hold = peer.hold(device, pin)              # shares the user's mapping
+    hold = peer.hold(device, pin)  # shares the user's mapping
     with Netlink() as nl:
-        sim.free(va)                           # the exporter revokes: move_notify
+        sim.free(va)  # the exporter revokes: move_notify
         assert not pin.is_valid()
         assert [(e.handle, e.user_tag, e.reason) for e in device.read_events()] == [(pin.handle, 99, "freed")]
         assert peer.status().notified == 1
@@ -132,7 +132,7 @@ def test_revoke_during_transfer(device: Device, sim: SimMemory, peer: Peer, sim_
     with pytest.raises(gpupin.TransferAborted) as ei:
         peer.read(device, pin, 0, size)
     t.join()
-    assert 0 < ei.value.done < size and ei.value.partial == data[:ei.value.done]
+    assert 0 < ei.value.done < size and ei.value.partial == data[: ei.value.done]
     device.unpin(pin)
 
 
@@ -144,7 +144,7 @@ def test_user_closes_fd_while_pinned(device: Device, sim: SimMemory, peer: Peer)
     os.close(fd)
     assert sim_stats().dmabuf_exports == 1
     assert peer.read(device, pin, 0, 4) == b"kept"
-    device.close()          # release on close works as for nv-p2p pins
+    device.close()  # release on close works as for nv-p2p pins
     assert sim_stats().dmabuf_exports == 0
     sim.free(va)
 
@@ -166,6 +166,7 @@ def test_bad_fds_and_ranges(device: Device, sim: SimMemory) -> None:
             device.pin_dmabuf(fd, 4096, offset=GPU_PAGE)
         with pytest.raises(gpupin.InvalidArgument, match="size must be > 0"):
             device.pin_dmabuf(fd, 0)
+
         def call(**fields: object) -> int:
             c = ffi.new("struct gpupin_pin_dmabuf *")
             c.fd, c.size = fd, 4096
@@ -184,7 +185,7 @@ def test_bad_fds_and_ranges(device: Device, sim: SimMemory) -> None:
         assert call(fd=-1) == -errno.EBADF
     finally:
         os.close(fd)
-    assert device.info().file_pins == 1     # only the good one
+    assert device.info().file_pins == 1  # only the good one
     device.close()
     sim.free(va)
 
@@ -200,10 +201,10 @@ def test_vgem_buffer_through_the_peer(device: Device, peer: Peer) -> None:
     buf.write(0, data)
     pin = device.pin_dmabuf(buf.fd)
     assert pin.entries == buf.size // PAGE
-    assert peer.read(device, pin, 1000, 200 * KiB) == data[1000:1000 + 200 * KiB]
+    assert peer.read(device, pin, 1000, 200 * KiB) == data[1000 : 1000 + 200 * KiB]
     new = pattern(5000, 6)
     peer.write(device, pin, PAGE - 10, new)
-    buf.close()                              # the pin keeps the object
+    buf.close()  # the pin keeps the object
     assert peer.read(device, pin, PAGE - 10, 5000) == new
     device.unpin(pin)
 

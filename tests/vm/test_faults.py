@@ -23,21 +23,21 @@ def scenario(peer: Peer, pci: str, log: list[str]) -> None:
     with SimMemory() as sim:
         va = sim.alloc(4 * GPU_PAGE)
         sim.write(va, b"x" * 100)
-        dev = Device()                          # file + validity map
+        dev = Device()  # file + validity map
         log.append("open")
         try:
-            pin = dev.pin(va, 4 * GPU_PAGE)     # pin + its invalidation record
+            pin = dev.pin(va, 4 * GPU_PAGE)  # pin + its invalidation record
             log.append("pin")
-            m = dev.dma_map(pin, pci)           # mapping
+            m = dev.dma_map(pin, pci)  # mapping
             log.append("dma_map")
-            assert len(dev.get_pages(pin)) == 4   # address buffer
+            assert len(dev.get_pages(pin)) == 4  # address buffer
             log.append("get_pages")
-            assert len(dev.dma_addrs(m)) == 4     # address buffer
+            assert len(dev.dma_addrs(m)) == 4  # address buffer
             log.append("dma_addrs")
-            hold = peer.hold(dev, pin)           # driver reference (shares the mapping)
+            hold = peer.hold(dev, pin)  # driver reference (shares the mapping)
             log.append("hold")
             try:
-                assert peer.read(dev, pin, 0, 100) == b"x" * 100   # another reference
+                assert peer.read(dev, pin, 0, 100) == b"x" * 100  # another reference
                 log.append("peer_read")
             finally:
                 peer.release(hold)
@@ -75,7 +75,7 @@ def test_every_own_allocation_failure_is_clean(peer: Peer) -> None:
                 assert exc.errno == errno.ENOMEM, f"allocation {n}: {exc!r}"
                 failed_at.append(full[len(log)])
             left = read_param()
-            if left:        # more allocations asked for than the scenario makes: done
+            if left:  # more allocations asked for than the scenario makes: done
                 assert log == full
                 break
             assert log != full, f"allocation {n} failed but every step succeeded"

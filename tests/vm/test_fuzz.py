@@ -70,10 +70,10 @@ class Walk:
         self.sim = SimMemory()
         self.dev = Device()
         self.peer_fd = os.open("/dev/gpupin_peer", os.O_RDWR | os.O_CLOEXEC)
-        self.allocs: dict[int, int] = {}          # va -> size
+        self.allocs: dict[int, int] = {}  # va -> size
         self.pins: dict[int, tuple[int, int]] = {}  # handle -> (alloc va, pinned size)
-        self.stale: list[int] = []                # handles unpinned (never reused)
-        self.maps: dict[int, list[int]] = {}      # handle -> mapping ids
+        self.stale: list[int] = []  # handles unpinned (never reused)
+        self.maps: dict[int, list[int]] = {}  # handle -> mapping ids
         self.buf = ffi.new("uint64_t[]", 64)
         self.buf_addr = int(ffi.cast("uintptr_t", self.buf))
 
@@ -81,8 +81,22 @@ class Walk:
     def u64(self) -> int:
         r = self.rng.random()
         if r < 0.5:
-            return self.rng.choice([0, 1, 4095, 4096, GPU_PAGE - 1, GPU_PAGE, GPU_PAGE + 1,
-                                    2**32 - 1, 2**32, 2**63, 2**64 - GPU_PAGE, 2**64 - 1])
+            return self.rng.choice(
+                [
+                    0,
+                    1,
+                    4095,
+                    4096,
+                    GPU_PAGE - 1,
+                    GPU_PAGE,
+                    GPU_PAGE + 1,
+                    2**32 - 1,
+                    2**32,
+                    2**63,
+                    2**64 - GPU_PAGE,
+                    2**64 - 1,
+                ]
+            )
         return self.rng.getrandbits(64)
 
     def u32(self) -> int:
@@ -136,8 +150,17 @@ class Walk:
             va, size = base + off, self.small_or(self.rng.randint(1, span - off))
         else:
             base, va, size = 0, self.u64(), self.u64()
-        rc, c = raw(self.dev.fileno(), lib.GPUPIN_IOC_PIN, "struct gpupin_pin", va=va, size=size,
-                    flags=flags, pad=pad, reserved=reserved, user_tag=self.u64())
+        rc, c = raw(
+            self.dev.fileno(),
+            lib.GPUPIN_IOC_PIN,
+            "struct gpupin_pin",
+            va=va,
+            size=size,
+            flags=flags,
+            pad=pad,
+            reserved=reserved,
+            user_tag=self.u64(),
+        )
         bad_fields = (flags & ~lib.GPUPIN_PIN_FLAGS_ALL) or pad or any(reserved)
         self.check("pin", rc, -E.EINVAL if bad_fields or size == 0 else None)
         if rc == 0:
@@ -188,23 +211,40 @@ class Walk:
             word = self.dev._word(c.slot)
             pinned = c.state == lib.GPUPIN_STATE_PINNED
             # The validity word follows the state (an invalidation may land in between: recheck).
-            assert word == (h if pinned else 0) or raw(
-                self.dev.fileno(), lib.GPUPIN_IOC_QUERY, "struct gpupin_query", handle=h)[1].state \
+            assert (
+                word == (h if pinned else 0)
+                or raw(self.dev.fileno(), lib.GPUPIN_IOC_QUERY, "struct gpupin_query", handle=h)[1].state
                 == lib.GPUPIN_STATE_INVALIDATED
+            )
 
     def op_get_pages(self) -> None:
         first, count = (0, 1) if self.maybe(0.6) else (self.u32(), self.u32())
         count = min(count, 64) if self.maybe() else count
-        rc, _ = raw(self.dev.fileno(), lib.GPUPIN_IOC_GET_PAGES, "struct gpupin_get_pages",
-                    handle=self.handle(), addrs=self.buf_addr if count <= 64 else self.u64(),
-                    first=first, count=count, flags=0 if self.maybe() else self.u32())
+        rc, _ = raw(
+            self.dev.fileno(),
+            lib.GPUPIN_IOC_GET_PAGES,
+            "struct gpupin_get_pages",
+            handle=self.handle(),
+            addrs=self.buf_addr if count <= 64 else self.u64(),
+            first=first,
+            count=count,
+            flags=0 if self.maybe() else self.u32(),
+        )
         self.check("get_pages", rc)
 
     def op_dma_map(self) -> None:
         dom, bus, devfn = self.pci_fields if self.maybe(0.8) else (self.u32(), self.u32(), self.u32())
         h = self.handle()
-        rc, c = raw(self.dev.fileno(), lib.GPUPIN_IOC_DMA_MAP, "struct gpupin_dma_map", handle=h,
-                    pci_domain=dom, pci_bus=bus, pci_devfn=devfn, flags=0 if self.maybe() else self.u32())
+        rc, c = raw(
+            self.dev.fileno(),
+            lib.GPUPIN_IOC_DMA_MAP,
+            "struct gpupin_dma_map",
+            handle=h,
+            pci_domain=dom,
+            pci_bus=bus,
+            pci_devfn=devfn,
+            flags=0 if self.maybe() else self.u32(),
+        )
         self.check("dma_map", rc)
         if rc == 0:
             self.maps.setdefault(h, []).append(int(c.mapping_id))
@@ -219,21 +259,34 @@ class Walk:
     def op_dma_addrs(self) -> None:
         h, mid = self.mapping()
         count = 1 if self.maybe() else self.u32()
-        rc, _ = raw(self.dev.fileno(), lib.GPUPIN_IOC_DMA_ADDRS, "struct gpupin_dma_addrs", handle=h,
-                    mapping_id=mid, addrs=self.buf_addr if count <= 64 else self.u64(), first=0,
-                    count=count)
+        rc, _ = raw(
+            self.dev.fileno(),
+            lib.GPUPIN_IOC_DMA_ADDRS,
+            "struct gpupin_dma_addrs",
+            handle=h,
+            mapping_id=mid,
+            addrs=self.buf_addr if count <= 64 else self.u64(),
+            first=0,
+            count=count,
+        )
         self.check("dma_addrs", rc)
 
     def op_dma_unmap(self) -> None:
         h, mid = self.mapping()
-        rc, _ = raw(self.dev.fileno(), lib.GPUPIN_IOC_DMA_UNMAP, "struct gpupin_dma_unmap", handle=h,
-                    mapping_id=mid, reserved=[0, 0] if self.maybe() else [self.u64(), 0])
+        rc, _ = raw(
+            self.dev.fileno(),
+            lib.GPUPIN_IOC_DMA_UNMAP,
+            "struct gpupin_dma_unmap",
+            handle=h,
+            mapping_id=mid,
+            reserved=[0, 0] if self.maybe() else [self.u64(), 0],
+        )
         self.check("dma_unmap", rc)
         if rc == 0:
             self.maps[h].remove(mid)
 
     def op_bad_cmd(self) -> None:
-        while True:     # any command number of gpupin's magic that is not one of its ioctls
+        while True:  # any command number of gpupin's magic that is not one of its ioctls
             nr = self.rng.randrange(256)
             size = ffi.sizeof("struct gpupin_pin") if self.maybe() else self.rng.randrange(1 << 14)
             cmd = (self.rng.randrange(4) << 30) | (size << 16) | (lib.GPUPIN_IOC_MAGIC << 8) | nr
@@ -271,9 +324,17 @@ class Walk:
         else:
             h, off, length = self.handle(), self.u64(), self.rng.choice([0, 1, 2**64 - 1])
         fd = self.dev.fileno() if self.maybe() else self.rng.choice([-1, 9999, self.sim._fd])
-        rc, _ = raw(self.peer_fd, lib.GPUPIN_PEER_IOC_XFER, "struct gpupin_peer_xfer", gpupin_fd=fd,
-                    handle=h, offset=off, length=length, buf=self.buf_addr,
-                    flags=self.rng.choice([0, 1, 0, 1, self.u32()]))
+        rc, _ = raw(
+            self.peer_fd,
+            lib.GPUPIN_PEER_IOC_XFER,
+            "struct gpupin_peer_xfer",
+            gpupin_fd=fd,
+            handle=h,
+            offset=off,
+            length=length,
+            buf=self.buf_addr,
+            flags=self.rng.choice([0, 1, 0, 1, self.u32()]),
+        )
         self.check("peer", rc)
 
     def op_netlink(self) -> None:
@@ -304,9 +365,14 @@ class Walk:
         pid = os.fork()
         if pid == 0:
             code = 0
-            try:    # the inherited file belongs to the parent
-                rc, _ = raw(self.dev.fileno(), lib.GPUPIN_IOC_PIN, "struct gpupin_pin",
-                            va=next(iter(self.allocs), 0), size=GPU_PAGE)
+            try:  # the inherited file belongs to the parent
+                rc, _ = raw(
+                    self.dev.fileno(),
+                    lib.GPUPIN_IOC_PIN,
+                    "struct gpupin_pin",
+                    va=next(iter(self.allocs), 0),
+                    size=GPU_PAGE,
+                )
                 code = 0 if rc == -E.EACCES else 3
             finally:
                 os._exit(code)
@@ -315,12 +381,25 @@ class Walk:
         assert os.waitstatus_to_exitcode(status) == 0, "a forked child could use the parent's file"
 
     def run(self) -> None:
-        ops = [(self.op_alloc, 10), (self.op_free, 5), (self.op_pin, 20), (self.op_pin_dmabuf, 5),
-               (self.op_unpin, 8),
-               (self.op_query, 8), (self.op_get_pages, 6), (self.op_dma_map, 5),
-               (self.op_dma_addrs, 4), (self.op_dma_unmap, 4), (self.op_bad_cmd, 2),
-               (self.op_events, 4), (self.op_mmap, 2), (self.op_peer, 5), (self.op_netlink, 1),
-               (self.op_reopen, 1), (self.op_fork, 0.3)]
+        ops = [
+            (self.op_alloc, 10),
+            (self.op_free, 5),
+            (self.op_pin, 20),
+            (self.op_pin_dmabuf, 5),
+            (self.op_unpin, 8),
+            (self.op_query, 8),
+            (self.op_get_pages, 6),
+            (self.op_dma_map, 5),
+            (self.op_dma_addrs, 4),
+            (self.op_dma_unmap, 4),
+            (self.op_bad_cmd, 2),
+            (self.op_events, 4),
+            (self.op_mmap, 2),
+            (self.op_peer, 5),
+            (self.op_netlink, 1),
+            (self.op_reopen, 1),
+            (self.op_fork, 0.3),
+        ]
         funcs = [f for f, _ in ops]
         weights = [w for _, w in ops]
         while self.calls < self.budget:

@@ -70,8 +70,15 @@ def test_budget_released_by_invalidation(device: Device, sim: SimMemory, sim_par
     sim.free(vb)
 
 
-@pytest.mark.parametrize("err,exc", [(errno.ENOMEM, gpupin.BarExhausted), (errno.EIO, gpupin.GpupinError),
-                                     (errno.EINVAL, gpupin.NotGpuMemory), (errno.EBUSY, gpupin.GpupinError)])
+@pytest.mark.parametrize(
+    "err,exc",
+    [
+        (errno.ENOMEM, gpupin.BarExhausted),
+        (errno.EIO, gpupin.GpupinError),
+        (errno.EINVAL, gpupin.NotGpuMemory),
+        (errno.EBUSY, gpupin.GpupinError),
+    ],
+)
 def test_injected_provider_failure(device: Device, sim: SimMemory, sim_params, err: int, exc: type) -> None:  # type: ignore[no-untyped-def]
     va = sim.alloc(4 * GPU_PAGE)
     sim_params(fail_errno=err, fail_nth=3)

@@ -44,7 +44,7 @@ def test_event_order_and_content(device: Device, sim: SimMemory, pci: str) -> No
         assert e["va"] == va + 100 and e["aligned_va"] == va and e["aligned_size"] == 2 * GPU_PAGE
     assert evs[0]["state"] == "pinned" and evs[0]["reason"] is None
     assert evs[1]["reason"] == "freed" and evs[1]["state"] == "invalidated"
-    assert evs[1]["dma_peers"] == []          # the callback took the mapping away first
+    assert evs[1]["dma_peers"] == []  # the callback took the mapping away first
     assert evs[2]["reason"] == "unpin"
 
 
@@ -61,7 +61,7 @@ def test_process_exit_and_budget_events(gpupin_loaded: None, leakcheck: None, si
             try:
                 dev.pin(va + GPU_PAGE, GPU_PAGE)
             except gpupin.BudgetExceeded:
-                os._exit(0)   # dies holding a pin
+                os._exit(0)  # dies holding a pin
             os._exit(1)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
@@ -80,7 +80,7 @@ def test_dump_of_10000_pins(device: Device, sim: SimMemory, sim_params) -> None:
     assert [p.user_tag for p in mine] == list(range(10_000))
     st = netlink.stats()
     assert st["pins"] >= 10_000 and st["bytes_now"] >= 10_000 * GPU_PAGE
-    device.close()   # releases all 10,000
+    device.close()  # releases all 10,000
     sim.free(va)
 
 
@@ -109,12 +109,16 @@ class badmsg(genlmsg):  # noqa: N801
     )
 
 
-@pytest.mark.parametrize("attrs,msg", [
-    ([("PID_AS_U64", 1), ("GPUPIN_NL_A_HANDLE", 1)], "invalid attribute length|attribute type 1"),
-    ([("ABI_VERSION", 1)], "[Uu]nsupported attribute|[Uu]nknown attribute"),
-    ([("BEYOND_MAX", 1)], "[Uu]nknown attribute"),
-    ([("GPUPIN_NL_A_HANDLE", 1)], "needs the PID and HANDLE"),
-], ids=["wrongtype", "unspec", "unknown", "missing"])
+@pytest.mark.parametrize(
+    "attrs,msg",
+    [
+        ([("PID_AS_U64", 1), ("GPUPIN_NL_A_HANDLE", 1)], "invalid attribute length|attribute type 1"),
+        ([("ABI_VERSION", 1)], "[Uu]nsupported attribute|[Uu]nknown attribute"),
+        ([("BEYOND_MAX", 1)], "[Uu]nknown attribute"),
+        ([("GPUPIN_NL_A_HANDLE", 1)], "needs the PID and HANDLE"),
+    ],
+    ids=["wrongtype", "unspec", "unknown", "missing"],
+)
 def test_malformed_requests_get_extack(gpupin_loaded: None, attrs, msg: str) -> None:  # type: ignore[no-untyped-def]
     from gpupin._native import lib
 
@@ -157,7 +161,7 @@ def test_unprivileged_sees_only_its_own(device: Device, sim: SimMemory) -> None:
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     pids = {p.pid for p in netlink.list_pins()}
-    assert os.getpid() in pids   # root sees everyone
+    assert os.getpid() in pids  # root sees everyone
     device.unpin(mine)
     sim.free(va)
 
@@ -190,7 +194,7 @@ def assert_departed_subscriber_port_gets_nothing(portid: int) -> None:
             os.close(r)
             os.setgid(NOBODY)
             os.setuid(NOBODY)
-            s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 16)   # NETLINK_GENERIC
+            s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 16)  # NETLINK_GENERIC
             try:
                 s.bind((portid, 0))
             except OSError as exc:
@@ -200,7 +204,7 @@ def assert_departed_subscriber_port_gets_nothing(portid: int) -> None:
             s.settimeout(2)
             try:
                 s.recv(65536)
-                code = 2        # got an event meant for the privileged subscriber
+                code = 2  # got an event meant for the privileged subscriber
             except TimeoutError:
                 code = 0
         finally:

@@ -31,23 +31,21 @@ SIZES = [1, 4096, GPU_PAGE - 1, GPU_PAGE, GPU_PAGE + 1, MiB, 64 * MiB]
 
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("offset", [0, 4095])
-def test_read_through_peer_is_byte_exact(device: Device, sim: SimMemory, peer: Peer,
-                                         size: int, offset: int) -> None:
-    lead = 300    # the pin starts 300 bytes into the allocation: unaligned va
+def test_read_through_peer_is_byte_exact(device: Device, sim: SimMemory, peer: Peer, size: int, offset: int) -> None:
+    lead = 300  # the pin starts 300 bytes into the allocation: unaligned va
     total = lead + offset + size
     va = sim.alloc(total)
     data = pattern(total, size)
     sim.write(va, data)
     pin = device.pin(va + lead, offset + size)
     got = peer.read(device, pin, offset, size)
-    assert got == data[lead + offset:lead + offset + size]
+    assert got == data[lead + offset : lead + offset + size]
     device.unpin(pin)
     sim.free(va)
 
 
 @pytest.mark.parametrize("size", [1, GPU_PAGE + 1, 3 * MiB + 17])
-def test_write_through_peer_reads_back_in_sim(device: Device, sim: SimMemory, peer: Peer,
-                                              size: int) -> None:
+def test_write_through_peer_reads_back_in_sim(device: Device, sim: SimMemory, peer: Peer, size: int) -> None:
     va = sim.alloc(size + 2 * GPU_PAGE)
     before = pattern(size + 2 * GPU_PAGE, 1)
     sim.write(va, before)
@@ -55,15 +53,14 @@ def test_write_through_peer_reads_back_in_sim(device: Device, sim: SimMemory, pe
     new = pattern(size, 2)[::-1]
     peer.write(device, pin, 12345, new)
     after = sim.read(va, size + 2 * GPU_PAGE)
-    assert after[12345:12345 + size] == new
+    assert after[12345 : 12345 + size] == new
     # Nothing around the target was touched.
     assert after[:12345] == before[:12345]
-    assert after[12345 + size:] == before[12345 + size:]
+    assert after[12345 + size :] == before[12345 + size :]
     assert peer.status().transfers == 1
 
 
-def test_free_while_held_notifies_and_fails_cleanly(device: Device, sim: SimMemory,
-                                                    peer: Peer) -> None:
+def test_free_while_held_notifies_and_fails_cleanly(device: Device, sim: SimMemory, peer: Peer) -> None:
     va = sim.alloc(4 * GPU_PAGE)
     sim.write(va, pattern(4 * GPU_PAGE))
     pin = device.pin(va, 4 * GPU_PAGE)
@@ -91,8 +88,9 @@ def _race_free(sim: SimMemory, va: int, delay: float) -> threading.Thread:
 
 
 @pytest.mark.parametrize("direction", ["read", "write"])
-def test_free_during_transfer_stops_it(device: Device, sim: SimMemory, peer: Peer,
-                                       sim_params: object, direction: str) -> None:
+def test_free_during_transfer_stops_it(
+    device: Device, sim: SimMemory, peer: Peer, sim_params: object, direction: str
+) -> None:
     size = 32 * GPU_PAGE
     # ~0.7 s for the transfer (7 s under the debug kernel); the free comes about a third in.
     sim_params("gpupin_peer", chunk_delay_us=20000 * SLOW)
@@ -113,7 +111,7 @@ def test_free_during_transfer_stops_it(device: Device, sim: SimMemory, peer: Pee
     assert 0 < exc.done < size, exc.done
     if direction == "read":
         # What arrived is the data, never the poison of freed memory.
-        assert exc.partial == data[:exc.done]
+        assert exc.partial == data[: exc.done]
         assert POISON_RUN not in exc.partial
     st = peer.status()
     assert st.aborted == 1 and st.transfers == 0
@@ -195,12 +193,9 @@ def test_bad_requests(device: Device, sim: SimMemory, peer: Peer) -> None:
     assert raw(fd, cmd, xfer, **{**ok, "gpupin_fd": 9999})[0] == -errno.EBADF
     assert raw(fd, cmd, xfer, **{**ok, "gpupin_fd": -1})[0] == -errno.EBADF
     hold = "struct gpupin_peer_hold"
-    assert raw(fd, lib.GPUPIN_PEER_IOC_HOLD, hold, gpupin_fd=device.fileno(), handle=pin.handle,
-               pad=1)[0] == EINVAL
-    assert raw(fd, lib.GPUPIN_PEER_IOC_RELEASE, "struct gpupin_peer_release", hold_id=77)[0] \
-        == -errno.ENOENT
-    assert raw(fd, lib.GPUPIN_PEER_IOC_RELEASE, "struct gpupin_peer_release", hold_id=1,
-               flags=2)[0] == EINVAL
+    assert raw(fd, lib.GPUPIN_PEER_IOC_HOLD, hold, gpupin_fd=device.fileno(), handle=pin.handle, pad=1)[0] == EINVAL
+    assert raw(fd, lib.GPUPIN_PEER_IOC_RELEASE, "struct gpupin_peer_release", hold_id=77)[0] == -errno.ENOENT
+    assert raw(fd, lib.GPUPIN_PEER_IOC_RELEASE, "struct gpupin_peer_release", hold_id=1, flags=2)[0] == EINVAL
     info = gpupin._native.ffi.new("struct gpupin_info *")
     assert lib.gpupin_call(fd, lib.GPUPIN_IOC_INFO, info) == -errno.ENOTTY
     with pytest.raises(gpupin.InvalidArgument, match="size must be > 0"):
@@ -212,7 +207,7 @@ def test_foreign_process_cannot_use_the_fd(device: Device, sim: SimMemory, peer:
     va = sim.alloc(GPU_PAGE)
     pin = device.pin(va, GPU_PAGE)
     pid = os.fork()
-    if pid == 0:    # the child inherited the gpupin fd, but did not open it
+    if pid == 0:  # the child inherited the gpupin fd, but did not open it
         code = 1
         try:
             with Peer() as p:
@@ -239,7 +234,7 @@ def test_unload_ordering(sim: SimMemory) -> None:
             kmod.unload("gpupin")
         with pytest.raises(gpupin.ModuleError, match="in use"):
             kmod.unload("gpupin_peer")
-        p.close()    # drops the hold, then the gpupin file
+        p.close()  # drops the hold, then the gpupin file
         assert sim_stats().pinned_pages == 0
         kmod.unload("gpupin_peer")
         kmod.unload("gpupin")

@@ -86,6 +86,7 @@ def test_unprivileged_opener_cannot_read_addresses(gpupin_loaded: None, leakchec
     st = os.stat("/dev/gpupin")
     os.chmod("/dev/gpupin", 0o666)
     try:
+
         def child() -> int:
             os.setgid(NOBODY)
             os.setuid(NOBODY)
@@ -128,8 +129,7 @@ HOLDER = textwrap.dedent("""
 
 @pytest.mark.parametrize("how", ["kill9", "exit"])
 def test_process_death_with_1000_pins(gpupin_loaded: None, leakcheck: None, how: str) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdin is not None
     assert proc.stdout.readline().strip() == "ready"
     s = sim_stats()
@@ -143,7 +143,7 @@ def test_process_death_with_1000_pins(gpupin_loaded: None, leakcheck: None, how:
     assert s.page_tables == 0 and s.bar_bytes == 0 and s.pinned_pages == 0 and s.alloc_bytes == 0
 
 
-GPUPIN_GID = 4242   # stands for the "gpupin" group of packaging/99-gpupin.rules
+GPUPIN_GID = 4242  # stands for the "gpupin" group of packaging/99-gpupin.rules
 
 
 def test_udev_rule_gives_the_group_access() -> None:
@@ -152,16 +152,18 @@ def test_udev_rule_gives_the_group_access() -> None:
     assert 'GROUP="gpupin"' in line and 'MODE="0660"' in line
 
 
-def test_group_member_may_pin_but_not_map_or_see_addresses(gpupin_loaded: None, leakcheck: None,
-                                                   sim_params, pci: str) -> None:  # type: ignore[no-untyped-def]
+def test_group_member_may_pin_but_not_map_or_see_addresses(
+    gpupin_loaded: None, leakcheck: None, sim_params, pci: str
+) -> None:  # type: ignore[no-untyped-def]
     """What the udev rule gives a member of the gpupin group, as an unprivileged user."""
-    sim_params("gpupin", debug=True)     # the debug log must not leak addresses either
+    sim_params("gpupin", debug=True)  # the debug log must not leak addresses either
     st = os.stat("/dev/gpupin")
     os.chown("/dev/gpupin", 0, GPUPIN_GID)
     mark = f"gpupin-privilege-test-{os.getpid()}"
     with open("/dev/kmsg", "w") as kmsg:
         kmsg.write(mark + "\n")
     try:
+
         def child() -> int:
             from gpupin.netlink import Netlink
 
@@ -190,7 +192,7 @@ def test_group_member_may_pin_but_not_map_or_see_addresses(gpupin_loaded: None, 
     finally:
         os.chown("/dev/gpupin", st.st_uid, st.st_gid)
     log = subprocess.run(["dmesg"], capture_output=True, text=True, check=True).stdout
-    ours = log[log.rindex(mark):]
+    ours = log[log.rindex(mark) :]
     lines = [ln for ln in ours.splitlines() if "gpupin:" in ln]
     assert lines, "debug logging produced nothing to check"
     for ln in lines:

@@ -38,6 +38,7 @@ def run_pair(a, b) -> None:  # type: ignore[no-untyped-def]
                 fn()
             except BaseException as exc:  # noqa: B036 - handed to the main thread
                 errors.append(exc)
+
         return body
 
     threads = [threading.Thread(target=wrap(a)), threading.Thread(target=wrap(b))]
@@ -114,7 +115,7 @@ def test_dma_unmap_races_free(device: Device, sim: SimMemory, pci: str) -> None:
 def test_queries_race_free(device: Device, sim: SimMemory) -> None:
     """GET_PAGES/QUERY users in flight while the callback waits for them."""
     n = ITER if LONG else 400
-    batch = min(n, 2000)     # 2000 x 64 KiB fits the simulated 256 MiB BAR
+    batch = min(n, 2000)  # 2000 x 64 KiB fits the simulated 256 MiB BAR
     for _ in range(n // batch):
         vas = [sim.alloc(GPU_PAGE) for _ in range(batch)]
         pins = [device.pin(va, GPU_PAGE) for va in vas]
@@ -177,10 +178,10 @@ def test_peer_transfers_race_free(device: Device, sim: SimMemory, peer: Peer) ->
             nonlocal completed, aborted
             for p in pins:
                 try:
-                    peer.read(device, p, GPU_PAGE - 512, 1024)   # spans both GPU pages
+                    peer.read(device, p, GPU_PAGE - 512, 1024)  # spans both GPU pages
                     completed += 1
                 except gpupin.TransferAborted as exc:
-                    assert exc.errno in (19, 5)    # ENODEV, EIO
+                    assert exc.errno in (19, 5)  # ENODEV, EIO
                     aborted += 1
                 except gpupin.InvalidArgument:
                     # The provider refuses dma_map_pages once it started freeing the memory,
@@ -196,8 +197,10 @@ def test_peer_transfers_race_free(device: Device, sim: SimMemory, peer: Peer) ->
         s = sim_stats()
         assert s.page_tables == 0 and s.dma_mappings == 0 and s.poison_errors == 0
     assert completed + aborted + refused == n
-    print(f"{n} peer transfers raced frees: {completed} completed, {aborted} stopped cleanly, "
-          f"{refused} refused by the provider mid-free")
+    print(
+        f"{n} peer transfers raced frees: {completed} completed, {aborted} stopped cleanly, "
+        f"{refused} refused by the provider mid-free"
+    )
 
 
 def test_sigkill_during_pin(gpupin_loaded: None, leakcheck: None, sim_params) -> None:  # type: ignore[no-untyped-def]

@@ -44,6 +44,7 @@ def wait_for(cond, what: str, timeout: float = 10.0) -> None:  # type: ignore[no
 
 # -- C1: nothing is reachable by handle before its result reached user space -------------------
 
+
 def test_pin_result_fault_racing_unpin_of_the_next_handle(gpupin_loaded: None, leakcheck: None) -> None:
     """PIN whose result cannot be copied out (read-only argument) while another thread UNPINs
     the handles it is about to get: the pin is never reachable, so it is destroyed once."""
@@ -84,6 +85,7 @@ def test_pin_result_fault_racing_unpin_of_the_next_handle(gpupin_loaded: None, l
 
 # -- C2: non-persistent pages are put only by the pinning process -------------------------------
 
+
 def _pin_one(dev: Device, sim: SimMemory) -> tuple[int, gpupin.Pin]:
     va = sim.alloc(GPU_PAGE)
     return va, dev.pin(va, GPU_PAGE)
@@ -95,7 +97,7 @@ def _assert_detached_then_freed(sim: SimMemory, va: int, refs_before: int) -> No
     s = sim_stats()
     assert s.puts_not_found == 0, "put_pages from a process that did not pin (released nothing)"
     assert s.page_tables == 1 and s.live_callbacks == 1, s
-    sim.free(va)     # the driver runs the armed callback: the pin goes now
+    sim.free(va)  # the driver runs the armed callback: the pin goes now
     s = sim_stats()
     assert s.page_tables == 0 and s.live_callbacks == 0 and s.use_after_free_calls == 0, s
     assert module_refs() == refs_before
@@ -110,8 +112,8 @@ def test_last_close_in_a_fork_child(gpupin_loaded: None, leakcheck: None) -> Non
         pid = os.fork()
         if pid == 0:
             os.close(w)
-            os.read(r, 1)        # the parent closed its copy: ours is the last
-            os._exit(0)          # closes the gpupin file here, in the child
+            os.read(r, 1)  # the parent closed its copy: ours is the last
+            os._exit(0)  # closes the gpupin file here, in the child
         os.close(r)
         dev.close()
         os.write(w, b"x")
@@ -128,8 +130,8 @@ def test_last_close_by_a_process_the_fd_was_passed_to(gpupin_loaded: None, leakc
         try:
             parent_sock.close()
             _, fds, _, _ = socket.recv_fds(child_sock, 16, 1)
-            child_sock.recv(1)          # the sender closed its fd
-            os.close(fds[0])            # the last close: in this process
+            child_sock.recv(1)  # the sender closed its fd
+            os.close(fds[0])  # the last close: in this process
             code = 0
         finally:
             os._exit(code)
@@ -155,20 +157,19 @@ def test_final_fput_in_a_kworker(gpupin_loaded: None, leakcheck: None, peer: Pee
         dev = Device()
         va, pin = _pin_one(dev, sim)
         hold = peer.hold(dev, pin)
-        dev.close()                      # the hold keeps the file
+        dev.close()  # the hold keeps the file
         peer.release(hold, from_kworker=True)
         _assert_detached_then_freed(sim, va, refs)
 
 
-def test_peer_drivers_last_put_in_another_process(gpupin_loaded: None, leakcheck: None,
-                                                  peer: Peer) -> None:
+def test_peer_drivers_last_put_in_another_process(gpupin_loaded: None, leakcheck: None, peer: Peer) -> None:
     """UNPIN while a driver holds the pin (it is orphaned); the driver's last put comes from a
     different process (here: a fork child using the inherited peer file)."""
     with SimMemory() as sim, Device() as dev:
         refs = module_refs()
         va, pin = _pin_one(dev, sim)
         hold = peer.hold(dev, pin)
-        dev.unpin(pin)                   # orphaned: the pages wait for the driver
+        dev.unpin(pin)  # orphaned: the pages wait for the driver
         assert in_child(lambda: (peer.release(hold), 0)[1]) == 0
         # The Device still holds a module reference; the detached pin holds one more.
         _assert_detached_then_freed(sim, va, refs)
@@ -188,20 +189,22 @@ def test_owner_close_still_puts_its_pages(device: Device, sim: SimMemory) -> Non
 
 # -- C3: the callback waits for an unpin's dma_unmap_pages ---------------------------------------
 
+
 def test_free_during_unpins_dma_unmap(device: Device, sim: SimMemory, sim_params, pci: str) -> None:  # type: ignore[no-untyped-def]
     sim_params(unmap_latency_us=300_000)
     va, pin = _pin_one(device, sim)
     device.dma_map(pin, pci)
     t = threading.Thread(target=device.unpin, args=(pin,))
     t.start()
-    time.sleep(0.1)                      # the unpin is inside dma_unmap_pages now
-    sim.free(va)                         # its callback must not return before the unmap did
+    time.sleep(0.1)  # the unpin is inside dma_unmap_pages now
+    sim.free(va)  # its callback must not return before the unmap did
     t.join()
     s = sim_stats()
     assert s.use_after_free_calls == 0 and s.dma_mappings == 0 and s.page_tables == 0, s
 
 
 # -- C4: a DMA map racing the free never deadlocks the driver ------------------------------------
+
 
 def start_dma_map(device: Device, pin: gpupin.Pin, pci: str) -> tuple[threading.Thread, list[BaseException]]:
     """DMA_MAP in a thread; the list gets what it raised."""
@@ -218,15 +221,19 @@ def start_dma_map(device: Device, pin: gpupin.Pin, pci: str) -> tuple[threading.
     return t, errs
 
 
-def test_free_during_dma_map_does_not_deadlock(device: Device, sim: SimMemory, sim_params,  # type: ignore[no-untyped-def]
-                                               pci: str) -> None:
+def test_free_during_dma_map_does_not_deadlock(
+    device: Device,
+    sim: SimMemory,
+    sim_params,  # type: ignore[no-untyped-def]
+    pci: str,
+) -> None:
     sim_params(dma_map_latency_us=300_000, lock_timeout_ms=3000 * SLOW, callback_timeout_ms=3000 * SLOW)
     va, pin = _pin_one(device, sim)
     before = sim_stats()
     t, errs = start_dma_map(device, pin, pci)
-    time.sleep(0.1)                      # dma_map_pages has read the table, not yet locked
+    time.sleep(0.1)  # dma_map_pages has read the table, not yet locked
     start = time.monotonic()
-    sim.free(va)                         # the callback must not wait for the mapper
+    sim.free(va)  # the callback must not wait for the mapper
     took = time.monotonic() - start
     t.join()
     s = sim_stats()
@@ -238,8 +245,12 @@ def test_free_during_dma_map_does_not_deadlock(device: Device, sim: SimMemory, s
     device.unpin(pin)
 
 
-def test_unpin_during_dma_map_waits_for_the_mapper(device: Device, sim: SimMemory, sim_params,  # type: ignore[no-untyped-def]
-                                                   pci: str) -> None:
+def test_unpin_during_dma_map_waits_for_the_mapper(
+    device: Device,
+    sim: SimMemory,
+    sim_params,  # type: ignore[no-untyped-def]
+    pci: str,
+) -> None:
     """UNPIN (put_pages frees the table) while another thread's DMA_MAP is inside
     dma_map_pages: the unpin waits for the mapper, which undoes its mapping."""
     sim_params(dma_map_latency_us=300_000)
@@ -256,6 +267,7 @@ def test_unpin_during_dma_map_waits_for_the_mapper(device: Device, sim: SimMemor
 
 # -- M1: the page table is read only while the callback cannot have freed it --------------------
 
+
 def test_memory_freed_before_get_pages_returns(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
     sim_params(race_get_pages=True)
     va = sim.alloc(GPU_PAGE)
@@ -267,6 +279,7 @@ def test_memory_freed_before_get_pages_returns(device: Device, sim: SimMemory, s
 
 
 # -- M2, M3: races that only KASAN sees (make test-debug) ----------------------------------------
+
 
 def test_netlink_get_pin_racing_close(gpupin_loaded: None, leakcheck: None) -> None:
     """GET_PIN fills its reply while the pin's file is being closed by another thread."""
@@ -291,7 +304,7 @@ def test_netlink_get_pin_racing_close(gpupin_loaded: None, leakcheck: None) -> N
         try:
             for _ in range(rounds):
                 with Device() as dev:
-                    dev.pin(va, GPU_PAGE)       # handle 1 of a new file, then closed
+                    dev.pin(va, GPU_PAGE)  # handle 1 of a new file, then closed
         finally:
             done.set()
             t.join()
@@ -307,20 +320,27 @@ def test_dma_map_id_racing_unmap_of_that_id(device: Device, sim: SimMemory, pci:
 
     def unmapper() -> None:
         while not done.is_set():
-            raw(device.fileno(), lib.GPUPIN_IOC_DMA_UNMAP, "struct gpupin_dma_unmap",
-                handle=pin.handle, mapping_id=nxt[0])
+            raw(
+                device.fileno(),
+                lib.GPUPIN_IOC_DMA_UNMAP,
+                "struct gpupin_dma_unmap",
+                handle=pin.handle,
+                mapping_id=nxt[0],
+            )
 
     t = threading.Thread(target=unmapper)
     t.start()
     try:
         for i in range(1, rounds + 1):
             nxt[0] = i
-            rc, c = raw(device.fileno(), lib.GPUPIN_IOC_DMA_MAP, "struct gpupin_dma_map",
-                        handle=pin.handle, **pci_fields(pci))
+            rc, c = raw(
+                device.fileno(), lib.GPUPIN_IOC_DMA_MAP, "struct gpupin_dma_map", handle=pin.handle, **pci_fields(pci)
+            )
             assert rc == 0 and c.mapping_id == i, (rc, c.mapping_id, i)
             # Ours to unmap unless the racer got it first (at most 16 mappings per pin).
-            rc, _ = raw(device.fileno(), lib.GPUPIN_IOC_DMA_UNMAP, "struct gpupin_dma_unmap",
-                        handle=pin.handle, mapping_id=i)
+            rc, _ = raw(
+                device.fileno(), lib.GPUPIN_IOC_DMA_UNMAP, "struct gpupin_dma_unmap", handle=pin.handle, mapping_id=i
+            )
             assert rc in (0, -errno.ENOENT)
     finally:
         done.set()
@@ -338,10 +358,12 @@ def pci_fields(pci: str) -> dict[str, int]:
 
 # -- M5: DMA mappings are for the administrator (the opener's credentials) ----------------------
 
+
 def test_dma_map_needs_an_admin_opener(gpupin_loaded: None, leakcheck: None, pci: str) -> None:
     st = os.stat("/dev/gpupin")
     os.chmod("/dev/gpupin", 0o666)
     try:
+
         def child() -> int:
             os.setgid(65534)
             os.setuid(65534)
@@ -352,9 +374,16 @@ def test_dma_map_needs_an_admin_opener(gpupin_loaded: None, leakcheck: None, pci
                     return 2
                 except gpupin.PermissionDenied:
                     pass
-                rc, _ = raw(dev.fileno(), lib.GPUPIN_IOC_DMA_ADDRS, "struct gpupin_dma_addrs",
-                            handle=pin.handle, mapping_id=1, count=1)
+                rc, _ = raw(
+                    dev.fileno(),
+                    lib.GPUPIN_IOC_DMA_ADDRS,
+                    "struct gpupin_dma_addrs",
+                    handle=pin.handle,
+                    mapping_id=1,
+                    count=1,
+                )
                 return 0 if rc == -errno.EPERM else 3
+
         assert in_child(child) == 0
     finally:
         os.chmod("/dev/gpupin", st.st_mode & 0o777)
@@ -368,12 +397,14 @@ def test_privilege_is_the_openers(device: Device, sim: SimMemory, pci: str) -> N
         os.setgid(65534)
         os.setuid(65534)
         return 0 if len(device.get_pages(pin, 0, 1)) == 1 else 1
+
     assert in_child(child) == 0
     device.unpin(pin)
     sim.free(va)
 
 
 # -- event records: nothing lost, nothing taken by another process ------------------------------
+
 
 def test_record_survives_a_faulting_read(device: Device, sim: SimMemory) -> None:
     vas = [sim.alloc(GPU_PAGE) for _ in range(2)]
@@ -382,7 +413,7 @@ def test_record_survives_a_faulting_read(device: Device, sim: SimMemory) -> None
         sim.free(v)
     buf = mmap.mmap(-1, 2 * mmap.PAGESIZE)
     base = int(ffi.cast("uintptr_t", ffi.from_buffer(buf)))
-    assert libc.mprotect(base + mmap.PAGESIZE, mmap.PAGESIZE, 0) == 0     # PROT_NONE
+    assert libc.mprotect(base + mmap.PAGESIZE, mmap.PAGESIZE, 0) == 0  # PROT_NONE
     # Room for one record before the protected page, the second one faults.
     n = libc.read(device.fileno(), base + mmap.PAGESIZE - 32, 64)
     assert n == 32
@@ -404,6 +435,7 @@ def test_forked_child_cannot_take_the_owners_records(device: Device, sim: SimMem
         except PermissionError:
             return 0
         return 1
+
     assert in_child(child) == 0
     assert [e.handle for e in device.read_events()] == [pin.handle]
     device.unpin(pin)
@@ -433,10 +465,13 @@ def test_validity_map_is_not_inherited(device: Device, sim: SimMemory) -> None:
 
 # -- smaller: bounded address copies, bounded simulator -----------------------------------------
 
+
 def test_address_count_is_capped(device: Device) -> None:
     big = lib.GPUPIN_MAX_ADDRS_PER_CALL + 1
-    for cmd, ctype in ((lib.GPUPIN_IOC_GET_PAGES, "struct gpupin_get_pages"),
-                       (lib.GPUPIN_IOC_DMA_ADDRS, "struct gpupin_dma_addrs")):
+    for cmd, ctype in (
+        (lib.GPUPIN_IOC_GET_PAGES, "struct gpupin_get_pages"),
+        (lib.GPUPIN_IOC_DMA_ADDRS, "struct gpupin_dma_addrs"),
+    ):
         assert raw(device.fileno(), cmd, ctype, handle=12345, count=big)[0] == -errno.EINVAL
         assert raw(device.fileno(), cmd, ctype, handle=12345, count=big - 1)[0] == -errno.ENOENT
 

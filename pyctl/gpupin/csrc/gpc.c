@@ -1,0 +1,333 @@
+// SPDX-License-Identifier: MIT OR GPL-2.0
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gpupin_py.h"
+
+/*
+ * The registration cache's hot path: one call finds the entry covering
+ * [ptr, ptr + size), checks its validity word (and, for CUDA memory, the
+ * buffer id at ptr), and takes a reference.  Python keeps everything else.
+ *
+ * Entries are indexed by id (chosen by Python); the index is an array of
+ * starts sorted ascending, with no two entries overlapping.  All under one
+ * mutex: cffi drops the GIL around these calls.
+ */
+struct gpc_ent {
+	uint64_t start, end, buffer_id, valid_word, slot, lru;
+	int32_t refs;
+	int32_t indexed;
+};
+
+struct gpc {
+	pthread_mutex_t lock;
+	const volatile uint64_t *words;
+	uint64_t nwords;
+	int check_kernel, check_tag_cuda;
+	int closed;			/* gpc_close(): every lookup says GPC_CLOSED */
+	struct gpc_ent *ents;
+	int64_t nents;
+	uint64_t *starts;
+	int64_t *ids;
+	int64_t n, cap;
+	uint64_t tick, acquires, hits;
+};
+
+struct gpc *gpc_new(const uint64_t *words, uint64_t nwords, int check_kernel, int check_tag_cuda)
+{
+	struct gpc *c = calloc(1, sizeof(*c));
+
+	if (!c)
+		return NULL;
+	pthread_mutex_init(&c->lock, NULL);
+	c->words = words;
+	c->nwords = nwords;
+	c->check_kernel = check_kernel;
+	c->check_tag_cuda = check_tag_cuda;
+	return c;
+}
+
+/*
+ * The cache closed: drop the index and stop reading the validity map (which
+ * may be unmapped next).  The struct stays until gpc_free, since bound fast
+ * paths (gpc_bind) may still be called.
+ */
+void gpc_close(struct gpc *c)
+{
+	pthread_mutex_lock(&c->lock);
+	c->closed = 1;
+	c->words = NULL;
+	c->nwords = 0;
+	c->n = c->nents = c->cap = 0;
+	free(c->ents);
+	free(c->starts);
+	free(c->ids);
+	c->ents = NULL;
+	c->starts = NULL;
+	c->ids = NULL;
+	pthread_mutex_unlock(&c->lock);
+}
+
+void gpc_free(struct gpc *c)
+{
+	if (!c)
+		return;
+	pthread_mutex_destroy(&c->lock);
+	free(c->ents);
+	free(c->starts);
+	free(c->ids);
+	free(c);
+}
+
+/* Index position of the last entry starting at or before ptr, or -1. */
+static int64_t gpc_pos(const struct gpc *c, uint64_t ptr)
+{
+	int64_t lo = 0, hi = c->n;
+
+	while (lo < hi) {
+		int64_t mid = lo + (hi - lo) / 2;
+
+		if (c->starts[mid] <= ptr)
+			lo = mid + 1;
+		else
+			hi = mid;
+	}
+	return lo - 1;
+}
+
+/*
+ * >= 0: the id of a valid entry covering the range, now referenced.
+ * GPC_MISS: no entry covers it; GPC_BAD_ARG: empty or wrapping range.
+ * -(id + GPC_STALE_BASE): an entry covers it but is stale (validity word or
+ * buffer id changed); no reference taken.
+ */
+int64_t gpc_lookup(struct gpc *c, uint64_t ptr, uint64_t size)
+{
+	int64_t pos, id, ret = GPC_MISS;
+	struct gpc_ent *e;
+
+	if (!size || ptr + size < ptr)
+		return GPC_BAD_ARG;
+	pthread_mutex_lock(&c->lock);
+	if (c->closed) {
+		pthread_mutex_unlock(&c->lock);
+		return GPC_CLOSED;
+	}
+	c->acquires++;
+	pos = gpc_pos(c, ptr);
+	if (pos < 0)
+		goto out;
+	id = c->ids[pos];
+	e = &c->ents[id];
+	if (ptr + size > e->end)
+		goto out;
+	if (c->check_kernel && (e->slot >= c->nwords || c->words[e->slot] != e->valid_word)) {
+		ret = -(id + GPC_STALE_BASE);
+		goto out;
+	}
+	if (c->check_tag_cuda) {
+		uint64_t bid = 0;
+
+		if (gp_cuda_buffer_id(ptr, &bid) != 0 || bid != e->buffer_id) {
+			ret = -(id + GPC_STALE_BASE);
+			goto out;
+		}
+	}
+	e->refs++;
+	c->hits++;
+	ret = id;
+out:
+	pthread_mutex_unlock(&c->lock);
+	return ret;
+}
+
+/* Index position of entry id, which starts at start, or -1. */
+static int64_t gpc_index_of(const struct gpc *c, int64_t id)
+{
+	int64_t pos = gpc_pos(c, c->ents[id].start);
+
+	for (; pos >= 0 && c->starts[pos] == c->ents[id].start; pos--)
+		if (c->ids[pos] == id)
+			return pos;
+	return -1;
+}
+
+int gpc_release(struct gpc *c, int64_t id)
+{
+	int refs;
+
+	pthread_mutex_lock(&c->lock);
+	if (id < 0 || id >= c->nents || c->ents[id].refs <= 0) {
+		pthread_mutex_unlock(&c->lock);
+		return -1;
+	}
+	refs = --c->ents[id].refs;
+	if (!refs)
+		c->ents[id].lru = ++c->tick;
+	pthread_mutex_unlock(&c->lock);
+	return refs;
+}
+
+int gpc_use(struct gpc *c, int64_t id)
+{
+	int refs = -1;
+
+	pthread_mutex_lock(&c->lock);
+	if (id >= 0 && id < c->nents)
+		refs = ++c->ents[id].refs;
+	pthread_mutex_unlock(&c->lock);
+	return refs;
+}
+
+int gpc_refs(struct gpc *c, int64_t id)
+{
+	int refs = -1;
+
+	pthread_mutex_lock(&c->lock);
+	if (id >= 0 && id < c->nents)
+		refs = c->ents[id].refs;
+	pthread_mutex_unlock(&c->lock);
+	return refs;
+}
+
+int gpc_insert(struct gpc *c, int64_t id, uint64_t start, uint64_t end, uint64_t buffer_id,
+			uint64_t slot, uint64_t valid_word)
+{
+	int64_t pos;
+	int ret = 0;
+
+	if (id < 0 || end <= start)
+		return -1;
+	pthread_mutex_lock(&c->lock);
+	if (id >= c->nents) {
+		int64_t n = id + 1 > 2 * c->nents ? id + 1 : 2 * c->nents;
+		struct gpc_ent *ents = realloc(c->ents, n * sizeof(*ents));
+
+		if (!ents) {
+			ret = -1;
+			goto out;
+		}
+		memset(ents + c->nents, 0, (n - c->nents) * sizeof(*ents));
+		c->ents = ents;
+		c->nents = n;
+	}
+	if (c->n == c->cap) {
+		int64_t cap = c->cap ? 2 * c->cap : 64;
+		uint64_t *starts = realloc(c->starts, cap * sizeof(*starts));
+		int64_t *ids;
+
+		if (!starts) {
+			ret = -1;
+			goto out;
+		}
+		c->starts = starts;
+		ids = realloc(c->ids, cap * sizeof(*ids));
+		if (!ids) {
+			ret = -1;
+			goto out;
+		}
+		c->ids = ids;
+		c->cap = cap;
+	}
+	if (c->ents[id].indexed) {
+		ret = -1;
+		goto out;
+	}
+	c->ents[id] = (struct gpc_ent){ start, end, buffer_id, valid_word, slot, 0, 0, 1 };
+	pos = gpc_pos(c, start) + 1;
+	memmove(c->starts + pos + 1, c->starts + pos, (c->n - pos) * sizeof(*c->starts));
+	memmove(c->ids + pos + 1, c->ids + pos, (c->n - pos) * sizeof(*c->ids));
+	c->starts[pos] = start;
+	c->ids[pos] = id;
+	c->n++;
+out:
+	pthread_mutex_unlock(&c->lock);
+	return ret;
+}
+
+/* Take id out of the index (its refs stay until released). */
+int gpc_remove(struct gpc *c, int64_t id)
+{
+	int64_t pos;
+	int ret = -1;
+
+	pthread_mutex_lock(&c->lock);
+	if (id >= 0 && id < c->nents && c->ents[id].indexed) {
+		pos = gpc_index_of(c, id);
+		if (pos >= 0) {
+			memmove(c->starts + pos, c->starts + pos + 1, (c->n - pos - 1) * sizeof(*c->starts));
+			memmove(c->ids + pos, c->ids + pos + 1, (c->n - pos - 1) * sizeof(*c->ids));
+			c->n--;
+			ret = 0;
+		}
+		c->ents[id].indexed = 0;
+	}
+	pthread_mutex_unlock(&c->lock);
+	return ret;
+}
+
+/*
+ * Take the indexed, unreferenced entry released longest ago out of the
+ * index, atomically with choosing it (no lookup can reference it after);
+ * returns its id, or -1 if every indexed entry is in use.
+ */
+int64_t gpc_evict_lru(struct gpc *c)
+{
+	int64_t i, best = -1, best_pos = -1;
+	uint64_t best_lru = UINT64_MAX;
+
+	pthread_mutex_lock(&c->lock);
+	for (i = 0; i < c->n; i++) {
+		struct gpc_ent *e = &c->ents[c->ids[i]];
+
+		if (!e->refs && e->lru < best_lru) {
+			best_lru = e->lru;
+			best = c->ids[i];
+			best_pos = i;
+		}
+	}
+	if (best >= 0) {
+		memmove(c->starts + best_pos, c->starts + best_pos + 1,
+			(c->n - best_pos - 1) * sizeof(*c->starts));
+		memmove(c->ids + best_pos, c->ids + best_pos + 1, (c->n - best_pos - 1) * sizeof(*c->ids));
+		c->n--;
+		c->ents[best].indexed = 0;
+	}
+	pthread_mutex_unlock(&c->lock);
+	return best;
+}
+
+/* The indexed entry whose range holds ptr (for invalidation), or -1. */
+int64_t gpc_find(struct gpc *c, uint64_t ptr)
+{
+	int64_t pos, id = -1;
+
+	pthread_mutex_lock(&c->lock);
+	pos = gpc_pos(c, ptr);
+	if (pos >= 0 && ptr < c->ents[c->ids[pos]].end)
+		id = c->ids[pos];
+	pthread_mutex_unlock(&c->lock);
+	return id;
+}
+
+/* Some indexed entry overlapping [start, stop), or -1. */
+int64_t gpc_overlap(struct gpc *c, uint64_t start, uint64_t stop)
+{
+	int64_t pos, id = -1;
+
+	pthread_mutex_lock(&c->lock);
+	pos = gpc_pos(c, stop - 1);	/* the last entry starting before stop */
+	if (pos >= 0 && c->ents[c->ids[pos]].end > start)
+		id = c->ids[pos];
+	pthread_mutex_unlock(&c->lock);
+	return id;
+}
+
+void gpc_counts(struct gpc *c, uint64_t *acquires, uint64_t *hits)
+{
+	pthread_mutex_lock(&c->lock);
+	*acquires = c->acquires;
+	*hits = c->hits;
+	pthread_mutex_unlock(&c->lock);
+}

@@ -1,0 +1,48 @@
+/* SPDX-License-Identifier: MIT OR GPL-2.0 */
+/*
+ * The C side of the gpupin Python package (built into gpupin._gpupin_cffi by
+ * cffi from pyctl/gpupin/_build.py): ioctl helpers, the registration cache's
+ * core, the CUDA pointer-attribute query and CPython fast paths.
+ *
+ * The block between "cffi cdef begin" and "cffi cdef end" is also what
+ * _build.py hands to cffi as its declarations: it must stay plain C that
+ * cffi's parser reads (no macros with values there).
+ */
+#ifndef GPUPIN_PY_H
+#define GPUPIN_PY_H
+
+#include <stdint.h>
+
+#define GPC_MISS (-1)
+#define GPC_BAD_ARG (-2)
+#define GPC_CLOSED (-3)
+#define GPC_STALE_BASE 4	/* stale entry id -> -(id + GPC_STALE_BASE) */
+
+/* cffi cdef begin */
+int gpupin_call(int fd, unsigned long cmd, void *arg);
+int gpupin_cover_zero(uint64_t addr, uint64_t len);
+
+struct gpc;
+struct gpc *gpc_new(const uint64_t *words, uint64_t nwords, int check_kernel, int check_tag_cuda);
+void gpc_free(struct gpc *c);
+void gpc_close(struct gpc *c);
+int gpc_install(void);
+int64_t gpc_lookup(struct gpc *c, uint64_t ptr, uint64_t size);
+int gpc_release(struct gpc *c, int64_t id);
+int gpc_insert(struct gpc *c, int64_t id, uint64_t start, uint64_t end, uint64_t buffer_id,
+	       uint64_t slot, uint64_t valid_word);
+int gpc_remove(struct gpc *c, int64_t id);
+int gpc_use(struct gpc *c, int64_t id);
+int64_t gpc_evict_lru(struct gpc *c);
+int gpc_refs(struct gpc *c, int64_t id);
+void gpc_counts(struct gpc *c, uint64_t *acquires, uint64_t *hits);
+int64_t gpc_find(struct gpc *c, uint64_t ptr);
+int64_t gpc_overlap(struct gpc *c, uint64_t start, uint64_t stop);
+
+int gp_cuda_open(int buffer_id_attr);
+int gp_cuda_buffer_id(uint64_t ptr, uint64_t *out);
+uint64_t gp_cuda_buffer_id_or_0(uint64_t ptr);
+int gp_cuda_attr_u64(uint64_t ptr, int attr, uint64_t *out);
+/* cffi cdef end */
+
+#endif
