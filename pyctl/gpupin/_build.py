@@ -61,7 +61,9 @@ struct kmod_list *kmod_module_get_holders(const struct kmod_module *mod);
 # CPython fast paths.  Its declarations for cffi are the marked block of the header.
 CSRC = HERE / "csrc"
 C_SOURCES = ("sys.c", "gpc.c", "cuda.c", "python.c")
-C_FLAGS = ["-O2", "-Wall", "-Wextra", "-Werror"]
+# -Werror: the package's C stays warning-free (make check also runs gcc -fanalyzer on it);
+# GPUPIN_NO_WERROR=1 builds anyway with a compiler newer than this code knows.
+C_FLAGS = ["-O2", "-Wall", "-Wextra"] + ([] if os.environ.get("GPUPIN_NO_WERROR") == "1" else ["-Werror"])
 
 
 def helpers_cdef() -> str:
