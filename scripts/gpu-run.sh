@@ -32,5 +32,7 @@ rc=${PIPESTATUS[0]}
 export PYTHONUNBUFFERED=1
 python3 -m gpupin gds status 2>&1 | tee "$OUT/gds-status.txt"
 python3 -m gpupin.bench --gds --out "$OUT/bench-gds.json" 2>&1 | tee "$OUT/bench-gds.txt"
-python3 -m gpupin.bench --only-cuda --out "$OUT/bench-gpu.json" 2>&1 | tee "$OUT/bench-gpu.txt"
+# GPUPIN_GPU_BENCH=gds: only the GDS figures (the CUDA tag-query figures take minutes)
+[ "${GPUPIN_GPU_BENCH:-all}" = gds ] ||
+	python3 -m gpupin.bench --only-cuda --out "$OUT/bench-gpu.json" 2>&1 | tee "$OUT/bench-gpu.txt"
 exit "$rc"
