@@ -14,7 +14,7 @@ PY := $(VENV)/bin/python
 KMAKE = $(MAKE) -C $(KDIR) M=$(CURDIR) $(if $(NVIDIA_SRC),NVIDIA_SRC=$(NVIDIA_SRC))
 
 .PHONY: all modules clean setup pyext check check-kernel check-py test test-host test-vm \
-	test-gpu test-native test-long test-debug check-nvidia deb wheel test-deb check-fresh bench demo install help
+	test-gpu test-vm-6.12 test-native test-long test-debug check-nvidia deb wheel test-deb check-fresh bench demo install help
 
 all: modules
 
@@ -66,6 +66,13 @@ test-host: pyext
 test-vm: setup pyext
 	scripts/vm-run.sh test
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests/pty
+
+# The second kernel of the matrix: Debian 12's 6.12 (installed by scripts/kernel-6.12.sh):
+# the modules built W=1 against its headers, the whole VM suite booting it.
+test-vm-6.12: setup pyext
+	kver=$$(scripts/kernel-6.12.sh) && \
+		scripts/check-kernel.sh /usr/src/linux-headers-$$kver && \
+		VM_KVER=$$kver RESULTS=$(CURDIR)/results/6.12 scripts/vm-run.sh test
 
 test-gpu: pyext
 	$(VENV)/bin/pytest -q -m gpu tests/gpu

@@ -29,9 +29,10 @@
 #include <linux/scatterlist.h>
 #include <linux/slab.h>
 #include <linux/uaccess.h>
+#include "compat.h"
 #include "gpupin.h"
 
-MODULE_IMPORT_NS(DMA_BUF);
+GPUPIN_IMPORT_NS_DMA_BUF();
 
 static void gpupin_dmabuf_pin_moved(struct dma_buf_attachment *attach)
 {

@@ -14,8 +14,8 @@
 #include <linux/sched.h>
 #include <linux/slab.h>
 #include <linux/uaccess.h>
-#include <linux/version.h>
 #include <linux/vmalloc.h>
+#include "compat.h"
 #include "gpupin.h"
 #include "../include/uapi/gpupin_netlink.h"
 
@@ -159,12 +159,7 @@ static int gpupin_mmap(struct file *file, struct vm_area_struct *vma)
 	if (vma->vm_pgoff || vma->vm_end - vma->vm_start > f->vmap_size)
 		return -EINVAL;
 	/* Not inherited across fork: the map describes the opener's pins. */
-#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 3, 0)
-	vm_flags_mod(vma, VM_DONTCOPY | VM_DONTEXPAND, VM_MAYWRITE | VM_MAYEXEC);
-#else
-	vma->vm_flags &= ~(VM_MAYWRITE | VM_MAYEXEC);
-	vma->vm_flags |= VM_DONTCOPY | VM_DONTEXPAND;
-#endif
+	gpupin_vm_flags_mod(vma, VM_DONTCOPY | VM_DONTEXPAND, VM_MAYWRITE | VM_MAYEXEC);
 	return remap_vmalloc_range(vma, f->vmap, 0);
 }
 

@@ -25,10 +25,24 @@
 #include <net/netlink.h>
 #include <linux/netlink.h>
 #include <linux/notifier.h>
+#include "compat.h"
 #include "gpupin.h"
 #include "../include/uapi/gpupin_netlink.h"
 
-static const struct nla_policy gpupin_nl_policy[GPUPIN_NL_A_MAX + 1] = {
+/*
+ * One policy per operation (validated strictly: unknown attributes are
+ * errors).  GET_INFO, GET_STATS and SUBSCRIBE take no attributes; GET_PINS
+ * takes an optional PID filter; GET_PIN needs PID and HANDLE.
+ */
+static const struct nla_policy gpupin_nl_no_attrs_policy[GPUPIN_NL_A_PID + 1] = {
+	[GPUPIN_NL_A_PID] = { .type = NLA_REJECT },
+};
+
+static const struct nla_policy gpupin_nl_get_pins_policy[GPUPIN_NL_A_PID + 1] = {
+	[GPUPIN_NL_A_PID] = { .type = NLA_U32 },
+};
+
+static const struct nla_policy gpupin_nl_get_pin_policy[GPUPIN_NL_A_HANDLE + 1] = {
 	[GPUPIN_NL_A_PID] = { .type = NLA_U32 },
 	[GPUPIN_NL_A_HANDLE] = { .type = NLA_U64 },
 };
@@ -317,7 +331,9 @@ static int gpupin_nl_get_pin(struct sk_buff *skb, struct genl_info *info)
 	void *hdr;
 	int ret;
 
-	if (!info->attrs[GPUPIN_NL_A_PID] || !info->attrs[GPUPIN_NL_A_HANDLE]) {
+	/* The extended ACK names the missing attribute by type, and says it in words. */
+	if (GENL_REQ_ATTR_CHECK(info, GPUPIN_NL_A_PID) ||
+	    GENL_REQ_ATTR_CHECK(info, GPUPIN_NL_A_HANDLE)) {
 		NL_SET_ERR_MSG(info->extack, "GET_PIN needs the PID and HANDLE attributes");
 		return -EINVAL;
 	}
@@ -362,17 +378,23 @@ static int gpupin_nl_get_pin(struct sk_buff *skb, struct genl_info *info)
  * Dump every visible pin, in (file id, handle) order.  The cursor lives in
  * cb->args: [0] the file id being dumped, [1] the last handle sent from it.
  */
+/* With PID, only the pins of that thread group (0 matches no process). */
 static int gpupin_nl_get_pins(struct sk_buff *skb, struct netlink_callback *cb)
 {
-	unsigned long idx;
+	struct nlattr **attrs = gpupin_genl_dump_attrs(cb);
 	struct gpupin_region *pin;
 	struct gpupin_file *f;
+	unsigned long idx;
+	bool filter = attrs && attrs[GPUPIN_NL_A_PID];
+	u32 want = filter ? nla_get_u32(attrs[GPUPIN_NL_A_PID]) : 0;
 	void *hdr;
 	int err = 0;
 
 	mutex_lock(&gpupin_files_lock);
 	list_for_each_entry(f, &gpupin_files, node) {
 		if (f->id < cb->args[0] || !gpupin_nl_may_see(cb->skb, f))
+			continue;
+		if (filter && gpupin_nl_pid(f->owner) != want)
 			continue;
 		if (f->id != cb->args[0]) {
 			cb->args[0] = f->id;
@@ -429,35 +451,48 @@ out:
 #endif
 }
 
+/*
+ * Each command is a do or a dump, never both, so plain genl_ops with a
+ * per-operation policy validate exactly what split ops would (and exist on
+ * every kernel gpupin builds for).
+ */
 static const struct genl_ops gpupin_nl_ops[] = {
 	{
 		.cmd = GPUPIN_NL_CMD_GET_INFO,
 		.doit = gpupin_nl_get_info,
+		.policy = gpupin_nl_no_attrs_policy,
+		.maxattr = ARRAY_SIZE(gpupin_nl_no_attrs_policy) - 1,
 	},
 	{
 		.cmd = GPUPIN_NL_CMD_GET_PINS,
 		.dumpit = gpupin_nl_get_pins,
+		.policy = gpupin_nl_get_pins_policy,
+		.maxattr = ARRAY_SIZE(gpupin_nl_get_pins_policy) - 1,
 	},
 	{
 		.cmd = GPUPIN_NL_CMD_GET_STATS,
 		.doit = gpupin_nl_get_stats,
+		.policy = gpupin_nl_no_attrs_policy,
+		.maxattr = ARRAY_SIZE(gpupin_nl_no_attrs_policy) - 1,
 	},
 	{
 		.cmd = GPUPIN_NL_CMD_GET_PIN,
 		.doit = gpupin_nl_get_pin,
+		.policy = gpupin_nl_get_pin_policy,
+		.maxattr = ARRAY_SIZE(gpupin_nl_get_pin_policy) - 1,
 	},
 	{
 		.cmd = GPUPIN_NL_CMD_SUBSCRIBE,
 		.doit = gpupin_nl_subscribe,
 		.flags = GENL_ADMIN_PERM,
+		.policy = gpupin_nl_no_attrs_policy,
+		.maxattr = ARRAY_SIZE(gpupin_nl_no_attrs_policy) - 1,
 	},
 };
 
 static struct genl_family gpupin_nl_family __ro_after_init = {
 	.name = GPUPIN_NL_FAMILY_NAME,
 	.version = GPUPIN_NL_VERSION,
-	.maxattr = GPUPIN_NL_A_MAX,
-	.policy = gpupin_nl_policy,
 	.module = THIS_MODULE,
 	.ops = gpupin_nl_ops,
 	.n_ops = ARRAY_SIZE(gpupin_nl_ops),

@@ -34,6 +34,17 @@ if [ -f "$VM_KDIR/drivers/gpu/drm/vgem/vgem.ko" ]; then
 	VGEM_KO="$ROOT/build/vgem.ko"
 fi
 
+# The kernel's YNL client and schemas for tests/vm/test_ynl.py (copied in, like vgem).
+YNL_DIR=
+if ynl=$("$ROOT/scripts/ynl-fetch.sh"); then
+	rm -rf "$ROOT/build/ynl" && mkdir -p "$ROOT/build/ynl/tools/net" "$ROOT/build/ynl/Documentation"
+	cp -r "$ynl/tools/net/ynl" "$ROOT/build/ynl/tools/net/"
+	cp -r "$ynl/Documentation/netlink" "$ROOT/build/ynl/Documentation/"
+	YNL_DIR="$ROOT/build/ynl"
+else
+	echo "vm-run: no YNL tools (above): tests/vm/test_ynl.py will fail" >&2
+fi
+
 TTY_SIZE="24 80"
 if [ "$MODE" = shell ]; then
 	[ -t 0 ] || { echo "vm-run: 'shell' needs a terminal on stdin" >&2; exit 1; }
@@ -52,7 +63,7 @@ VNG=(env PATH="$VENV/bin:$PATH" "${TMO[@]}" "${VM_TIMEOUT:-3000}" vng -r "$VM_KI
 	--rwdir "$RESULTS" --cwd "$ROOT"
 	--exec "$(printf '%q ' env "GPUPIN_LONG=${GPUPIN_LONG:-}" "GPUPIN_TEST_TIMEOUT=${GPUPIN_TEST_TIMEOUT:-600}" \
 		"GPUPIN_CYCLES=${GPUPIN_CYCLES:-20}" "GPUPIN_KMEMLEAK=${GPUPIN_KMEMLEAK:-}" \
-		"GPUPIN_VGEM_KO=$VGEM_KO" "GPUPIN_TTY_SIZE=$TTY_SIZE" "GPUPIN_TERM=${TERM:-xterm}" \
+		"GPUPIN_VGEM_KO=$VGEM_KO" "GPUPIN_YNL_DIR=$YNL_DIR" "GPUPIN_TTY_SIZE=$TTY_SIZE" "GPUPIN_TERM=${TERM:-xterm}" \
 		"$ROOT/scripts/vm-guest.sh" "$MODE" "$RESULTS" "${@:2}")")
 if [ "$MODE" = shell ]; then
 	# Interactive: the terminal stays the guest's stdin, in raw mode so every key (Ctrl-C

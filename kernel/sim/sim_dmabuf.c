@@ -21,9 +21,10 @@
 #include <linux/scatterlist.h>
 #include <linux/slab.h>
 #include <linux/uaccess.h>
+#include "../compat.h"
 #include "sim.h"
 
-MODULE_IMPORT_NS(DMA_BUF);
+GPUPIN_IMPORT_NS_DMA_BUF();
 
 /*
  * Guards every alloc->exports list, and keeps a listed buffer from being

@@ -20,6 +20,8 @@ HEADERS = ("gpupin.h", "nvp2p_sim.h", "gpupin_netlink.h", "gpupin_peer.h")
 
 _STRUCT = re.compile(r"^struct (\w+) \{\n(.*?)^\};", re.M | re.S)
 _DEFINE = re.compile(r"^#define ((?:GPUPIN|NVP2P_SIM)_\w+)\s+[^\s\"]", re.M)
+_ENUM = re.compile(r"^enum \w+ \{\n(.*?)^\};", re.M | re.S)
+_ENUMERATOR = re.compile(r"^\s+((?:GPUPIN|NVP2P_SIM)_\w+)\b", re.M)
 
 LIBKMOD_CDEF = """
 struct kmod_ctx;
@@ -98,6 +100,8 @@ def uapi_cdef() -> str:
             out.append(f"struct {m.group(1)} {{\n{m.group(2)}}};")
         for m in _DEFINE.finditer(text):
             out.append(f"#define {m.group(1)} ...")
+        for m in _ENUM.finditer(text):  # enumerators, as integer constants
+            out += [f"#define {n} ..." for n in _ENUMERATOR.findall(m.group(1))]
     return "\n".join(out)
 
 

@@ -1,0 +1,42 @@
+/* SPDX-License-Identifier: (GPL-2.0 OR MIT) */
+/*
+ * gpupin: what differs between the kernels gpupin builds for (Debian 12's
+ * 6.1 to the newest Debian carries), in one place.  The logic uses only the
+ * names below; each says from which kernel the newer form applies.
+ */
+#ifndef GPUPIN_COMPAT_H
+#define GPUPIN_COMPAT_H
+
+#include <linux/mm.h>
+#include <linux/module.h>
+#include <linux/version.h>
+#include <net/genetlink.h>
+
+/* 6.13: MODULE_IMPORT_NS() takes the namespace as a string literal. */
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 13, 0)
+#define GPUPIN_IMPORT_NS_DMA_BUF() MODULE_IMPORT_NS("DMA_BUF")
+#else
+#define GPUPIN_IMPORT_NS_DMA_BUF() MODULE_IMPORT_NS(DMA_BUF)
+#endif
+
+/* 6.3: vma->vm_flags is read-only; vm_flags_mod() sets and clears under the mmap lock. */
+static inline void gpupin_vm_flags_mod(struct vm_area_struct *vma, vm_flags_t set, vm_flags_t clear)
+{
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 3, 0)
+	vm_flags_mod(vma, set, clear);
+#else
+	vma->vm_flags = (vma->vm_flags | set) & ~clear;
+#endif
+}
+
+/* 6.2: a dump's parsed attributes moved into genl_dumpit_info's genl_info. */
+static inline struct nlattr **gpupin_genl_dump_attrs(struct netlink_callback *cb)
+{
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 2, 0)
+	return genl_dumpit_info(cb)->info.attrs;
+#else
+	return genl_dumpit_info(cb)->attrs;
+#endif
+}
+
+#endif /* GPUPIN_COMPAT_H */
