@@ -58,8 +58,20 @@ def test_get_info_and_stats_match_the_module(ynl_lib: Any, device: Device) -> No
     assert info["version"] == i.version and info["caps"] == i.caps
     assert info["max-pins-per-file"] == mine["max_pins_per_file"]
     stats = y.do("get-stats", {})["stats"]
-    spec_stats = {"pins", "unpins", "inval-freed", "inval-process-exit", "dma-maps", "bytes-now", "bytes-peak",
-                  "fail-enomem", "fail-enospc", "fail-einval", "fail-other", "callback-max-ns"}
+    spec_stats = {
+        "pins",
+        "unpins",
+        "inval-freed",
+        "inval-process-exit",
+        "dma-maps",
+        "bytes-now",
+        "bytes-peak",
+        "fail-enomem",
+        "fail-enospc",
+        "fail-einval",
+        "fail-other",
+        "callback-max-ns",
+    }
     assert set(stats) == spec_stats
     assert {k.replace("-", "_") for k in stats} == set(netlink.stats())
 
