@@ -21,7 +21,7 @@ all: modules
 help:
 	@echo "make [modules]   build gpupin.ko (+ nvp2p_sim.ko) against KDIR=$(KDIR)"
 	@echo "make demo        build, load (in a VM if needed) and show pinning end to end"
-	@echo "make test        check, check-nvidia, test-host, test-vm, test-deb, check-fresh (+ test-gpu)"
+	@echo "make test        check, check-nvidia, test-host, test-vm, test-vm-6.12, test-deb, check-fresh (+ test-gpu)"
 	@echo "make check       W=1, sparse, checkpatch --strict, ruff (lint, format), mypy, gcc -fanalyzer on pyctl C"
 	@echo "make check-nvidia  build against NVIDIA's 535 and 550 open driver sources, check CRCs"
 	@echo "make deb | wheel   Debian packages (gpupin-dkms, gpupin-sim-dkms) / the Python wheel in dist/"
@@ -124,7 +124,7 @@ test-deb: setup
 check-fresh:
 	scripts/check-fresh.sh
 
-test: check check-nvidia test-host test-vm test-deb check-fresh
+test: check check-nvidia test-host test-vm test-vm-6.12 test-deb check-fresh
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		$(MAKE) test-gpu; else echo "test-gpu: skipped, no NVIDIA driver on this host"; fi
 

@@ -56,9 +56,16 @@ extern unsigned long gpupin_max_pinned_bytes;
 extern unsigned int gpupin_max_pins_per_file;
 extern bool gpupin_default_persistent;
 extern bool gpupin_debug;
+#ifdef GPUPIN_FAULT_INJECTION
 extern int gpupin_fail_alloc_nth;
 
 bool gpupin_fail_alloc(void);
+#else
+static inline bool gpupin_fail_alloc(void)
+{
+	return false;
+}
+#endif
 /* gpupin's own allocations go through these, so tests can fail them. */
 #define gpupin_kzalloc(size, gfp) (gpupin_fail_alloc() ? NULL : kzalloc(size, gfp))
 #define gpupin_kvmalloc_array(n, size, gfp) \

@@ -30,14 +30,17 @@ bool gpupin_debug;
 module_param_named(debug, gpupin_debug, bool, 0644);
 MODULE_PARM_DESC(debug, "Log pins, unpins and invalidations (rate-limited; default off)");
 
+#ifdef GPUPIN_FAULT_INJECTION
+/*
+ * Fault injection for gpupin's own allocations, in test builds only (over the
+ * simulator, or GPUPIN_TESTING=1): Debian's kernels have neither failslab nor
+ * the fault-injection framework, so a parameter counts down instead.
+ */
 int gpupin_fail_alloc_nth;
 module_param_named(fail_alloc_nth, gpupin_fail_alloc_nth, int, 0644);
 MODULE_PARM_DESC(fail_alloc_nth, "Testing: fail gpupin's own Nth memory allocation from now (ENOMEM), then reset to 0 (0 = off)");
 
-/*
- * Fault injection for gpupin's own allocations (Debian's kernel has no
- * failslab): true for the allocation that brings fail_alloc_nth to 0.
- */
+/* True for the allocation that brings fail_alloc_nth to 0. */
 bool gpupin_fail_alloc(void)
 {
 	int n = READ_ONCE(gpupin_fail_alloc_nth);
@@ -51,6 +54,7 @@ bool gpupin_fail_alloc(void)
 	}
 	return false;
 }
+#endif
 
 atomic64_t gpupin_pinned_bytes = ATOMIC64_INIT(0);
 struct gpupin_stats gpupin_stats;

@@ -147,6 +147,11 @@ for suite in "${SUITES[@]}"; do
 	fi
 	deps=$(modinfo -F depends "$b/gpupin.ko")
 	[ "$deps" = nvidia ] || { echo "check-nvidia: gpupin.ko depends on '$deps', expected 'nvidia'" >&2; bad=1; }
+	# A production build carries no fault injection (only simulator and GPUPIN_TESTING=1 builds do).
+	if modinfo -F parm "$b/gpupin.ko" | grep -q fail_alloc_nth; then
+		echo "check-nvidia: the production gpupin.ko has the fail_alloc_nth test parameter" >&2
+		bad=1
+	fi
 	# Last, as they overwrite gpupin.ko: no nvidia.ko and no Module.symvers
 	# is a clear failure, and only with GPUPIN_ALLOW_UNVERSIONED=1 the last
 	# resort, unversioned imports said loudly, with a softdep so modprobe
