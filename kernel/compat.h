@@ -29,11 +29,11 @@ static inline void gpupin_vm_flags_mod(struct vm_area_struct *vma, vm_flags_t se
 #endif
 }
 
-/* 6.2: a dump's parsed attributes moved into genl_dumpit_info's genl_info. */
+/* 6.6: a dump's parsed attributes moved into a genl_info (genl_info_dump()). */
 static inline struct nlattr **gpupin_genl_dump_attrs(struct netlink_callback *cb)
 {
-#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 2, 0)
-	return genl_dumpit_info(cb)->info.attrs;
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 6, 0)
+	return genl_info_dump(cb)->attrs;
 #else
 	return genl_dumpit_info(cb)->attrs;
 #endif

@@ -20,6 +20,7 @@
 
 #include <linux/capability.h>
 #include <linux/pci.h>
+#include <linux/pid_namespace.h>
 #include <linux/sched.h>
 #include <net/genetlink.h>
 #include <net/netlink.h>
@@ -39,7 +40,7 @@ static const struct nla_policy gpupin_nl_no_attrs_policy[GPUPIN_NL_A_PID + 1] = 
 };
 
 static const struct nla_policy gpupin_nl_get_pins_policy[GPUPIN_NL_A_PID + 1] = {
-	[GPUPIN_NL_A_PID] = { .type = NLA_U32 },
+	[GPUPIN_NL_A_PID] = NLA_POLICY_MIN(NLA_U32, 1),
 };
 
 static const struct nla_policy gpupin_nl_get_pin_policy[GPUPIN_NL_A_HANDLE + 1] = {
@@ -345,7 +346,10 @@ static int gpupin_nl_get_pin(struct sk_buff *skb, struct genl_info *info)
 		nlmsg_free(msg);
 		return -EMSGSIZE;
 	}
-	pid = find_get_pid(nla_get_u32(info->attrs[GPUPIN_NL_A_PID]));
+	/* PIDs are global (init namespace), as the dump and the events report them. */
+	rcu_read_lock();
+	pid = get_pid(find_pid_ns(nla_get_u32(info->attrs[GPUPIN_NL_A_PID]), &init_pid_ns));
+	rcu_read_unlock();
 	handle = nla_get_u64(info->attrs[GPUPIN_NL_A_HANDLE]);
 
 	/* Filled under the files lock: the pin's file cannot go meanwhile. */
@@ -375,10 +379,10 @@ static int gpupin_nl_get_pin(struct sk_buff *skb, struct genl_info *info)
 }
 
 /*
- * Dump every visible pin, in (file id, handle) order.  The cursor lives in
- * cb->args: [0] the file id being dumped, [1] the last handle sent from it.
+ * Dump every visible pin, in (file id, handle) order; with PID (a global
+ * thread-group id, as PIN_A_PID reports it) only that process's.  The cursor
+ * lives in cb->args: [0] the file id being dumped, [1] the last handle sent.
  */
-/* With PID, only the pins of that thread group (0 matches no process). */
 static int gpupin_nl_get_pins(struct sk_buff *skb, struct netlink_callback *cb)
 {
 	struct nlattr **attrs = gpupin_genl_dump_attrs(cb);

@@ -18,6 +18,11 @@
 /*
  * The family is described by Documentation/netlink/specs/gpupin.yaml (YNL);
  * the names and numbers below must match it (tests/host/test_ynl_spec.py).
+ *
+ * Each command has its own policy (since gpupin 0.1 with per-operation
+ * policies): GET_INFO, GET_STATS and SUBSCRIBE reject every attribute,
+ * GET_PINS takes only PID (>= 1, a filter), GET_PIN needs PID and HANDLE.
+ * PIDs are global (init namespace) thread-group ids.
  */
 
 /* Commands; events reuse the numbers from PINNED on. */

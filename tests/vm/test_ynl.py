@@ -89,6 +89,9 @@ def test_dump_and_get_a_pin(ynl_lib: Any, device: Device, sim: SimMemory, pci: s
         assert p["user-tag"] == 0x7A6 and p["state"] == "pinned" and p["pid"] == os.getpid()
         assert p["entries"] == pin.entries and p["dma-peer"] == [pci]
         assert all(m["pin"]["pid"] != os.getpid() for m in y.dump("get-pins", {"pid": 1}))
+        with pytest.raises(ynl_lib[0].NlError) as ei:
+            y.dump("get-pins", {"pid": 0})  # the spec's and the kernel's min: 1
+        assert ei.value.error == errno.EINVAL
         one = y.do("get-pin", {"pid": os.getpid(), "handle": pin.handle})["pin"]
         assert one == p
         with pytest.raises(ynl_lib[0].NlError) as ei:
