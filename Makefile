@@ -14,7 +14,7 @@ PY := $(VENV)/bin/python
 KMAKE = $(MAKE) -C $(KDIR) M=$(CURDIR) $(if $(NVIDIA_SRC),NVIDIA_SRC=$(NVIDIA_SRC))
 
 .PHONY: all modules clean setup pyext check check-kernel check-py test test-host test-vm \
-	test-gpu test-vm-6.12 test-native test-long test-debug check-nvidia deb wheel test-deb check-fresh bench demo install help
+	test-gpu test-vm-6.12 test-native test-long test-debug coverage check-nvidia deb wheel test-deb check-fresh bench demo install help
 
 all: modules
 
@@ -27,7 +27,8 @@ help:
 	@echo "make deb | wheel   Debian packages (gpupin-dkms, gpupin-sim-dkms) / the Python wheel in dist/"
 	@echo "make test-deb      install the .deb, DKMS, modprobe in the VM, smoke suite; the wheel in a clean venv"
 	@echo "make check-fresh   setup.sh on a fresh Debian 12 (debootstrap chroot)"
-	@echo "make test-host | test-vm | test-gpu | test-native | test-long | bench | install"
+	@echo "make coverage      kernel (gcov) and Python coverage of the host and VM suites: results/coverage/"
+	@echo "make test-host | test-vm | test-gpu | test-native | test-long | test-debug | bench | install"
 
 # With NVIDIA's driver sources under /usr/src (and no NVIDIA_SRC=), build the way DKMS does:
 # against the installed driver, with the CRCs of its nvidia.ko.
@@ -127,6 +128,12 @@ check-fresh:
 test: check check-nvidia test-host test-vm test-vm-6.12 test-deb check-fresh
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		$(MAKE) test-gpu; else echo "test-gpu: skipped, no NVIDIA driver on this host"; fi
+	@scripts/coverage.sh --summary
+
+# Kernel (gcov kernel built once, ~13 min, cached) and Python line/branch coverage of the
+# host and VM suites: results/coverage/. Not part of 'make test' (it prints the last summary).
+coverage: setup pyext
+	scripts/coverage.sh
 
 install: modules
 	$(KMAKE) modules_install

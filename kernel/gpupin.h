@@ -56,14 +56,24 @@ extern unsigned long gpupin_max_pinned_bytes;
 extern unsigned int gpupin_max_pins_per_file;
 extern bool gpupin_default_persistent;
 extern bool gpupin_debug;
+/* Fault injection (fault.c), in test builds only. */
 #ifdef GPUPIN_FAULT_INJECTION
-extern int gpupin_fail_alloc_nth;
-
 bool gpupin_fail_alloc(void);
+int gpupin_fault_init(void);
+void gpupin_fault_exit(void);
 #else
 static inline bool gpupin_fail_alloc(void)
 {
 	return false;
+}
+
+static inline int gpupin_fault_init(void)
+{
+	return 0;
+}
+
+static inline void gpupin_fault_exit(void)
+{
 }
 #endif
 /* gpupin's own allocations go through these, so tests can fail them. */

@@ -30,32 +30,6 @@ bool gpupin_debug;
 module_param_named(debug, gpupin_debug, bool, 0644);
 MODULE_PARM_DESC(debug, "Log pins, unpins and invalidations (rate-limited; default off)");
 
-#ifdef GPUPIN_FAULT_INJECTION
-/*
- * Fault injection for gpupin's own allocations, in test builds only (over the
- * simulator, or GPUPIN_TESTING=1): Debian's kernels have neither failslab nor
- * the fault-injection framework, so a parameter counts down instead.
- */
-int gpupin_fail_alloc_nth;
-module_param_named(fail_alloc_nth, gpupin_fail_alloc_nth, int, 0644);
-MODULE_PARM_DESC(fail_alloc_nth, "Testing: fail gpupin's own Nth memory allocation from now (ENOMEM), then reset to 0 (0 = off)");
-
-/* True for the allocation that brings fail_alloc_nth to 0. */
-bool gpupin_fail_alloc(void)
-{
-	int n = READ_ONCE(gpupin_fail_alloc_nth);
-
-	while (n > 0) {
-		int seen = cmpxchg(&gpupin_fail_alloc_nth, n, n - 1);
-
-		if (seen == n)
-			return n == 1;
-		n = seen;
-	}
-	return false;
-}
-#endif
-
 atomic64_t gpupin_pinned_bytes = ATOMIC64_INIT(0);
 struct gpupin_stats gpupin_stats;
 char gpupin_provider[GPUPIN_NAME_LEN] = "nvidia";
@@ -135,22 +109,30 @@ static int __init gpupin_init(void)
 	BUILD_BUG_ON(sizeof(struct gpupin_pin_dmabuf) != 112);
 
 	gpupin_detect_provider();
-	ret = gpupin_nl_init();
+	ret = gpupin_fault_init();
 	if (ret)
 		return ret;
+	ret = gpupin_nl_init();
+	if (ret)
+		goto err_fault;
 	ret = gpupin_file_init();
-	if (ret) {
-		gpupin_nl_exit();
-		return ret;
-	}
+	if (ret)
+		goto err_nl;
 	pr_info("version %s ready, provider %s\n", GPUPIN_VERSION, gpupin_provider);
 	return 0;
+
+err_nl:
+	gpupin_nl_exit();
+err_fault:
+	gpupin_fault_exit();
+	return ret;
 }
 
 static void __exit gpupin_exit(void)
 {
 	gpupin_file_exit();
 	gpupin_nl_exit();
+	gpupin_fault_exit();
 }
 
 module_init(gpupin_init);

@@ -152,6 +152,10 @@ for suite in "${SUITES[@]}"; do
 		echo "check-nvidia: the production gpupin.ko has the fail_alloc_nth test parameter" >&2
 		bad=1
 	fi
+	if nm "$b/gpupin.ko" | grep -Eqw 'gpupin_fail_alloc|should_fail|fault_create_debugfs_attr'; then
+		echo "check-nvidia: the production gpupin.ko carries fault-injection code (kernel/fault.c)" >&2
+		bad=1
+	fi
 	# Last, as they overwrite gpupin.ko: no nvidia.ko and no Module.symvers
 	# is a clear failure, and only with GPUPIN_ALLOW_UNVERSIONED=1 the last
 	# resort, unversioned imports said loudly, with a softdep so modprobe

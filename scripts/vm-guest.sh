@@ -14,6 +14,8 @@ if [ "${GPUPIN_KMEMLEAK:-}" = 1 ]; then
 	[ -w "$KML" ] || { echo "vm-guest: GPUPIN_KMEMLEAK=1 but $KML is missing" >&2; exit 1; }
 	echo clear > "$KML"
 fi
+# make coverage sets COVERAGE_PROCESS_START: every Python started here runs under coverage.py
+# (the venv's gpupin-coverage.pth, written by scripts/coverage.sh).
 case "$MODE" in
 test)
 	python -m pytest -q -rP -p no:cacheprovider -o junit_family=xunit2 --timeout="${GPUPIN_TEST_TIMEOUT:-600}" \
@@ -67,6 +69,15 @@ if [ "${GPUPIN_KMEMLEAK:-}" = 1 ]; then
 	# Two scans: kmemleak reports an object only once it has looked unreferenced twice.
 	echo scan > "$KML"; sleep 2; echo scan > "$KML"
 	cat "$KML" > "$RESULTS/kmemleak.txt"
+fi
+if [ "${GPUPIN_GCOV:-}" = 1 ]; then
+	# gcov data of the (now unloaded: gcov_persist keeps it) modules, by absolute object path.
+	n=0
+	while IFS= read -r f; do
+		mkdir -p "$RESULTS/gcov/$(dirname "$f")" && cat "/sys/kernel/debug/gcov/$f" > "$RESULTS/gcov/$f" && n=$((n + 1))
+	done < <(cd /sys/kernel/debug/gcov && find . -name '*.gcda')
+	echo "vm-guest: copied $n gcov data files"
+	[ "$n" -gt 0 ] || rc=1
 fi
 dmesg > "$RESULTS/dmesg.txt"
 cat /proc/sys/kernel/tainted > "$RESULTS/taint.txt"

@@ -8,7 +8,11 @@ Figures are ratios measured in one run (these machines are shared and noisy):
 - trace: 10,000 transfers over 64 buffers with Zipf reuse and 100 us pins,
   cache against pin-per-transfer (pins issued and wall time);
 - scale: hit cost with 100,000 cached regions over hit cost with 100;
-- pressure: 64 MiB of BAR, 256 MiB working set: failed acquires and evictions.
+- pressure: 64 MiB of BAR, 256 MiB working set: failed acquires and evictions;
+- threads: lookup + release_token hits from 1, 4 and 16 threads on one cache
+  (aggregate time per hit; the GIL serialises Python, the cache's own lock
+  must not make it worse).
+Progress goes to stderr, the table (or JSON) to stdout.
 Host figures use FakeDevice, whose validity map is an anonymous shared
 mapping read like the kernel's page.  ``--vm`` adds real ioctl pin/unpin times
 against the simulator; ``--cuda`` adds the tag query on a real GPU.
@@ -23,6 +27,7 @@ import os
 import random
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +45,7 @@ TARGETS = {
     "trace_speedup": 10.0,
     "scale_100k_over_100": 1.5,
     "pressure_failed_acquires": 0,
+    "threads_16_over_1": 2.0,
     "gds_registration_reduction": 60.0,
     "gds_speedup": 20.0,
     "gds_hit_over_direct_query": 1.5,
@@ -261,6 +267,45 @@ def bench_pressure(acquires: int, seed: int) -> dict[str, Any]:
     }
 
 
+def bench_threads(per_thread: int, counts: tuple[int, ...] = (1, 4, 16)) -> dict[str, Any]:
+    """Hits (fast_lookup + release_token) from several threads at once on one cache: the
+    aggregate ns per hit at each thread count, started together behind a barrier."""
+    cache, ptrs = _cached(100, "kernel")
+    out: dict[str, Any] = {}
+    for count in counts:
+        barrier = threading.Barrier(count + 1)
+        errors: list[BaseException] = []
+
+        def worker(seed: int, barrier: threading.Barrier, errors: list[BaseException]) -> None:
+            seq = [ptrs[(seed * 7919 + i * 31) % len(ptrs)] + 64 for i in range(4096)]
+            lookup, release = cache.fast_lookup, cache.release_token
+            barrier.wait()
+            try:
+                for i in range(per_thread):
+                    tok = lookup(seq[i & 4095], 256)
+                    if tok < 0:
+                        raise RuntimeError(f"bench_threads: a miss ({tok}) on a cached region")
+                    release(tok)
+            except BaseException as exc:  # noqa: B036 - reported by the main thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(k, barrier, errors)) for k in range(count)]
+        for t in threads:
+            t.start()
+        barrier.wait()
+        t0 = time.perf_counter_ns()
+        for t in threads:
+            t.join()
+        elapsed = time.perf_counter_ns() - t0
+        if errors:
+            raise errors[0]
+        out[f"threads_{count}_hit_release_ns"] = elapsed / (count * per_thread)
+    if 1 in counts and 16 in counts:
+        out["threads_16_over_1"] = out["threads_16_hit_release_ns"] / out["threads_1_hit_release_ns"]
+    cache.purge()
+    return out
+
+
 def bench_vm(reps: int) -> dict[str, Any]:
     from .device import Device
     from .sim import SimMemory, set_sim_param
@@ -477,18 +522,31 @@ def run(
             if k in res
         }
         return res
-    res.update(bench_hit(reps, n))
-    res.update(bench_trace(2000 if quick else 10_000, seed))
-    res.update(bench_scale(reps, n, 10_000 if quick else 100_000))
-    res.update(bench_pressure(500 if quick else 5000, seed))
+    steps: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+        ("hit path", lambda: bench_hit(reps, n)),
+        ("reuse trace", lambda: bench_trace(2000 if quick else 10_000, seed)),
+        ("scale", lambda: bench_scale(reps, n, 10_000 if quick else 100_000)),
+        ("pressure", lambda: bench_pressure(500 if quick else 5000, seed)),
+        ("threads", lambda: bench_threads(10_000 if quick else 50_000)),
+    ]
     if vm:
-        res.update(bench_vm(5 if quick else 50))
+        steps.append(("real ioctls", lambda: bench_vm(5 if quick else 50)))
     if cuda:
-        res.update(bench_cuda(reps, n))
+        steps.append(("CUDA tag queries", lambda: bench_cuda(reps, n)))
+    t0 = time.monotonic()
+    for i, (name, step) in enumerate(steps, 1):
+        progress(f"bench: {i}/{len(steps)} {name} ({time.monotonic() - t0:.0f} s so far)")
+        res.update(step())
+    progress(f"bench: done in {time.monotonic() - t0:.0f} s")
     res["targets"] = {
         k: {"target": v, "measured": res.get(k), "met": _met(k, v, res.get(k))} for k, v in TARGETS.items()
     }
     return res
+
+
+def progress(msg: str) -> None:
+    """A line on stderr (the results go to stdout): long runs say what they are doing."""
+    print(msg, file=sys.stderr, flush=True)
 
 
 def _met(key: str, target: float, value: Any) -> bool | None:

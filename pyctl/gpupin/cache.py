@@ -217,16 +217,22 @@ class RegistrationCache:
     # -- the hot path ------------------------------------------------------------
     def _set_fast_path(self) -> None:
         self.fast_lookup: Callable[[int, int], int]
+        self.release_token: Callable[[int], None]
+        """Drop the reference a ``lookup``/``fast_lookup`` token holds (unpinning a stale entry)."""
+        # Through a proxy: a bound method stored on self would be a reference cycle,
+        # keeping the cache (and its hold on the validity map) alive until a GC pass.
+        proxy: Any = weakref.proxy(self)
         if self._py_tag:
-            # Through a proxy: a bound method stored on self would be a reference cycle,
-            # keeping the cache (and its hold on the validity map) alive until a GC pass.
-            self.fast_lookup = functools.partial(RegistrationCache.lookup, weakref.proxy(self))
+            self.fast_lookup = functools.partial(RegistrationCache.lookup, proxy)
+            self.release_token = functools.partial(RegistrationCache._release_token, proxy)
         elif gpc_bind is not None:
-            # One vectorcall into C; it holds self._c, so the core outlives any copy of it.
+            # One vectorcall into C each; they hold self._c, so the core outlives any copy.
             addr = int(ffi.cast("uintptr_t", self._c))
-            self.fast_lookup = gpc_bind((addr, self._c, InvalidArgument))
+            on_stale = functools.partial(RegistrationCache._release_stale, proxy)
+            self.fast_lookup, self.release_token = gpc_bind((addr, self._c, InvalidArgument, on_stale))
         else:
             self.fast_lookup = functools.partial(self._lookup, self._c)
+            self.release_token = functools.partial(RegistrationCache._release_token, proxy)
 
     def miss(self, ptr: int, size: int, code: int) -> int:
         """Finish a ``fast_lookup`` that returned ``code`` < 0: validate, pin, return a token."""
@@ -251,17 +257,22 @@ class RegistrationCache:
             return int(r)
         return self._slow(ptr, size, int(r))
 
-    def release_token(self, token: int) -> None:
+    def _release_token(self, token: int) -> None:
+        """release_token where the C entry point is missing (or for Python tag checks)."""
         if self._closed:
             return  # close() unpinned everything already
         refs = lib.gpc_release(self._c, token)
         if refs == 0:
-            e = self._ents[token]
-            if e is not None and e.stale:
-                with self._lock:
-                    self._finish(e)
+            self._release_stale(token)
         elif refs < 0:
             raise InvalidArgument(f"release_token({token}): not a held token")
+
+    def _release_stale(self, token: int) -> None:
+        """The last reference to ``token`` went: unpin it if it left the index meanwhile."""
+        e = self._ents[token] if token < len(self._ents) else None
+        if e is not None and e.stale:
+            with self._lock:
+                self._finish(e)
 
     def acquire(self, ptr: int, size: int) -> Registration:
         """A registration covering [ptr, ptr + size), pinning the allocation on first use."""

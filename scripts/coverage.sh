@@ -1,0 +1,78 @@
+#!/bin/bash
+# make coverage: what the tests reach.
+#   kernel  the VM suite on a CONFIG_GCOV_KERNEL 6.1 kernel (scripts/debug-kernel.sh gcov,
+#           built once and cached) with the modules built GCOV_PROFILE=y; the guest copies
+#           the .gcda files out of debugfs, gcovr reports lines and branches of
+#           kernel/*.c (gpupin.ko), kernel/sim/*.c (nvp2p_sim.ko) and tests/kmod/peer.c.
+#   python  coverage.py over the host suite and the VM suite, every Python process they
+#           start included (a .pth in the venv starts it where COVERAGE_PROCESS_START is set).
+# Reports: results/coverage/{kernel,python}/index.html, summary.txt (one line per file and
+# the totals against the goals of issue 17).  'coverage.sh --summary' prints the last
+# summary if it was measured at the current commit (make test does).
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+VENV=${VENV:-$ROOT/.venv}
+OUT=${COVERAGE_OUT:-$ROOT/results/coverage}
+head=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)
+git -C "$ROOT" diff --quiet HEAD -- kernel include tests pyctl Kbuild 2>/dev/null || head="$head+changes"
+
+if [ "${1:-}" = --summary ]; then
+	if [ -f "$OUT/summary.txt" ] && [ "$(sed -n 's/^commit: //p' "$OUT/summary.txt")" = "$head" ]; then
+		cat "$OUT/summary.txt"
+	elif [ -f "$OUT/summary.txt" ]; then
+		echo "coverage: last measured at $(sed -n 's/^commit: //p' "$OUT/summary.txt"), not $head (make coverage)"
+	else
+		echo "coverage: never measured here (make coverage: about 40 minutes on 2 cores)"
+	fi
+	exit 0
+fi
+
+start=$(date +%s)
+tree=$("$ROOT/scripts/debug-kernel.sh" gcov)
+"$VENV/bin/python" -c 'import coverage, gcovr' 2>/dev/null ||
+	"$VENV/bin/pip" install -q 'coverage>=7' 'gcovr>=7'
+# Every Python started with COVERAGE_PROCESS_START set measures itself (and nothing else does).
+site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo 'import os; os.environ.get("COVERAGE_PROCESS_START") and __import__("coverage").process_startup()' \
+	>"$site/gpupin-coverage.pth"
+export COVERAGE_PROCESS_START="$ROOT/pyproject.toml"
+
+rm -rf "$OUT"
+mkdir -p "$OUT/host"
+find "$ROOT/kernel" "$ROOT/tests/kmod" "$ROOT/build" -name '*.gcda' -delete 2>/dev/null || true
+
+rc=0
+echo "coverage: host suite under coverage.py" >&2
+COVERAGE_FILE="$OUT/host/.coverage" "$VENV/bin/pytest" -q -p no:cacheprovider "$ROOT/tests/host" || rc=1
+
+echo "coverage: VM suite on the gcov kernel ($tree)" >&2
+GCOV_PROFILE=y GPUPIN_GCOV=1 GPUPIN_EXPECT_FAULT_ATTR=1 VM_KIMAGE="$tree/arch/x86/boot/bzImage" VM_KDIR="$tree" \
+	RESULTS="$OUT/vm" COVERAGE_FILE="$OUT/vm/.coverage" VM_TIMEOUT=5400 "$ROOT/scripts/vm-run.sh" test || rc=1
+
+# The guest saw the tree at the same absolute path: its .gcda files go next to the .gcno files.
+n=0
+if [ -d "$OUT/vm/gcov" ]; then
+	while IFS= read -r f; do
+		cp "$OUT/vm/gcov/$f" "/$f" && n=$((n + 1))
+	done < <(cd "$OUT/vm/gcov" && find . -name '*.gcda' | sed 's|^\./||')
+fi
+echo "coverage: $n kernel data files from the guest" >&2
+[ "$n" -gt 0 ] || { echo "coverage: no kernel coverage data came back" >&2; rc=1; }
+
+mkdir -p "$OUT/kernel"
+(cd "$ROOT" && "$VENV/bin/gcovr" --root "$ROOT" --gcov-executable gcov \
+	--filter 'kernel/' --filter 'tests/kmod/' --exclude 'build/' \
+	--exclude-unreachable-branches --exclude-throw-branches \
+	--html-details "$OUT/kernel/index.html" --json-summary "$OUT/kernel.json" \
+	--txt "$OUT/kernel-uncovered.txt" kernel tests/kmod) >/dev/null || rc=1
+
+"$VENV/bin/coverage" combine -q --data-file="$OUT/.coverage" "$OUT/host" "$OUT/vm" || rc=1
+"$VENV/bin/coverage" html -q --data-file="$OUT/.coverage" -d "$OUT/python" || rc=1
+"$VENV/bin/coverage" json -q --data-file="$OUT/.coverage" -o "$OUT/python.json" || rc=1
+"$VENV/bin/coverage" report --data-file="$OUT/.coverage" >"$OUT/python-report.txt" || rc=1
+
+"$VENV/bin/python" "$ROOT/scripts/coverage-summary.py" "$OUT" "$head" "$(( $(date +%s) - start ))" \
+	>"$OUT/summary.txt" || rc=1
+cat "$OUT/summary.txt"
+echo "coverage: reports in $OUT/kernel/index.html and $OUT/python/index.html" >&2
+exit "$rc"
