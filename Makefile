@@ -14,19 +14,20 @@ PY := $(VENV)/bin/python
 KMAKE = $(MAKE) -C $(KDIR) M=$(CURDIR) $(if $(NVIDIA_SRC),NVIDIA_SRC=$(NVIDIA_SRC))
 
 .PHONY: all modules clean setup pyext check check-kernel check-py test test-host test-vm \
-	test-gpu test-vm-6.12 test-native test-long test-debug coverage check-nvidia deb wheel test-deb check-fresh bench demo install help
+	test-gpu test-vm-6.12 test-native test-long test-debug coverage check-newest check-nvidia deb wheel test-deb check-fresh bench demo install help
 
 all: modules
 
 help:
 	@echo "make [modules]   build gpupin.ko (+ nvp2p_sim.ko) against KDIR=$(KDIR)"
 	@echo "make demo        build, load (in a VM if needed) and show pinning end to end"
-	@echo "make test        check, check-nvidia, test-host, test-vm, test-vm-6.12, test-deb, check-fresh (+ test-gpu)"
+	@echo "make test        check, check-nvidia, check-newest, test-host, test-vm, test-vm-6.12, test-deb, check-fresh (+ test-gpu)"
 	@echo "make check       W=1, sparse, checkpatch --strict, ruff (lint, format), mypy, gcc -fanalyzer on pyctl C"
 	@echo "make check-nvidia  build against NVIDIA's 535 and 550 open driver sources, check CRCs"
 	@echo "make deb | wheel   Debian packages (gpupin-dkms, gpupin-sim-dkms) / the Python wheel in dist/"
 	@echo "make test-deb      install the .deb, DKMS, modprobe in the VM, smoke suite; the wheel in a clean venv"
 	@echo "make check-fresh   setup.sh on a fresh Debian 12 (debootstrap chroot)"
+	@echo "make check-newest  W=1 -Werror against Debian unstable's newest kernel headers (chroot)"
 	@echo "make coverage      kernel (gcov) and Python coverage of the host and VM suites: results/coverage/"
 	@echo "make test-host | test-vm | test-gpu | test-native | test-long | test-debug | bench | install"
 
@@ -125,10 +126,14 @@ test-deb: setup
 check-fresh:
 	scripts/check-fresh.sh
 
-test: check check-nvidia test-host test-vm test-vm-6.12 test-deb check-fresh
+test: check check-nvidia check-newest test-host test-vm test-vm-6.12 test-deb check-fresh
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		$(MAKE) test-gpu; else echo "test-gpu: skipped, no NVIDIA driver on this host"; fi
 	@scripts/coverage.sh --summary
+
+# W=1 -Werror against unstable's newest linux-headers-amd64, in a cached Debian unstable chroot.
+check-newest:
+	scripts/check-newest.sh
 
 # Kernel (gcov kernel built once, ~13 min, cached) and Python line/branch coverage of the
 # host and VM suites: results/coverage/. Not part of 'make test' (it prints the last summary).

@@ -39,4 +39,16 @@ static inline struct nlattr **gpupin_genl_dump_attrs(struct netlink_callback *cb
 #endif
 }
 
+/*
+ * 7.x: dma-buf's move notification is "invalidate mappings" (the importer op
+ * and the exporter's call); Kbuild finds which in the headers.
+ */
+#ifdef GPUPIN_HAVE_DMABUF_INVALIDATE_MAPPINGS
+#define GPUPIN_DMABUF_MOVE_OP invalidate_mappings
+#define gpupin_dma_buf_move_notify(dmabuf) dma_buf_invalidate_mappings(dmabuf)
+#else
+#define GPUPIN_DMABUF_MOVE_OP move_notify
+#define gpupin_dma_buf_move_notify(dmabuf) dma_buf_move_notify(dmabuf)
+#endif
+
 #endif /* GPUPIN_COMPAT_H */

@@ -289,41 +289,60 @@ void gpupin_map_drop_driver(struct gpupin_region *pin, u32 id)
 	gpupin_map_destroy_unuse(pin, map);
 }
 
+static int gpupin_dma_map_validate(const struct gpupin_dma_map *arg)
+{
+	if (arg->flags || arg->reserved[0] || arg->reserved[1] ||
+	    arg->pci_domain > 0xffff || arg->pci_bus > 0xff || arg->pci_devfn > 0xff)
+		return -EINVAL;
+	return 0;
+}
+
+/*
+ * The core of DMA_MAP for a validated request: a user-owned mapping of
+ * @pin for the PCI device the request names; its id and the pin's entries
+ * into @arg.
+ */
+static int gpupin_dma_map_pci(struct gpupin_region *pin, struct gpupin_dma_map *arg)
+{
+	struct gpupin_map *map;
+	struct pci_dev *pdev;
+	u32 id;
+	int ret;
+
+	pdev = pci_get_domain_bus_and_slot(arg->pci_domain, arg->pci_bus, arg->pci_devfn);
+	if (!pdev)
+		return -ENODEV;
+	ret = gpupin_map_create(pin, pdev, true, &map, &id);
+	if (!ret) {
+		arg->mapping_id = id;
+		arg->entries = pin->entries;
+	}
+	pci_dev_put(pdev);
+	return ret;
+}
+
+/* DMA_MAP: copy in, validate, map (gpupin_dma_map_pci), copy out. */
 long gpupin_ioctl_dma_map(struct gpupin_file *f, struct gpupin_dma_map __user *uarg)
 {
 	struct gpupin_dma_map arg;
 	struct gpupin_region *pin;
-	struct gpupin_map *map;
-	struct pci_dev *pdev;
 	int ret;
-
-	u32 id;
 
 	/* A mapping opens the memory to a device: the opener must be the administrator. */
 	if (!f->admin)
 		return -EPERM;
 	if (copy_from_user(&arg, uarg, sizeof(arg)))
 		return -EFAULT;
-	if (arg.flags || arg.reserved[0] || arg.reserved[1] ||
-	    arg.pci_domain > 0xffff || arg.pci_bus > 0xff || arg.pci_devfn > 0xff)
-		return -EINVAL;
+	ret = gpupin_dma_map_validate(&arg);
+	if (ret)
+		return ret;
 	pin = gpupin_pin_lookup_owned(f, arg.handle, &ret);
 	if (!pin)
 		return ret;
-	ret = -ENODEV;
-	pdev = pci_get_domain_bus_and_slot(arg.pci_domain, arg.pci_bus, arg.pci_devfn);
-	if (!pdev)
-		goto out_put;
-	ret = gpupin_map_create(pin, pdev, true, &map, &id);
-	if (!ret) {
-		arg.mapping_id = id;
-		arg.entries = pin->entries;
-	}
-	pci_dev_put(pdev);
+	ret = gpupin_dma_map_pci(pin, &arg);
 	/* On a fault the mapping stays; it goes away with the pin. */
 	if (!ret && copy_to_user(uarg, &arg, sizeof(arg)))
 		ret = -EFAULT;
-out_put:
 	gpupin_pin_put(pin);
 	return ret;
 }

@@ -49,13 +49,13 @@ static void gpupin_dmabuf_map_moved(struct dma_buf_attachment *attach)
 /* gpupin's own import of a pinned buffer. */
 static const struct dma_buf_attach_ops gpupin_dmabuf_pin_ops = {
 	.allow_peer2peer = true,
-	.move_notify = gpupin_dmabuf_pin_moved,
+	.GPUPIN_DMABUF_MOVE_OP = gpupin_dmabuf_pin_moved,
 };
 
 /* A peer device's attachment (DMA_MAP, gpupin_ref_dma_map). */
 static const struct dma_buf_attach_ops gpupin_dmabuf_map_ops = {
 	.allow_peer2peer = true,
-	.move_notify = gpupin_dmabuf_map_moved,
+	.GPUPIN_DMABUF_MOVE_OP = gpupin_dmabuf_map_moved,
 };
 
 /*

@@ -646,26 +646,24 @@ int gpupin_pin_publish(struct gpupin_file *f, struct gpupin_region *pin, void __
 	return 0;
 }
 
-long gpupin_ioctl_pin(struct gpupin_file *f, struct gpupin_pin __user *uarg)
+/*
+ * The core of PIN for a validated request: a new pin of [aligned_va,
+ * aligned_va + aligned_size) through nv-p2p, PINNED and valid in the map but
+ * not yet published (no handle lookup finds it).  The caller publishes it
+ * (gpupin_pin_publish), or destroys it.
+ */
+static int gpupin_pin_create(struct gpupin_file *f, const struct gpupin_pin *req,
+			     struct gpupin_region **out)
 {
-	struct gpupin_pin arg;
 	struct gpupin_region *pin;
 	bool persistent;
 	int ret;
 
-	if (copy_from_user(&arg, uarg, sizeof(arg)))
-		return -EFAULT;
-	ret = gpupin_pin_validate(&arg);
-	if (ret)
-		return ret;
-	if (!gpupin_caller_owns(f))
-		return -EACCES;
-	persistent = (arg.flags & GPUPIN_PIN_PERSISTENT) || READ_ONCE(gpupin_default_persistent);
+	persistent = (req->flags & GPUPIN_PIN_PERSISTENT) || READ_ONCE(gpupin_default_persistent);
 	if (persistent && !(gpupin_caps & GPUPIN_CAP_PERSISTENT))
 		return -EOPNOTSUPP;
-
-	pin = gpupin_pin_alloc(f, arg.va, arg.size, arg.aligned_va, arg.aligned_size,
-			       arg.user_tag, GPU_BOUND_SHIFT);
+	pin = gpupin_pin_alloc(f, req->va, req->size, req->aligned_va, req->aligned_size,
+			       req->user_tag, GPU_BOUND_SHIFT);
 	if (!pin) {
 		gpupin_count_failure(-ENOMEM);
 		return -ENOMEM;
@@ -694,12 +692,33 @@ long gpupin_ioctl_pin(struct gpupin_file *f, struct gpupin_pin __user *uarg)
 		gpupin_pin_release_pages(pin, GPUPIN_PIN_PINNING);
 		goto err_unreserve;
 	}
-	gpupin_pin_fill(&arg, pin);
-	return gpupin_pin_publish(f, pin, uarg, &arg, sizeof(arg));
+	*out = pin;
+	return 0;
 
 err_unreserve:
 	gpupin_pin_unreserve(f, pin, ret);
 	return ret;
+}
+
+/* PIN: copy in, validate, pin (gpupin_pin_create), copy out and publish. */
+long gpupin_ioctl_pin(struct gpupin_file *f, struct gpupin_pin __user *uarg)
+{
+	struct gpupin_pin arg;
+	struct gpupin_region *pin;
+	int ret;
+
+	if (copy_from_user(&arg, uarg, sizeof(arg)))
+		return -EFAULT;
+	ret = gpupin_pin_validate(&arg);
+	if (ret)
+		return ret;
+	if (!gpupin_caller_owns(f))
+		return -EACCES;
+	ret = gpupin_pin_create(f, &arg, &pin);
+	if (ret)
+		return ret;
+	gpupin_pin_fill(&arg, pin);
+	return gpupin_pin_publish(f, pin, uarg, &arg, sizeof(arg));
 }
 
 long gpupin_ioctl_unpin(struct gpupin_file *f, struct gpupin_unpin __user *uarg)
@@ -724,6 +743,26 @@ long gpupin_ioctl_unpin(struct gpupin_file *f, struct gpupin_unpin __user *uarg)
 	return 0;
 }
 
+/* QUERY's answer for @pin, a reference the caller holds. */
+static void gpupin_pin_query(struct gpupin_region *pin, struct gpupin_query *arg)
+{
+	arg->va = pin->va;
+	arg->size = pin->size;
+	arg->aligned_va = pin->aligned_va;
+	arg->aligned_size = pin->aligned_size;
+	arg->user_tag = pin->user_tag;
+	arg->pin_flags = pin->flags;
+	arg->slot = pin->slot;
+	arg->page_size = BIT(pin->page_shift);
+	arg->entries = pin->entries;
+	spin_lock(&pin->lock);
+	arg->state = pin->state == GPUPIN_PIN_PINNED ? GPUPIN_STATE_PINNED :
+						       GPUPIN_STATE_INVALIDATED;
+	arg->dma_mappings = gpupin_map_count_locked(pin);
+	spin_unlock(&pin->lock);
+}
+
+/* QUERY: copy in, validate, answer (gpupin_pin_query), copy out. */
 long gpupin_ioctl_query(struct gpupin_file *f, struct gpupin_query __user *uarg)
 {
 	struct gpupin_query arg;
@@ -736,20 +775,7 @@ long gpupin_ioctl_query(struct gpupin_file *f, struct gpupin_query __user *uarg)
 	pin = gpupin_pin_lookup(f, arg.handle);
 	if (!pin)
 		return -ENOENT;
-	arg.va = pin->va;
-	arg.size = pin->size;
-	arg.aligned_va = pin->aligned_va;
-	arg.aligned_size = pin->aligned_size;
-	arg.user_tag = pin->user_tag;
-	arg.pin_flags = pin->flags;
-	arg.slot = pin->slot;
-	arg.page_size = BIT(pin->page_shift);
-	arg.entries = pin->entries;
-	spin_lock(&pin->lock);
-	arg.state = pin->state == GPUPIN_PIN_PINNED ? GPUPIN_STATE_PINNED :
-						      GPUPIN_STATE_INVALIDATED;
-	arg.dma_mappings = gpupin_map_count_locked(pin);
-	spin_unlock(&pin->lock);
+	gpupin_pin_query(pin, &arg);
 	gpupin_pin_put(pin);
 	return copy_to_user(uarg, &arg, sizeof(arg)) ? -EFAULT : 0;
 }

@@ -202,7 +202,7 @@ void sim_revoke_exports(struct sim_alloc *alloc)
 	list_for_each_entry(exp, &alloc->exports, node) {
 		dma_resv_lock(exp->dmabuf->resv, NULL);
 		exp->revoked = true;
-		dma_buf_move_notify(exp->dmabuf);
+		gpupin_dma_buf_move_notify(exp->dmabuf);
 		dma_resv_unlock(exp->dmabuf->resv);
 	}
 	mutex_unlock(&sim_exports_lock);
