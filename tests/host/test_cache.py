@@ -353,9 +353,18 @@ def test_python_tag_mode_cache_is_freed_without_gc() -> None:
         gc.enable()
 
 
-def test_core_index_matches_a_model() -> None:
-    """The C core's sorted index (insert, remove, evict, lookup, find, overlap) against a
-    plain Python model, over random operations on up to 300 ranges."""
+@pytest.mark.parametrize(
+    "space, unit, units",
+    [
+        (1 << 20, 16, 64),  # small ranges, many in one 2 MiB page of the core's hash
+        (1 << 14, 1 << 16, 200),  # up to 12.5 MiB: ranges over many pages
+        (1 << 30, 1 << 21, 3),  # sparse, page-aligned, in a 2**51-byte space
+    ],
+)
+def test_core_index_matches_a_model(space: int, unit: int, units: int) -> None:
+    """The C core's index (insert, remove, evict, lookup, find, overlap; the sorted starts
+    and the page hash) against a plain Python model, over random operations on up to 300
+    ranges."""
     from gpupin._native import ffi, lib
 
     words = ffi.new("uint64_t[]", 8)
@@ -371,8 +380,8 @@ def test_core_index_matches_a_model() -> None:
     for step in range(6000):
         op = rng.random()
         if op < 0.35 and len(model) < 300:
-            start = rng.randrange(0, 1 << 20) * 16
-            end = start + rng.randrange(1, 64) * 16
+            start = rng.randrange(0, space) * unit
+            end = start + rng.randrange(1, units) * unit
             if any(s < end and start < e for s, e in model.values()):
                 continue
             assert lib.gpc_insert(c, next_id, start, end, 0, 0, 0) == 0
@@ -395,8 +404,8 @@ def test_core_index_matches_a_model() -> None:
                 s, e = model[rng.choice(list(model))]
                 p = rng.randrange(s, e)
             else:
-                p = rng.randrange(0, (1 << 24) + 1024)
-            size = rng.randrange(1, 32)
+                p = rng.randrange(0, space * unit + units * unit)
+            size = rng.randrange(1, 2 * unit)
             want = covering(p, size)
             got = lib.gpc_lookup(c, p, size)
             assert got == (want if want >= 0 else -1), (step, p, size)
