@@ -40,15 +40,33 @@ static inline struct nlattr **gpupin_genl_dump_attrs(struct netlink_callback *cb
 }
 
 /*
- * 7.x: dma-buf's move notification is "invalidate mappings" (the importer op
- * and the exporter's call); Kbuild finds which in the headers.
+ * 7.0: dma-buf's move notification is "invalidate mappings": the importer's
+ * op and the exporter's call were renamed in separate commits, so Kbuild
+ * looks for each in the headers.
  */
-#ifdef GPUPIN_HAVE_DMABUF_INVALIDATE_MAPPINGS
+#ifdef GPUPIN_HAVE_DMABUF_INVALIDATE_MAPPINGS_OP
 #define GPUPIN_DMABUF_MOVE_OP invalidate_mappings
-#define gpupin_dma_buf_move_notify(dmabuf) dma_buf_invalidate_mappings(dmabuf)
 #else
 #define GPUPIN_DMABUF_MOVE_OP move_notify
+#endif
+#ifdef GPUPIN_HAVE_DMABUF_INVALIDATE_MAPPINGS
+#define gpupin_dma_buf_move_notify(dmabuf) dma_buf_invalidate_mappings(dmabuf)
+#else
 #define gpupin_dma_buf_move_notify(dmabuf) dma_buf_move_notify(dmabuf)
+#endif
+
+#ifdef CONFIG_FAULT_INJECTION_DEBUG_FS
+#include <linux/dcache.h>
+#include <linux/fault-inject.h>
+/*
+ * fault_create_debugfs_attr() keeps a reference to the directory in
+ * attr->dname where that is a dentry (6.1, 7.x); some stable kernels keep its
+ * name instead (Debian's 6.12).  A module drops the reference at unload.
+ */
+static inline void gpupin_fault_attr_put_dname(struct fault_attr *attr)
+{
+	dput(_Generic(attr->dname, struct dentry *: attr->dname, default: NULL));
+}
 #endif
 
 #endif /* GPUPIN_COMPAT_H */

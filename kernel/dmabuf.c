@@ -175,33 +175,40 @@ out_unlock:
 	return ret;
 }
 
-long gpupin_ioctl_pin_dmabuf(struct gpupin_file *f, struct gpupin_pin_dmabuf __user *uarg)
+/* PIN_DMABUF's checks of every field; the page-aligned size into @aligned_size. */
+static int gpupin_pin_dmabuf_validate(const struct gpupin_pin_dmabuf *arg, u64 *aligned_size)
 {
-	struct gpupin_pin_dmabuf arg;
-	struct gpupin_region *pin;
-	struct dma_buf *dmabuf;
-	u64 end, aligned_size;
-	int ret;
+	u64 end;
 
-	if (copy_from_user(&arg, uarg, sizeof(arg)))
-		return -EFAULT;
-	if (arg.flags || arg.reserved[0] || arg.reserved[1] || !arg.size ||
-	    !PAGE_ALIGNED(arg.offset) || check_add_overflow(arg.offset, arg.size, &end) ||
+	if (arg->flags || arg->reserved[0] || arg->reserved[1] || !arg->size ||
+	    !PAGE_ALIGNED(arg->offset) || check_add_overflow(arg->offset, arg->size, &end) ||
 	    end > U64_MAX - PAGE_SIZE)
 		return -EINVAL;
-	aligned_size = PAGE_ALIGN(end) - arg.offset;
-	if ((aligned_size >> PAGE_SHIFT) > U32_MAX)
+	*aligned_size = PAGE_ALIGN(end) - arg->offset;
+	if ((*aligned_size >> PAGE_SHIFT) > U32_MAX)
 		return -EINVAL;
-	if (!gpupin_caller_owns(f))
-		return -EACCES;
-	dmabuf = dma_buf_get(arg.fd);
+	return 0;
+}
+
+/*
+ * The core of PIN_DMABUF for a validated request: a new pin of the buffer
+ * behind @req->fd, imported and PINNED but not yet published.
+ */
+static int gpupin_pin_dmabuf_create(struct gpupin_file *f, const struct gpupin_pin_dmabuf *req,
+				    u64 aligned_size, struct gpupin_region **out)
+{
+	struct gpupin_region *pin;
+	struct dma_buf *dmabuf;
+	int ret;
+
+	dmabuf = dma_buf_get(req->fd);
 	if (IS_ERR(dmabuf))
 		return PTR_ERR(dmabuf);	/* -EBADF, or -EINVAL: not a dma-buf */
-	if (end > dmabuf->size) {
+	if (req->offset + req->size > dmabuf->size) {
 		dma_buf_put(dmabuf);
 		return -EINVAL;
 	}
-	pin = gpupin_pin_alloc(f, arg.offset, arg.size, arg.offset, aligned_size, arg.user_tag,
+	pin = gpupin_pin_alloc(f, req->offset, req->size, req->offset, aligned_size, req->user_tag,
 			       PAGE_SHIFT);
 	if (!pin) {
 		dma_buf_put(dmabuf);
@@ -221,6 +228,28 @@ long gpupin_ioctl_pin_dmabuf(struct gpupin_file *f, struct gpupin_pin_dmabuf __u
 		gpupin_pin_unreserve(f, pin, ret);
 		return ret;
 	}
+	*out = pin;
+	return 0;
+}
+
+/* PIN_DMABUF: copy in, validate, import (gpupin_pin_dmabuf_create), copy out and publish. */
+long gpupin_ioctl_pin_dmabuf(struct gpupin_file *f, struct gpupin_pin_dmabuf __user *uarg)
+{
+	struct gpupin_pin_dmabuf arg;
+	struct gpupin_region *pin;
+	u64 aligned_size;
+	int ret;
+
+	if (copy_from_user(&arg, uarg, sizeof(arg)))
+		return -EFAULT;
+	ret = gpupin_pin_dmabuf_validate(&arg, &aligned_size);
+	if (ret)
+		return ret;
+	if (!gpupin_caller_owns(f))
+		return -EACCES;
+	ret = gpupin_pin_dmabuf_create(f, &arg, aligned_size, &pin);
+	if (ret)
+		return ret;
 	arg.handle = pin->handle;
 	arg.aligned_va = pin->aligned_va;
 	arg.aligned_size = pin->aligned_size;

@@ -21,6 +21,7 @@
 #include <linux/fault-inject.h>
 #include <linux/module.h>
 #include <linux/moduleparam.h>
+#include "compat.h"
 #include "gpupin.h"
 
 #if IS_ENABLED(CONFIG_FAULT_INJECTION_DEBUG_FS)
@@ -37,9 +38,12 @@ int gpupin_fault_init(void)
 {
 	struct dentry *d;
 
+	/* One line per forced failure, no stack dump (the default, 2, dumps one). */
+	gpupin_fail_alloc_attr.verbose = 1;
 	gpupin_debugfs = debugfs_create_dir("gpupin", NULL);
 	d = fault_create_debugfs_attr("fail_alloc", gpupin_debugfs, &gpupin_fail_alloc_attr);
 	if (IS_ERR(d)) {
+		pr_err("fault injection: no debugfs attribute: %pe\n", d);
 		debugfs_remove_recursive(gpupin_debugfs);
 		gpupin_debugfs = NULL;
 		return PTR_ERR(d);
@@ -50,6 +54,7 @@ int gpupin_fault_init(void)
 void gpupin_fault_exit(void)
 {
 	debugfs_remove_recursive(gpupin_debugfs);
+	gpupin_fault_attr_put_dname(&gpupin_fail_alloc_attr);
 }
 
 #else /* no fault-injection framework: a countdown parameter */

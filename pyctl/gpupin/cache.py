@@ -264,6 +264,8 @@ class RegistrationCache:
         refs = lib.gpc_release(self._c, token)
         if refs == 0:
             self._release_stale(token)
+        elif refs == lib.GPC_CLOSED:
+            return  # closed meanwhile
         elif refs < 0:
             raise InvalidArgument(f"release_token({token}): not a held token")
 
@@ -295,6 +297,8 @@ class RegistrationCache:
             if r < 0:
                 r = int(self._lookup(self._c, ptr, size))
                 self._relookups += 1
+            if r == lib.GPC_CLOSED:
+                raise InvalidArgument("this RegistrationCache is closed")
             if r >= 0:  # a C hit; the tag is checked here
                 e = self._ents[r]
                 assert e is not None
@@ -362,6 +366,8 @@ class RegistrationCache:
             )
             != 0
         ):
+            self._ents[e.id] = None
+            self._free_ids.append(e.id)
             self.device.unpin(pin.handle)
             raise MemoryError("gpupin cache: out of memory for the index")
         self._indexed[e.id] = e

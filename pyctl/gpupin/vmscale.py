@@ -1,8 +1,9 @@
 """How gpupin.ko's costs grow with the work (``gpupin bench --vm``, ``make bench``'s VM part).
 
-Needs the modules loaded over the simulator (the VM).  Each figure is measured in one run:
-- pin + unpin and query at 100 live pins against 100,000 in one file, and with the
-  100,000 spread over 64 files;
+Needs the modules loaded over the simulator (the VM).  Each figure is measured in one run,
+with N = 100,000 (``--quick``: 10,000; ``vm_scale_pins`` says which):
+- pin + unpin and query at 100 live pins against N in one file (``..._many_...``), and
+  with the N spread over 64 files;
 - the validity map's size at 100,000 pins, and what the per-file limit says when reached;
 - a GET_PINS netlink dump of 100,000 pins (time per pin, through a raw socket: the
   kernel's cost, not pyroute2's parsing), and a dump racing unpins: no pin twice, every
@@ -128,9 +129,9 @@ def scale_pins(total: int, reps: int) -> dict[str, Any]:
             pu, q = _op_samples(dev, va, handles, reps, rng)
             small = statistics.median(small_pu + pu), statistics.median(small_q + q)
         out["vm_pin_unpin_100_us"], out["vm_query_100_us"] = small
-        out["vm_pin_unpin_100k_us"], out["vm_query_100k_us"] = big
-        out["vm_pin_unpin_100k_over_100"] = big[0] / small[0]
-        out["vm_query_100k_over_100"] = big[1] / small[1]
+        out["vm_pin_unpin_many_us"], out["vm_query_many_us"] = big
+        out["vm_pin_unpin_many_over_100"] = big[0] / small[0]
+        out["vm_query_many_over_100"] = big[1] / small[1]
         # The same number of pins over 64 files.
         _progress("64 files")
         devs = [Device() for _ in range(64)]

@@ -359,6 +359,7 @@ def test_python_tag_mode_cache_is_freed_without_gc() -> None:
         (1 << 20, 16, 64),  # small ranges, many in one 2 MiB page of the core's hash
         (1 << 14, 1 << 16, 200),  # up to 12.5 MiB: ranges over many pages
         (1 << 30, 1 << 21, 3),  # sparse, page-aligned, in a 2**51-byte space
+        (1 << 12, 1 << 29, 8),  # up to 3.5 GiB: past the hash's 1 GiB, found by the sorted index
     ],
 )
 def test_core_index_matches_a_model(space: int, unit: int, units: int) -> None:
@@ -383,6 +384,7 @@ def test_core_index_matches_a_model(space: int, unit: int, units: int) -> None:
             start = rng.randrange(0, space) * unit
             end = start + rng.randrange(1, units) * unit
             if any(s < end and start < e for s, e in model.values()):
+                assert lib.gpc_insert(c, next_id, start, end, 0, 0, 0) == -1  # overlaps are refused
                 continue
             assert lib.gpc_insert(c, next_id, start, end, 0, 0, 0) == 0
             model[next_id], refs[next_id] = (start, end), 0

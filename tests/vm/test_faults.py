@@ -142,6 +142,7 @@ def test_fail_nth_fails_this_threads_allocation() -> None:
         va = sim.alloc(GPU_PAGE)
         try:
             with Device() as dev:
+                _write(f"{ATTR}/verbose", 0)
                 _write(FAIL_NTH, 1)  # the next should_fail() in this thread fails
                 with pytest.raises(GpupinError) as ei:
                     dev.pin(va, GPU_PAGE)

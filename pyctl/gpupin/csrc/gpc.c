@@ -11,20 +11,25 @@
  * buffer id at ptr), and takes a reference.  Python keeps everything else.
  *
  * Entries are indexed by id (chosen by Python); the index is an array of
- * starts sorted ascending, with no two entries overlapping, and beside it a
- * hash table from each 2 MiB page of the address space to the entries that
- * touch it, which the hit path uses: a lookup costs the same with 100 or
- * 100,000 entries (a binary search over 100,000 starts is 17 dependent loads,
- * most of them missing the L1 cache).  All under one mutex: cffi drops the
- * GIL around these calls.
+ * starts sorted ascending, with no two entries overlapping (gpc_insert
+ * refuses overlaps), and beside it a hash table from each 2 MiB page of the
+ * address space to the entries that touch it, which the hit path tries
+ * first: a hit costs about the same with 100 or 100,000 entries (a binary
+ * search over 100,000 starts is 17 dependent loads, most of them missing the
+ * L1 cache).  The hash is an accelerator only: entries over
+ * GPC_HASH_MAX_PAGES pages, or whose buckets could not be allocated, are
+ * found by the binary search.  All under one mutex: cffi drops the GIL
+ * around these calls.
  */
 struct gpc_ent {
 	uint64_t start, end, buffer_id, valid_word, slot, lru;
 	int32_t refs;
-	int32_t indexed;
+	int16_t indexed;
+	int16_t hashed;			/* in the page hash (else only in the sorted index) */
 };
 
 #define GPC_PAGE_SHIFT 21
+#define GPC_HASH_MAX_PAGES 512		/* 1 GiB: larger entries are not hashed */
 #define GPC_NO_PAGE UINT64_MAX
 
 /* One 2 MiB page's entries, sorted by start; n == 0 marks a vacated slot. */
@@ -47,12 +52,15 @@ struct gpc {
 	int64_t n, cap;
 	uint64_t tick, acquires, hits;
 	struct gpc_bucket *ht;		/* open addressing, linear probing */
-	uint64_t ht_cap, ht_used;	/* power of two; slots with a page (vacated too) */
+	uint64_t ht_cap;		/* a power of two */
+	uint64_t ht_used;		/* slots with a page, vacated ones (n == 0) too */
+	uint64_t ht_live;		/* slots with entries */
+	int64_t unhashed;		/* indexed entries not in the hash */
 };
 
 static uint64_t gpc_hash(uint64_t page, uint64_t cap)
 {
-	return (page * 0x9E3779B97F4A7C15ull) >> 17 & (cap - 1);
+	return ((page * 0x9E3779B97F4A7C15ull) >> 17) & (cap - 1);
 }
 
 /* The bucket of @page, or NULL. */
@@ -81,7 +89,7 @@ static void gpc_ht_free(struct gpc_bucket *ht, uint64_t cap)
 	free(ht);
 }
 
-/* Rebuild with room for @want pages, dropping vacated slots; 0 or -1. */
+/* Rebuild with room for @want pages, dropping vacated slots (grows or shrinks); 0 or -1. */
 static int gpc_ht_resize(struct gpc *c, uint64_t want)
 {
 	uint64_t cap = 64, i, j, used = 0;
@@ -109,7 +117,7 @@ static int gpc_ht_resize(struct gpc *c, uint64_t want)
 	free(c->ht);
 	c->ht = ht;
 	c->ht_cap = cap;
-	c->ht_used = used;
+	c->ht_used = c->ht_live = used;
 	return 0;
 }
 
@@ -121,7 +129,8 @@ static struct gpc_bucket *gpc_bucket_get(struct gpc *c, uint64_t page)
 
 	if (b)
 		return b;
-	if (2 * (c->ht_used + 1) > c->ht_cap && gpc_ht_resize(c, c->ht_used + 1))
+	/* Sized by the live pages: vacated slots alone make it rebuild at the same size. */
+	if (2 * (c->ht_used + 1) > c->ht_cap && gpc_ht_resize(c, c->ht_live + 1))
 		return NULL;
 	for (i = gpc_hash(page, c->ht_cap); c->ht[i].page != GPC_NO_PAGE; i = (i + 1) & (c->ht_cap - 1))
 		;
@@ -139,20 +148,26 @@ static void gpc_bucket_del(struct gpc *c, uint64_t page, uint64_t start, int64_t
 	for (i = 0; b && i < b->n; i++) {
 		if (b->v[i].id == id && b->v[i].start == start) {
 			memmove(b->v + i, b->v + i + 1, (b->n - i - 1) * sizeof(*b->v));
-			b->n--;
+			if (!--b->n)
+				c->ht_live--;
 			return;
 		}
 	}
 }
 
-/* Take entry @id out of every page it touches. */
-static void gpc_pages_del(struct gpc *c, int64_t id, uint64_t upto)
+/* Take entry @id, starting at @start, out of the pages from start's up to @upto. */
+static void gpc_pages_del(struct gpc *c, int64_t id, uint64_t start, uint64_t upto)
 {
-	const struct gpc_ent *e = &c->ents[id];
 	uint64_t page;
 
-	for (page = e->start >> GPC_PAGE_SHIFT; page < upto; page++)
-		gpc_bucket_del(c, page, e->start, id);
+	for (page = start >> GPC_PAGE_SHIFT; page < upto; page++)
+		gpc_bucket_del(c, page, start, id);
+}
+
+/* The first page after entry @e. */
+static uint64_t gpc_pages_end(const struct gpc_ent *e)
+{
+	return ((e->end - 1) >> GPC_PAGE_SHIFT) + 1;
 }
 
 /* Room for one more slot in @b: 0, or -1 (b unchanged). */
@@ -172,36 +187,52 @@ static int gpc_bucket_room(struct gpc_bucket *b)
 }
 
 /*
- * Put entry @id into every page it touches; 0, or -1 with nothing changed.
- * GCC 12's analyser loses the bucket arrays gpc_bucket_room() stores into
- * elements of the heap array c->ht and reports them leaked here; they are
- * freed by gpc_ht_resize() and gpc_ht_free().
+ * Put entry @id, [start, end), into every page it touches; 0, or -1 with
+ * nothing changed (out of memory).  GCC 12's analyser loses the bucket
+ * arrays gpc_bucket_room() stores into elements of the heap array c->ht and
+ * reports them leaked here; gpc_ht_resize() and gpc_ht_free() free them.
  */
+#if defined(__GNUC__) && __GNUC__ >= 10 && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wanalyzer-malloc-leak"
-static int gpc_pages_add(struct gpc *c, int64_t id)
+#endif
+static int gpc_pages_add(struct gpc *c, int64_t id, uint64_t start, uint64_t end)
 {
-	const struct gpc_ent *e = &c->ents[id];
-	uint64_t page, last = (e->end - 1) >> GPC_PAGE_SHIFT;
+	uint64_t page, last = (end - 1) >> GPC_PAGE_SHIFT;
 
-	for (page = e->start >> GPC_PAGE_SHIFT; page <= last; page++) {
+	for (page = start >> GPC_PAGE_SHIFT; page <= last; page++) {
 		struct gpc_bucket *b = gpc_bucket_get(c, page);
 		uint32_t i;
 
 		if (!b || gpc_bucket_room(b)) {
-			gpc_pages_del(c, id, page);
+			gpc_pages_del(c, id, start, page);
 			return -1;
 		}
-		for (i = b->n; i > 0 && b->v[i - 1].start > e->start; i--)
+		for (i = b->n; i > 0 && b->v[i - 1].start > start; i--)
 			b->v[i] = b->v[i - 1];
-		b->v[i] = (struct gpc_slot){ e->start, id };
-		b->n++;
+		b->v[i] = (struct gpc_slot){ start, id };
+		if (!b->n++)
+			c->ht_live++;
 	}
 	return 0;
 }
+#if defined(__GNUC__) && __GNUC__ >= 10 && !defined(__clang__)
 #pragma GCC diagnostic pop
+#endif
 
-/* The indexed entry covering @ptr, through its page's bucket; -1 if none. */
+/* Entry @id leaves the index: out of the hash, or no longer counted outside it. */
+static void gpc_unhash(struct gpc *c, int64_t id)
+{
+	struct gpc_ent *e = &c->ents[id];
+
+	if (e->hashed)
+		gpc_pages_del(c, id, e->start, gpc_pages_end(e));
+	else
+		c->unhashed--;
+	e->hashed = 0;
+}
+
+/* The hashed entry covering @ptr, through its page's bucket; -1 if none. */
 static int64_t gpc_page_lookup(const struct gpc *c, uint64_t ptr)
 {
 	const struct gpc_bucket *b = gpc_bucket_find(c, ptr >> GPC_PAGE_SHIFT);
@@ -251,7 +282,8 @@ void gpc_close(struct gpc *c)
 	c->starts = NULL;
 	c->ids = NULL;
 	c->ht = NULL;
-	c->ht_cap = c->ht_used = 0;
+	c->ht_cap = c->ht_used = c->ht_live = 0;
+	c->unhashed = 0;
 	pthread_mutex_unlock(&c->lock);
 }
 
@@ -269,9 +301,10 @@ void gpc_free(struct gpc *c)
 
 /*
  * Index position of the last entry starting at or before ptr, or -1.
- * Branch-free: the hit path looks up addresses in no predictable order, and a
- * mispredicted branch per halving cost more than the search itself (100
- * entries: 90 ns with branches, 37 ns without, measured in C on this host).
+ * Branch-free: lookups come in no predictable order, and a mispredicted
+ * branch per halving cost more than the search itself (100 entries: 90 ns
+ * with branches, 37 ns without, measured in C on this host).  The hit path
+ * needs it only for entries the page hash does not hold.
  */
 static int64_t gpc_pos(const struct gpc *c, uint64_t ptr)
 {
@@ -309,6 +342,12 @@ int64_t gpc_lookup(struct gpc *c, uint64_t ptr, uint64_t size)
 	}
 	c->acquires++;
 	id = gpc_page_lookup(c, ptr);
+	if (id < 0 && c->unhashed) {
+		int64_t pos = gpc_pos(c, ptr);
+
+		if (pos >= 0 && ptr < c->ents[c->ids[pos]].end)
+			id = c->ids[pos];
+	}
 	if (id < 0)
 		goto out;
 	e = &c->ents[id];
@@ -404,6 +443,7 @@ int gpc_refs(struct gpc *c, int64_t id)
 int gpc_insert(struct gpc *c, int64_t id, uint64_t start, uint64_t end, uint64_t buffer_id,
 			uint64_t slot, uint64_t valid_word)
 {
+	struct gpc_ent ne;
 	int64_t pos;
 	int ret = 0;
 
@@ -444,13 +484,22 @@ int gpc_insert(struct gpc *c, int64_t id, uint64_t start, uint64_t end, uint64_t
 		ret = -1;
 		goto out;
 	}
-	c->ents[id] = (struct gpc_ent){ start, end, buffer_id, valid_word, slot, 0, 0, 1 };
-	if (gpc_pages_add(c, id)) {
-		c->ents[id].indexed = 0;
+	/* No overlaps: the page hash and the sorted index agree only then. */
+	pos = gpc_pos(c, start);
+	if ((pos >= 0 && c->ents[c->ids[pos]].end > start) ||
+	    (pos + 1 < c->n && c->starts[pos + 1] < end)) {
 		ret = -1;
 		goto out;
 	}
-	pos = gpc_pos(c, start) + 1;
+	ne = (struct gpc_ent){ start, end, buffer_id, valid_word, slot, 0, 0, 1, 0 };
+	/* Out of memory for the hash is no failure: the sorted index finds it. */
+	if (((end - 1) >> GPC_PAGE_SHIFT) - (start >> GPC_PAGE_SHIFT) < GPC_HASH_MAX_PAGES &&
+	    !gpc_pages_add(c, id, start, end))
+		ne.hashed = 1;
+	else
+		c->unhashed++;
+	c->ents[id] = ne;
+	pos++;
 	memmove(c->starts + pos + 1, c->starts + pos, (c->n - pos) * sizeof(*c->starts));
 	memmove(c->ids + pos + 1, c->ids + pos, (c->n - pos) * sizeof(*c->ids));
 	c->starts[pos] = start;
@@ -470,7 +519,7 @@ int gpc_remove(struct gpc *c, int64_t id)
 	pthread_mutex_lock(&c->lock);
 	if (id >= 0 && id < c->nents && c->ents[id].indexed) {
 		pos = gpc_index_of(c, id);
-		gpc_pages_del(c, id, ((c->ents[id].end - 1) >> GPC_PAGE_SHIFT) + 1);
+		gpc_unhash(c, id);
 		if (pos >= 0) {
 			memmove(c->starts + pos, c->starts + pos + 1, (c->n - pos - 1) * sizeof(*c->starts));
 			memmove(c->ids + pos, c->ids + pos + 1, (c->n - pos - 1) * sizeof(*c->ids));
@@ -504,7 +553,7 @@ int64_t gpc_evict_lru(struct gpc *c)
 		}
 	}
 	if (best >= 0) {
-		gpc_pages_del(c, best, ((c->ents[best].end - 1) >> GPC_PAGE_SHIFT) + 1);
+		gpc_unhash(c, best);
 		memmove(c->starts + best_pos, c->starts + best_pos + 1,
 			(c->n - best_pos - 1) * sizeof(*c->starts));
 		memmove(c->ids + best_pos, c->ids + best_pos + 1, (c->n - best_pos - 1) * sizeof(*c->ids));

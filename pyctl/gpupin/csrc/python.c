@@ -30,7 +30,10 @@ static int gp_py_u64(PyObject *o, unsigned long long *out)
  * self: a capsule holding the struct gpc; its context is the tuple given to
  * gpc_bind: (address, the cffi pointer object, which keeps the core alive,
  * the exception class for misuse, the callable that unpins a stale entry
- * whose last reference was released).
+ * whose last reference was released).  Capsules are not tracked by the
+ * garbage collector: nothing in the tuple may refer back to the cache
+ * strongly, or cache, core and validity map are never freed (cache.py passes
+ * a callable holding a weak proxy).
  */
 static PyObject *gpc_py_hit(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -105,7 +108,7 @@ static PyObject *gpc_py_bind(PyObject *mod, PyObject *arg)
 
 	(void)mod;
 	if (!PyTuple_Check(arg) || PyTuple_GET_SIZE(arg) != 4 || !PyLong_Check(PyTuple_GET_ITEM(arg, 0)) ||
-	    !PyCallable_Check(PyTuple_GET_ITEM(arg, 3))) {
+	    !PyExceptionClass_Check(PyTuple_GET_ITEM(arg, 2)) || !PyCallable_Check(PyTuple_GET_ITEM(arg, 3))) {
 		PyErr_SetString(PyExc_TypeError, "gpc_bind((address, cdata, exception class, on_stale))");
 		return NULL;
 	}
@@ -125,11 +128,14 @@ static PyObject *gpc_py_bind(PyObject *mod, PyObject *arg)
 		return NULL;
 	}
 	hit = PyCFunction_New(&gpc_hit_def, cap);
+	if (!hit) {
+		Py_DECREF(cap);
+		return NULL;
+	}
 	rel = PyCFunction_New(&gpc_release_def, cap);
 	Py_DECREF(cap);
-	if (!hit || !rel) {
-		Py_XDECREF(hit);
-		Py_XDECREF(rel);
+	if (!rel) {
+		Py_DECREF(hit);
 		return NULL;
 	}
 	return Py_BuildValue("(NN)", hit, rel);
