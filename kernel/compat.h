@@ -65,7 +65,11 @@ static inline struct nlattr **gpupin_genl_dump_attrs(struct netlink_callback *cb
  */
 static inline void gpupin_fault_attr_put_dname(struct fault_attr *attr)
 {
-	dput(_Generic(attr->dname, struct dentry *: attr->dname, default: NULL));
+	struct dentry *d = __builtin_choose_expr(__builtin_types_compatible_p(typeof(attr->dname),
+									 struct dentry *),
+						 (struct dentry *)attr->dname, NULL);
+
+	dput(d);
 }
 #endif
 
