@@ -240,8 +240,9 @@ def bench_scale(reps: int, n: int, big: int) -> dict[str, Any]:
     big_cache, big_ptrs = _cached(big, "kernel")
     rng = random.Random(7)
     pick = rng.sample(big_ptrs, 100)
-    small = per_op_ns(hit_loop(small_cache, small_ptrs), n, reps)
-    large = per_op_ns(hit_loop(big_cache, pick), n, reps)
+    # Interleaved batches: a drift of the machine falls on both sides alike.
+    t = interleaved_ns({"small": hit_loop(small_cache, small_ptrs), "large": hit_loop(big_cache, pick)}, n, reps)
+    small, large = t["small"], t["large"]
     return {
         "scale_regions": big,
         "scale_hit_100_ns": small,

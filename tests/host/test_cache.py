@@ -356,10 +356,10 @@ def test_python_tag_mode_cache_is_freed_without_gc() -> None:
 @pytest.mark.parametrize(
     "space, unit, units",
     [
-        (1 << 20, 16, 64),  # small ranges, many in one 2 MiB page of the core's hash
-        (1 << 14, 1 << 16, 200),  # up to 12.5 MiB: ranges over many pages
-        (1 << 30, 1 << 21, 3),  # sparse, page-aligned, in a 2**51-byte space
-        (1 << 12, 1 << 29, 8),  # up to 3.5 GiB: past the hash's 1 GiB, found by the sorted index
+        (1 << 20, 16, 64),  # small ranges, many in one 64 KiB page of the core's hash
+        (1 << 14, 1 << 16, 200),  # up to 12.5 MiB: ranges over many hashed pages
+        (1 << 30, 1 << 21, 3),  # sparse, aligned, in a 2**51-byte space
+        (1 << 12, 1 << 24, 8),  # up to 112 MiB: some past the hash's 32 MiB, found by the sorted index
     ],
 )
 def test_core_index_matches_a_model(space: int, unit: int, units: int) -> None:

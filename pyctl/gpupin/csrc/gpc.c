@@ -12,7 +12,7 @@
  *
  * Entries are indexed by id (chosen by Python); the index is an array of
  * starts sorted ascending, with no two entries overlapping (gpc_insert
- * refuses overlaps), and beside it a hash table from each 2 MiB page of the
+ * refuses overlaps), and beside it a hash table from each 64 KiB page of the
  * address space to the entries that touch it, which the hit path tries
  * first: a hit costs about the same with 100 or 100,000 entries (a binary
  * search over 100,000 starts is 17 dependent loads, most of them missing the
@@ -28,11 +28,18 @@ struct gpc_ent {
 	int16_t hashed;			/* in the page hash (else only in the sorted index) */
 };
 
-#define GPC_PAGE_SHIFT 21
-#define GPC_HASH_MAX_PAGES 512		/* 1 GiB: larger entries are not hashed */
+/*
+ * 64 KiB, nv-p2p's GPU page: most entries then share a bucket with few others
+ * (2 MiB buckets held 32 pinned GPU pages each, and scanning them cost more
+ * than the binary search saved).  Entries over 32 MiB are not hashed: a few
+ * large entries are quick to find by the binary search, and hashing them would
+ * cost 16,384 buckets per GiB.
+ */
+#define GPC_PAGE_SHIFT 16
+#define GPC_HASH_MAX_PAGES 512
 #define GPC_NO_PAGE UINT64_MAX
 
-/* One 2 MiB page's entries, sorted by start; n == 0 marks a vacated slot. */
+/* One 64 KiB page's entries, sorted by start; n == 0 marks a vacated slot. */
 struct gpc_bucket {
 	uint64_t page;			/* GPC_NO_PAGE: never used */
 	uint32_t n, cap;
