@@ -69,20 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=1)
 
 
-def per_op_ns(fn: Callable[[int], None], n: int, reps: int) -> float:
-    """Median over ``reps`` batches of ns per operation of ``fn(n)`` (which runs n operations)."""
-    fn(min(n, 1000))  # warm up
-    samples = []
-    for _ in range(reps):
-        t = time.perf_counter_ns()
-        fn(n)
-        samples.append((time.perf_counter_ns() - t) / n)
-    return statistics.median(samples)
-
-
 def interleaved_ns(loops: dict[str, Callable[[int], None]], n: int, reps: int) -> dict[str, float]:
-    """``per_op_ns`` for several loops measured in turn, batch by batch, so that drifts of
-    the machine (clock boost, other tenants) fall on all of them alike."""
+    """Median ns per operation of several loops (each ``fn(n)`` runs n operations), measured
+    in turn, batch by batch, so that drifts of the machine (clock boost, other tenants) fall
+    on all of them alike."""
     for fn in loops.values():
         fn(min(n, 1000))  # warm up
     samples: dict[str, list[float]] = {k: [] for k in loops}
