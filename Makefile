@@ -90,7 +90,7 @@ test-long: setup pyext
 # the full counts of test-long take hours).  Not part of 'make test'.
 test-debug: setup pyext
 	tree=$$(scripts/debug-kernel.sh) && VM_KIMAGE=$$tree/arch/x86/boot/bzImage VM_KDIR=$$tree \
-		GPUPIN_KMEMLEAK=1 GPUPIN_TEST_TIMEOUT=1800 VM_TIMEOUT=7200 scripts/vm-run.sh test
+		GPUPIN_KMEMLEAK=1 GPUPIN_TEST_TIMEOUT=1800 VM_TIMEOUT=$${VM_TIMEOUT:-14400} scripts/vm-run.sh test
 
 # Cache figures on this host (FakeDevice), then real ioctl pin/unpin times in the VM.
 bench: setup pyext

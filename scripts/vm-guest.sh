@@ -6,9 +6,14 @@ RESULTS=$2
 shift 2
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${VENV:-$ROOT/.venv}
-export PATH="$VENV/bin:$PATH" GPUPIN_KO_DIR="$ROOT" GPUPIN_REQUIRE_VM=1 PYTHONDONTWRITEBYTECODE=1
+# PYTHONUNBUFFERED: pytest's progress reaches results/pytest.txt as it happens (long runs).
+export PATH="$VENV/bin:$PATH" GPUPIN_KO_DIR="$ROOT" GPUPIN_REQUIRE_VM=1 PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 cd "$ROOT" || exit 1
 rc=0
+# The kernel log streams into RESULTS from the start, so that a run the host stops at
+# VM_TIMEOUT still leaves what the kernel said until then; rewritten whole at the end.
+dmesg -w >"$RESULTS/dmesg.txt" 2>&1 &
+DMESG_PID=$!
 KML=/sys/kernel/debug/kmemleak
 if [ "${GPUPIN_KMEMLEAK:-}" = 1 ]; then
 	[ -w "$KML" ] || { echo "vm-guest: GPUPIN_KMEMLEAK=1 but $KML is missing" >&2; exit 1; }
@@ -79,6 +84,8 @@ if [ "${GPUPIN_GCOV:-}" = 1 ]; then
 	echo "vm-guest: copied $n gcov data files"
 	[ "$n" -gt 0 ] || rc=1
 fi
+kill "$DMESG_PID" 2>/dev/null
+wait "$DMESG_PID" 2>/dev/null
 dmesg > "$RESULTS/dmesg.txt"
 cat /proc/sys/kernel/tainted > "$RESULTS/taint.txt"
 exit "$rc"

@@ -85,6 +85,10 @@ else
 fi
 set -e
 echo "vm-run: guest finished with status $rc after $(( $(date +%s) - start )) s"
+if [ "$rc" = 124 ]; then
+	echo "vm-run: the guest ran past VM_TIMEOUT=${VM_TIMEOUT:-3000} s and was stopped; its kernel log" \
+		"until then is in $RESULTS/dmesg.txt, the tests' output in $RESULTS/pytest.txt" >&2
+fi
 
 if [ ! -f "$RESULTS/dmesg.txt" ]; then
 	echo "vm-run: the guest left no kernel log (did it boot?)" >&2
