@@ -171,10 +171,10 @@ static void gpc_pages_del(struct gpc *c, int64_t id, uint64_t start, uint64_t up
 		gpc_bucket_del(c, page, start, id);
 }
 
-/* The first page after entry @e. */
-static uint64_t gpc_pages_end(const struct gpc_ent *e)
+/* The last page [start, end) touches (end > start). */
+static uint64_t gpc_page_last(uint64_t end)
 {
-	return ((e->end - 1) >> GPC_PAGE_SHIFT) + 1;
+	return (end - 1) >> GPC_PAGE_SHIFT;
 }
 
 /* Room for one more slot in @b: 0, or -1 (b unchanged). */
@@ -205,7 +205,7 @@ static int gpc_bucket_room(struct gpc_bucket *b)
 #endif
 static int gpc_pages_add(struct gpc *c, int64_t id, uint64_t start, uint64_t end)
 {
-	uint64_t page, last = (end - 1) >> GPC_PAGE_SHIFT;
+	uint64_t page, last = gpc_page_last(end);
 
 	for (page = start >> GPC_PAGE_SHIFT; page <= last; page++) {
 		struct gpc_bucket *b = gpc_bucket_get(c, page);
@@ -233,7 +233,7 @@ static void gpc_unhash(struct gpc *c, int64_t id)
 	struct gpc_ent *e = &c->ents[id];
 
 	if (e->hashed)
-		gpc_pages_del(c, id, e->start, gpc_pages_end(e));
+		gpc_pages_del(c, id, e->start, gpc_page_last(e->end) + 1);
 	else
 		c->unhashed--;
 	e->hashed = 0;
@@ -500,7 +500,7 @@ int gpc_insert(struct gpc *c, int64_t id, uint64_t start, uint64_t end, uint64_t
 	}
 	ne = (struct gpc_ent){ start, end, buffer_id, valid_word, slot, 0, 0, 1, 0 };
 	/* Out of memory for the hash is no failure: the sorted index finds it. */
-	if (((end - 1) >> GPC_PAGE_SHIFT) - (start >> GPC_PAGE_SHIFT) < GPC_HASH_MAX_PAGES &&
+	if (gpc_page_last(end) - (start >> GPC_PAGE_SHIFT) < GPC_HASH_MAX_PAGES &&
 	    !gpc_pages_add(c, id, start, end))
 		ne.hashed = 1;
 	else
@@ -517,6 +517,21 @@ out:
 	return ret;
 }
 
+/*
+ * Entry @id leaves the index: out of the page hash, and out of the sorted
+ * arrays at @pos (-1: not found there).  Its refs stay until released.
+ */
+static void gpc_unindex(struct gpc *c, int64_t id, int64_t pos)
+{
+	gpc_unhash(c, id);
+	if (pos >= 0) {
+		memmove(c->starts + pos, c->starts + pos + 1, (c->n - pos - 1) * sizeof(*c->starts));
+		memmove(c->ids + pos, c->ids + pos + 1, (c->n - pos - 1) * sizeof(*c->ids));
+		c->n--;
+	}
+	c->ents[id].indexed = 0;
+}
+
 /* Take id out of the index (its refs stay until released). */
 int gpc_remove(struct gpc *c, int64_t id)
 {
@@ -526,14 +541,8 @@ int gpc_remove(struct gpc *c, int64_t id)
 	pthread_mutex_lock(&c->lock);
 	if (id >= 0 && id < c->nents && c->ents[id].indexed) {
 		pos = gpc_index_of(c, id);
-		gpc_unhash(c, id);
-		if (pos >= 0) {
-			memmove(c->starts + pos, c->starts + pos + 1, (c->n - pos - 1) * sizeof(*c->starts));
-			memmove(c->ids + pos, c->ids + pos + 1, (c->n - pos - 1) * sizeof(*c->ids));
-			c->n--;
-			ret = 0;
-		}
-		c->ents[id].indexed = 0;
+		gpc_unindex(c, id, pos);
+		ret = pos >= 0 ? 0 : -1;
 	}
 	pthread_mutex_unlock(&c->lock);
 	return ret;
@@ -559,14 +568,8 @@ int64_t gpc_evict_lru(struct gpc *c)
 			best_pos = i;
 		}
 	}
-	if (best >= 0) {
-		gpc_unhash(c, best);
-		memmove(c->starts + best_pos, c->starts + best_pos + 1,
-			(c->n - best_pos - 1) * sizeof(*c->starts));
-		memmove(c->ids + best_pos, c->ids + best_pos + 1, (c->n - best_pos - 1) * sizeof(*c->ids));
-		c->n--;
-		c->ents[best].indexed = 0;
-	}
+	if (best >= 0)
+		gpc_unindex(c, best, best_pos);
 	pthread_mutex_unlock(&c->lock);
 	return best;
 }
