@@ -58,7 +58,8 @@ def main() -> int:
     if os.path.exists(ppath):
         with open(ppath) as f:
             data = json.load(f)
-        print("\npython (coverage.py, host + VM suites)     lines")
+        suites = "host + VM + GPU suites" if os.path.isdir(os.path.join(out, "gpu")) else "host + VM suites"
+        print(f"\npython (coverage.py, {suites})".ljust(44) + "lines")
         cov = tot = 0
         for name, info in sorted(data["files"].items()):
             s = info["summary"]

@@ -72,7 +72,24 @@ done
 	--txt "$OUT/kernel-uncovered.txt" "$OUT/gcov-files") >/dev/null 2>"$OUT/gcovr.log" || rc=1
 
 # Python started by a test with its own environment writes .coverage.* into the tree.
-"$VENV/bin/coverage" combine -q --data-file="$OUT/.coverage" "$OUT/host" "$OUT/vm" "$ROOT" || rc=1
+# The GPU suite runs on a lent GPU host, not here: its data is combined when a run of
+# 'GPUPIN_COVERAGE=1 scripts/gpu-run.sh' was copied to results/coverage-gpu/ (with a file
+# 'commit' naming what it measured) and pyctl/ has not changed since.
+gpu=()
+GPU_COV=$ROOT/results/coverage-gpu
+if [ -f "$GPU_COV/commit" ] && ls "$GPU_COV"/.coverage.* >/dev/null 2>&1; then
+	was=$(cat "$GPU_COV/commit")
+	if git -C "$ROOT" diff --quiet "$was" -- pyctl tests/gpu 2>/dev/null; then
+		mkdir -p "$OUT/gpu" && cp "$GPU_COV"/.coverage.* "$OUT/gpu/" && gpu=("$OUT/gpu")
+		echo "coverage: the GPU suite's data from commit $was is combined" >&2
+	else
+		echo "coverage: results/coverage-gpu measured $was; pyctl or tests/gpu changed since: not combined" >&2
+	fi
+else
+	echo "coverage: no GPU suite data (results/coverage-gpu): cuda.py is measured on a GPU host only" >&2
+fi
+cd "$ROOT"
+"$VENV/bin/coverage" combine -q --data-file="$OUT/.coverage" "$OUT/host" "$OUT/vm" "${gpu[@]}" "$ROOT" || rc=1
 "$VENV/bin/coverage" html -q --data-file="$OUT/.coverage" -d "$OUT/python" || rc=1
 "$VENV/bin/coverage" json -q --data-file="$OUT/.coverage" -o "$OUT/python.json" || rc=1
 "$VENV/bin/coverage" report --data-file="$OUT/.coverage" >"$OUT/python-report.txt" || rc=1

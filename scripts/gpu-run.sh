@@ -27,9 +27,21 @@ export PYTHONPATH=/tmp/gpupin-deps:$ROOT/pyctl
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import cuda.bindings, sys; print('cuda-bindings', cuda.bindings.__version__, 'python', sys.version.split()[0])" \
 	| tee -a "$OUT/gpu.txt"
-python3 -m pytest -q -p no:cacheprovider -rsP tests/gpu 2>&1 | tee "$OUT/gpu-tests.txt"
+# GPUPIN_COVERAGE=1: the suite under coverage.py (needs a coverage wheel in .wheels); the data
+# goes to $OUT/coverage-gpu/, which 'make coverage' combines when it is copied to
+# results/coverage-gpu/ with the commit it measured (scripts/coverage.sh says how).
+runner=(python3)
+if [ "${GPUPIN_COVERAGE:-0}" = 1 ]; then
+	python3 -m pip install -q --no-index --find-links .wheels --target /tmp/gpupin-deps coverage \
+		>>"$OUT/pip.txt" 2>&1 || { echo "gpu-run: GPUPIN_COVERAGE=1 needs a coverage wheel in .wheels"; exit 1; }
+	mkdir -p "$OUT/coverage-gpu"
+	runner=(python3 -m coverage run --rcfile="$ROOT/pyproject.toml" --data-file="$OUT/coverage-gpu/.coverage")
+fi
+"${runner[@]}" -m pytest -q -p no:cacheprovider -rsP tests/gpu 2>&1 | tee "$OUT/gpu-tests.txt"
 rc=${PIPESTATUS[0]}
 export PYTHONUNBUFFERED=1
+# GPUPIN_GPU_BENCH=none: the tests only.
+[ "${GPUPIN_GPU_BENCH:-all}" = none ] && exit "$rc"
 python3 -m gpupin gds status 2>&1 | tee "$OUT/gds-status.txt"
 python3 -m gpupin.bench --gds --out "$OUT/bench-gds.json" 2>&1 | tee "$OUT/bench-gds.txt"
 # GPUPIN_GPU_BENCH=gds: only the GDS figures (the CUDA tag-query figures take minutes)

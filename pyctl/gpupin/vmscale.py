@@ -363,16 +363,18 @@ def event_flood(n: int, slots: int) -> dict[str, Any]:
     }
 
 
-def run(total: int = 100_000, reps: int = 50) -> dict[str, Any]:
+def run(total: int = 100_000, reps: int = 50, flood_slots: int = 4096, huge: int = 4) -> dict[str, Any]:
+    """Every figure above; ``flood_slots`` and ``huge`` let a test run it small (the
+    flood overflows only when ``total`` exceeds ``flood_slots``)."""
     set_sim_param("pin_latency_us", 0)
     out: dict[str, Any] = {}
     steps: list[tuple[str, Callable[[], dict[str, Any]]]] = [
         (f"{total} pins in one file, then over 64 files", lambda: scale_pins(total, reps)),
         ("per-file limit", per_file_limit),
         ("dump racing unpins", lambda: dump_racing_unpins(min(total, 20_000))),
-        ("1 GiB pins", lambda: huge_pins(4)),
+        (f"{huge} pins of 1 GiB", lambda: huge_pins(huge)),
         ("burst peak", lambda: burst_peak(min(total, 20_000))),
-        ("event flood", lambda: event_flood(total, 4096)),
+        ("event flood", lambda: event_flood(total, flood_slots)),
     ]
     t0 = time.monotonic()
     for i, (name, step) in enumerate(steps, 1):

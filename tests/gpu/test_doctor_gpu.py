@@ -1,0 +1,25 @@
+"""``gpupin doctor``'s GPU checks on a host with a GPU: they read real values there."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpupin import doctor
+
+
+def test_bar1_usage_read_through_nvml(cuda) -> None:  # type: ignore[no-untyped-def]
+    checks = doctor.check_bar1()
+    if checks[0].detail.startswith("NVML not present"):
+        pytest.skip("libnvidia-ml.so.1 is not installed on this GPU host")
+    first = checks[0]
+    assert first.name == "BAR1" and first.status in ("pass", "warn"), checks
+    assert first.detail.startswith("GPU 0: ") and "MiB used of" in first.detail, checks
+
+
+def test_stream_memops_attributes_read(cuda) -> None:  # type: ignore[no-untyped-def]
+    checks = doctor.check_stream_memops()
+    first = checks[0]
+    assert first.name == "stream memops" and first.status in ("pass", "warn"), checks
+    assert first.detail.startswith("GPU 0: ") and "CAN_USE_" in first.detail, checks
+    if first.status == "warn":
+        assert "NVreg_EnableStreamMemOPs=1" in first.fix
