@@ -80,6 +80,7 @@ static inline void gpupin_fault_exit(void)
 #define gpupin_kzalloc(size, gfp) (gpupin_fail_alloc() ? NULL : kzalloc(size, gfp))
 #define gpupin_kvmalloc_array(n, size, gfp) \
 	(gpupin_fail_alloc() ? NULL : kvmalloc_array(n, size, gfp))
+#define gpupin_genlmsg_new(size, gfp) (gpupin_fail_alloc() ? NULL : genlmsg_new(size, gfp))
 
 extern atomic64_t gpupin_pinned_bytes;
 

@@ -200,6 +200,19 @@ cancel:
 	return -EMSGSIZE;
 }
 
+/*
+ * An event that could not be built is lost: mark the listeners' sockets, as
+ * rtnetlink does, so that their next read fails with ENOBUFS (as when their
+ * receive buffer overflows) and they know to read the state again.  The
+ * unicast fallback has no group to mark; its subscribers miss the event.
+ */
+static void gpupin_nl_event_lost(void)
+{
+#if GPUPIN_NL_MCAST
+	genl_set_err(&gpupin_nl_family, &init_net, 0, GPUPIN_NL_MCGRP_EVENTS_IDX, -ENOBUFS);
+#endif
+}
+
 /* Send an event about @pin to the "events" group, if anyone listens. */
 void gpupin_nl_pin_event(struct gpupin_region *pin, u8 cmd, u32 reason)
 {
@@ -208,12 +221,15 @@ void gpupin_nl_pin_event(struct gpupin_region *pin, u8 cmd, u32 reason)
 
 	if (!gpupin_nl_listening())
 		return;
-	skb = genlmsg_new(NLMSG_GOODSIZE, GFP_ATOMIC);
-	if (!skb)
+	skb = gpupin_genlmsg_new(NLMSG_GOODSIZE, GFP_ATOMIC);
+	if (!skb) {
+		gpupin_nl_event_lost();
 		return;
+	}
 	hdr = genlmsg_put(skb, 0, 0, &gpupin_nl_family, 0, cmd);
 	if (!hdr || gpupin_nl_fill_pin(skb, pin, reason)) {
 		nlmsg_free(skb);
+		gpupin_nl_event_lost();
 		return;
 	}
 	genlmsg_end(skb, hdr);
@@ -227,9 +243,11 @@ void gpupin_nl_budget_event(struct gpupin_file *f, u64 size)
 
 	if (!gpupin_nl_listening())
 		return;
-	skb = genlmsg_new(NLMSG_DEFAULT_SIZE, GFP_KERNEL);
-	if (!skb)
+	skb = gpupin_genlmsg_new(NLMSG_DEFAULT_SIZE, GFP_KERNEL);
+	if (!skb) {
+		gpupin_nl_event_lost();
 		return;
+	}
 	hdr = genlmsg_put(skb, 0, 0, &gpupin_nl_family, 0, GPUPIN_NL_CMD_BUDGET_EXHAUSTED);
 	if (!hdr ||
 	    nla_put_u32(skb, GPUPIN_NL_A_PID, gpupin_nl_pid(f->owner)) ||
@@ -239,6 +257,7 @@ void gpupin_nl_budget_event(struct gpupin_file *f, u64 size)
 	    nla_put_u64_64bit(skb, GPUPIN_NL_A_MAX_PINNED_BYTES,
 			      READ_ONCE(gpupin_max_pinned_bytes), GPUPIN_NL_A_PAD)) {
 		nlmsg_free(skb);
+		gpupin_nl_event_lost();
 		return;
 	}
 	genlmsg_end(skb, hdr);
@@ -250,7 +269,7 @@ static int gpupin_nl_get_info(struct sk_buff *skb, struct genl_info *info)
 	struct sk_buff *msg;
 	void *hdr;
 
-	msg = genlmsg_new(NLMSG_DEFAULT_SIZE, GFP_KERNEL);
+	msg = gpupin_genlmsg_new(NLMSG_DEFAULT_SIZE, GFP_KERNEL);
 	if (!msg)
 		return -ENOMEM;
 	hdr = genlmsg_put_reply(msg, info, &gpupin_nl_family, 0, GPUPIN_NL_CMD_GET_INFO);
@@ -295,7 +314,7 @@ static int gpupin_nl_get_stats(struct sk_buff *skb, struct genl_info *info)
 	void *hdr;
 	int i;
 
-	msg = genlmsg_new(NLMSG_DEFAULT_SIZE, GFP_KERNEL);
+	msg = gpupin_genlmsg_new(NLMSG_DEFAULT_SIZE, GFP_KERNEL);
 	if (!msg)
 		return -ENOMEM;
 	hdr = genlmsg_put_reply(msg, info, &gpupin_nl_family, 0, GPUPIN_NL_CMD_GET_STATS);
@@ -338,7 +357,7 @@ static int gpupin_nl_get_pin(struct sk_buff *skb, struct genl_info *info)
 		NL_SET_ERR_MSG(info->extack, "GET_PIN needs the PID and HANDLE attributes");
 		return -EINVAL;
 	}
-	msg = genlmsg_new(NLMSG_DEFAULT_SIZE, GFP_KERNEL);
+	msg = gpupin_genlmsg_new(NLMSG_DEFAULT_SIZE, GFP_KERNEL);
 	if (!msg)
 		return -ENOMEM;
 	hdr = genlmsg_put_reply(msg, info, &gpupin_nl_family, 0, GPUPIN_NL_CMD_GET_PIN);

@@ -471,7 +471,7 @@ static int gpupin_pin_validate(struct gpupin_pin *arg)
 	return 0;
 }
 
-/* A new pin in state PINNING, not yet reserved. */
+/* A new pin in state PINNING, not yet reserved; NULL (counted as ENOMEM) if out of memory. */
 struct gpupin_region *gpupin_pin_alloc(struct gpupin_file *f, u64 va, u64 size, u64 aligned_va,
 				       u64 aligned_size, u64 user_tag, u32 page_shift)
 {
@@ -479,11 +479,11 @@ struct gpupin_region *gpupin_pin_alloc(struct gpupin_file *f, u64 va, u64 size, 
 
 	pin = gpupin_kzalloc(sizeof(*pin), GFP_KERNEL);
 	if (!pin)
-		return NULL;
+		goto nomem;
 	pin->ev = gpupin_kzalloc(sizeof(*pin->ev), GFP_KERNEL);
 	if (!pin->ev) {
 		kfree(pin);
-		return NULL;
+		goto nomem;
 	}
 	kref_init(&pin->ref);
 	spin_lock_init(&pin->lock);
@@ -502,6 +502,10 @@ struct gpupin_region *gpupin_pin_alloc(struct gpupin_file *f, u64 va, u64 size, 
 	pin->created_ns = ktime_get_real_ns();
 	pin->state = GPUPIN_PIN_PINNING;
 	return pin;
+
+nomem:
+	gpupin_count_failure(-ENOMEM);
+	return NULL;
 }
 
 /* Reserve a handle, a validity slot and a place in the per-file count. */
@@ -664,10 +668,8 @@ static int gpupin_pin_create(struct gpupin_file *f, const struct gpupin_pin *req
 		return -EOPNOTSUPP;
 	pin = gpupin_pin_alloc(f, req->va, req->size, req->aligned_va, req->aligned_size,
 			       req->user_tag, GPU_BOUND_SHIFT);
-	if (!pin) {
-		gpupin_count_failure(-ENOMEM);
+	if (!pin)
 		return -ENOMEM;
-	}
 	pin->flags = persistent ? GPUPIN_PIN_PERSISTENT : 0;
 	ret = gpupin_pin_reserve(f, pin);
 	if (ret)

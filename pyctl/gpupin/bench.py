@@ -111,15 +111,20 @@ def hit_loop(
 
 
 def hit_release_loop(cache: RegistrationCache, ptrs: list[int]) -> Callable[[int], None]:
-    """lookup + release_token: a whole use of a cached registration without Python objects."""
+    """fast_lookup (miss when < 0) + release_token: a whole use of a cached registration without
+    Python objects, written as ``RegistrationCache.lookup``'s documentation advises."""
     seq = [ptrs[i % len(ptrs)] + 64 for i in range(4096)]
-    lookup, release = cache.lookup, cache.release_token
+    fast, miss, release = cache.fast_lookup, cache.miss, cache.release_token
 
     def run(n: int) -> None:
         s = seq
         m = len(s)
         for i in range(n):
-            release(lookup(s[i % m], 256))
+            p = s[i % m]
+            tok = fast(p, 256)
+            if tok < 0:
+                tok = miss(p, 256, tok)
+            release(tok)
 
     return run
 

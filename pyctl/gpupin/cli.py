@@ -12,13 +12,14 @@ import json
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, is_dataclass
 from typing import Any
 
 from . import doctor as doctor_mod
 from .device import Device, DmaMapping, Pin
-from .errors import GpupinError, InvalidArgument, ModuleError
+from .errors import EventsLost, GpupinError, InvalidArgument, ModuleError
 from .sim import SimMemory, set_sim_param, sim_stats
 
 Result = Any
@@ -278,14 +279,29 @@ def cmd_dma_unmap(s: Session, a: argparse.Namespace) -> Result:
 
 def cmd_watch(s: Session, a: argparse.Namespace) -> Result:
     if a.all:
-        from . import netlink
+        from .netlink import Netlink
 
-        events = []
-        for ev in netlink.events(timeout=a.timeout, count=a.count):
-            if a.json:
-                events.append(ev)
-            else:
-                s.out(f"{ev['event']}: {ev}")
+        events: list[dict[str, Any]] = []
+        deadline = None if a.timeout is None else time.monotonic() + a.timeout
+        seen = 0
+        with Netlink() as nl:
+            nl.subscribe()
+            print("watching the events of every gpupin file (Ctrl-C to stop)", file=sys.stderr, flush=True)
+            while a.count is None or seen < a.count:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    for ev in nl.events(timeout=left, count=None if a.count is None else a.count - seen):
+                        seen += 1
+                        if a.json:
+                            events.append(ev)
+                        else:
+                            s.out(f"{ev['event']}: {ev}")
+                    break  # the time or the count ran out
+                except EventsLost as exc:  # say so, and go on watching
+                    if a.json:
+                        events.append({"event": "lost", "error": str(exc)})
+                    else:
+                        s.out(f"lost: {exc}")
         return events if a.json else None
     if a.background:
         if s.watcher is not None:

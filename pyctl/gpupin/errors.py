@@ -58,6 +58,10 @@ class AbiMismatch(GpupinError):
     """The loaded module speaks another ABI version than this package was built for."""
 
 
+class EventsLost(GpupinError):
+    """ENOBUFS on the netlink events socket: events were dropped; read the state again."""
+
+
 class ModuleError(GpupinError):
     """Loading or unloading a kernel module failed."""
 

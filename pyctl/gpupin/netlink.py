@@ -21,7 +21,7 @@ from pyroute2.netlink.generic import GenericNetlinkSocket
 
 from ._closable import Closable
 from ._native import lib
-from .errors import DriverNotLoaded, GpupinError, InvalidArgument, PermissionDenied, UnknownHandle
+from .errors import DriverNotLoaded, EventsLost, GpupinError, InvalidArgument, PermissionDenied, UnknownHandle
 
 FAMILY = "gpupin"
 EVENT_NAMES = {
@@ -276,7 +276,18 @@ class Netlink(Closable):
                 return
             # One datagram per read, parsed here: pyroute2's get() would buffer
             # later events where select() cannot see them.
-            for m in self.sock.marshal.parse(os.read(fd, 1 << 16)):
+            try:
+                data = os.read(fd, 1 << 16)
+            except OSError as exc:
+                if exc.errno != errno.ENOBUFS:
+                    raise
+                raise EventsLost(
+                    "netlink events: some were lost (ENOBUFS: this socket's receive buffer "
+                    "overflowed, or the kernel could not allocate an event); read the state "
+                    "again (list_pins(), the validity map) and go on reading events",
+                    exc.errno,
+                ) from None
+            for m in self.sock.marshal.parse(data):
                 name = EVENT_NAMES.get(m.get("cmd"))
                 if name is None:
                     continue

@@ -372,7 +372,7 @@ def run(total: int = 100_000, reps: int = 50, flood_slots: int = 4096, huge: int
         (f"{total} pins in one file, then over 64 files", lambda: scale_pins(total, reps)),
         ("per-file limit", per_file_limit),
         ("dump racing unpins", lambda: dump_racing_unpins(min(total, 20_000))),
-        (f"{huge} pins of 1 GiB", lambda: huge_pins(huge)),
+        (f"1 GiB pins ({huge})", lambda: huge_pins(huge)),
         ("burst peak", lambda: burst_peak(min(total, 20_000))),
         ("event flood", lambda: event_flood(total, flood_slots)),
     ]

@@ -19,7 +19,7 @@ KiB = 1 << 10
 GPU_PAGE = 64 * KiB
 
 
-def raw(fd: int, cmd: int, ctype: str, **fields: Any) -> tuple[int, Any]:
+def raw(fd: int, cmd: int, ctype: str, /, **fields: Any) -> tuple[int, Any]:
     """Issue an ioctl with exactly the given field values; returns (-errno or 0, struct)."""
     c = ffi.new(f"{ctype} *")
     for name, value in fields.items():

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
+import mmap
+import os
+from typing import Any
 
 import pytest
 
 from conftest import GPU_PAGE, raw
 from gpupin import Device, SimMemory, sim_stats
-from gpupin._native import lib
+from gpupin._native import ffi, lib
+from gpupin.device import DmaMapping, Pin
 
 pytestmark = pytest.mark.vm
 
@@ -170,3 +175,154 @@ def test_sim_rejects(sim: SimMemory) -> None:
     with pytest.raises(OSError) as ei:
         fcntl.ioctl(fd, 0xC008C8FF, bytearray(8))
     assert ei.value.errno == errno.ENOTTY
+
+
+# -- every field of every command, one at a time; arguments the kernel cannot read or write ----
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+# (command, struct, fields that must be zero) for each command that takes input.
+ZERO_FIELDS = [
+    (lib.GPUPIN_IOC_INFO, "struct gpupin_info"),
+    (lib.GPUPIN_IOC_PIN, "struct gpupin_pin"),
+    (lib.GPUPIN_IOC_UNPIN, "struct gpupin_unpin"),
+    (lib.GPUPIN_IOC_QUERY, "struct gpupin_query"),
+    (lib.GPUPIN_IOC_GET_PAGES, "struct gpupin_get_pages"),
+    (lib.GPUPIN_IOC_DMA_MAP, "struct gpupin_dma_map"),
+    (lib.GPUPIN_IOC_DMA_ADDRS, "struct gpupin_dma_addrs"),
+    (lib.GPUPIN_IOC_DMA_UNMAP, "struct gpupin_dma_unmap"),
+    (lib.GPUPIN_IOC_PIN_DMABUF, "struct gpupin_pin_dmabuf"),
+]
+
+
+def _must_be_zero(ctype: str) -> list[tuple[str, int | None]]:
+    """(field, index or None) of flags, pad and every reserved element of ctype."""
+    out: list[tuple[str, int | None]] = []
+    for name, f in ffi.typeof(ctype).fields:
+        if name in ("flags", "pad"):
+            out.append((name, None))
+        elif name.startswith("reserved"):
+            out.extend((name, i) for i in range(f.type.length))
+    return out
+
+
+def _valid_args(ctype: str, pin: Pin, mapping: DmaMapping, pci: str, fd: int, va: int, out: Any) -> dict[str, Any]:
+    from gpupin.device import parse_pci
+
+    domain, bus, devfn = parse_pci(pci)
+    addrs = int(ffi.cast("uintptr_t", out))
+    return {
+        "struct gpupin_info": {},
+        "struct gpupin_pin": {"va": va, "size": GPU_PAGE},
+        "struct gpupin_unpin": {"handle": pin.handle},
+        "struct gpupin_query": {"handle": pin.handle},
+        "struct gpupin_get_pages": {"handle": pin.handle, "count": 1, "addrs": addrs},
+        "struct gpupin_dma_map": {"handle": pin.handle, "pci_domain": domain, "pci_bus": bus, "pci_devfn": devfn},
+        "struct gpupin_dma_addrs": {"handle": pin.handle, "mapping_id": mapping.mapping_id, "count": 1, "addrs": addrs},
+        "struct gpupin_dma_unmap": {"handle": pin.handle, "mapping_id": mapping.mapping_id},
+        "struct gpupin_pin_dmabuf": {"fd": fd, "size": GPU_PAGE},
+    }[ctype]
+
+
+@pytest.mark.parametrize("cmd,ctype", ZERO_FIELDS, ids=[c.split()[1] for _, c in ZERO_FIELDS])
+def test_each_flag_pad_and_reserved_word_alone_is_rejected(
+    device: Device, sim: SimMemory, pci: str, cmd: int, ctype: str
+) -> None:
+    va = sim.alloc(2 * GPU_PAGE)
+    pin = device.pin(va, 2 * GPU_PAGE)
+    mapping = device.dma_map(pin, pci)
+    fd = sim.export_dmabuf(va)
+    out = ffi.new("__u64[2]")
+    base = _valid_args(ctype, pin, mapping, pci, fd, va, out)
+    fields = _must_be_zero(ctype)
+    assert fields, ctype
+    try:
+        for name, idx in fields:
+            # The highest bit: no flag is defined there.
+            value: Any = 0x80000000 if idx is None else [1 if i == idx else 0 for i in range(idx + 1)]
+            rc, _ = raw(device.fileno(), cmd, ctype, **base, **{name: value})
+            assert rc == EINVAL, (ctype, name, idx, rc)
+        # Nothing happened: the one pin and mapping are as they were.
+        assert device.info().file_pins == 1
+        q = device.query(pin)
+        assert q.state == "pinned" and q.dma_mappings == 1
+    finally:
+        os.close(fd)
+        device.dma_unmap(mapping)
+        device.unpin(pin)
+        sim.free(va)
+
+
+def _read_only(ctype: str, **fields: Any) -> tuple[mmap.mmap, Any]:
+    """ctype in a page the kernel can read but not write."""
+    page = mmap.mmap(-1, mmap.PAGESIZE)
+    arg = ffi.from_buffer(f"{ctype} *", page)
+    for k, v in fields.items():
+        setattr(arg, k, v)
+    assert libc.mprotect(int(ffi.cast("uintptr_t", arg)), mmap.PAGESIZE, mmap.PROT_READ) == 0
+    return page, arg
+
+
+def test_unreadable_argument_is_efault_for_every_command(device: Device) -> None:
+    for cmd, ctype in ZERO_FIELDS:
+        for addr in (8, (1 << 47) - 8):  # unmapped; straddling the end of user space
+            assert lib.gpupin_call(device.fileno(), cmd, ffi.cast("void *", addr)) == -errno.EFAULT, ctype
+    assert device.info().file_pins == 0
+
+
+def test_results_that_cannot_be_written_back_are_efault(device: Device, sim: SimMemory, pci: str) -> None:
+    from gpupin.device import parse_pci
+
+    fd_ = device.fileno()
+    va = sim.alloc(2 * GPU_PAGE)
+    pin = device.pin(va, 2 * GPU_PAGE)
+    pages: list[tuple[mmap.mmap, Any]] = []
+    try:
+        page, arg = _read_only("struct gpupin_info")
+        pages.append((page, arg))
+        assert lib.gpupin_call(fd_, lib.GPUPIN_IOC_INFO, arg) == -errno.EFAULT
+        page, arg = _read_only("struct gpupin_query", handle=pin.handle)
+        pages.append((page, arg))
+        assert lib.gpupin_call(fd_, lib.GPUPIN_IOC_QUERY, arg) == -errno.EFAULT
+        # PIN_DMABUF whose result cannot be copied out: the pin is never published.
+        dfd = sim.export_dmabuf(va)
+        page, arg = _read_only("struct gpupin_pin_dmabuf", fd=dfd, size=GPU_PAGE)
+        pages.append((page, arg))
+        assert lib.gpupin_call(fd_, lib.GPUPIN_IOC_PIN_DMABUF, arg) == -errno.EFAULT
+        os.close(dfd)
+        assert device.info().file_pins == 1
+        # Page addresses into a read-only array.
+        page, arg = _read_only("__u64")
+        pages.append((page, arg))
+        addrs = int(ffi.cast("uintptr_t", arg))
+        rc, _ = raw(fd_, lib.GPUPIN_IOC_GET_PAGES, "struct gpupin_get_pages", handle=pin.handle, count=2, addrs=addrs)
+        assert rc == -errno.EFAULT
+        m = device.dma_map(pin, pci)
+        rc, _ = raw(
+            fd_,
+            lib.GPUPIN_IOC_DMA_ADDRS,
+            "struct gpupin_dma_addrs",
+            handle=pin.handle,
+            mapping_id=m.mapping_id,
+            count=2,
+            addrs=addrs,
+        )
+        assert rc == -errno.EFAULT
+        device.dma_unmap(m)
+        # DMA_MAP whose result cannot be copied out: the mapping stays (documented), and goes
+        # with the pin.
+        domain, bus, devfn = parse_pci(pci)
+        page, arg = _read_only(
+            "struct gpupin_dma_map", handle=pin.handle, pci_domain=domain, pci_bus=bus, pci_devfn=devfn
+        )
+        pages.append((page, arg))
+        assert lib.gpupin_call(fd_, lib.GPUPIN_IOC_DMA_MAP, arg) == -errno.EFAULT
+        assert device.query(pin).dma_mappings == 1
+    finally:
+        device.unpin(pin)
+        sim.free(va)
+        for p, a in pages:
+            ffi.release(a)  # the cdata holds the page's buffer until released
+            p.close()
+    assert device.info().file_pins == 0

@@ -14,8 +14,9 @@ import os
 
 import pytest
 
-from conftest import GPU_PAGE, first_pci_device
-from gpupin import Device, GpupinError, SimMemory, sim_stats
+from conftest import GPU_PAGE, SLOW, first_pci_device
+from gpupin import Device, EventsLost, GpupinError, SimMemory, sim_stats
+from gpupin.netlink import Netlink
 from gpupin.peer import Peer
 
 pytestmark = [pytest.mark.vm, pytest.mark.simonly]
@@ -35,6 +36,13 @@ def scenario(peer: Peer, pci: str, log: list[str]) -> None:
         try:
             pin = dev.pin(va, 4 * GPU_PAGE)  # pin + its invalidation record
             log.append("pin")
+            with Netlink() as nl:  # each reply is a message gpupin allocates
+                assert nl.get_pin(os.getpid(), pin.handle).handle == pin.handle
+                log.append("nl_get_pin")
+                assert nl.info()["pinned_bytes"] >= 4 * GPU_PAGE
+                log.append("nl_info")
+                assert nl.stats()
+                log.append("nl_stats")
             m = dev.dma_map(pin, pci)  # mapping
             log.append("dma_map")
             assert len(dev.get_pages(pin)) == 4  # address buffer
@@ -128,7 +136,9 @@ def test_every_own_allocation_failure_is_clean(peer: Peer) -> None:
         arm(0)
     print(f"own-allocation failures injected at: {failed_at}")
     # Every step that allocates was hit at least once.
-    assert {"open", "pin", "dma_map", "get_pages", "dma_addrs", "hold", "peer_read"} <= set(failed_at)
+    steps = ["open", "pin", "nl_get_pin", "nl_info", "nl_stats"]
+    steps += ["dma_map", "get_pages", "dma_addrs", "hold", "peer_read"]
+    assert set(steps) <= set(failed_at)
     log = []
     scenario(peer, pci, log)
     assert log == full
@@ -154,4 +164,85 @@ def test_fail_nth_fails_this_threads_allocation() -> None:
                 dev.unpin(pin)
         finally:
             _write(FAIL_NTH, 0)
+            sim.free(va)
+
+
+def test_an_event_that_cannot_be_allocated_is_reported_as_lost() -> None:
+    """A listener learns that it missed an event (ENOBUFS, as for an overflow), and goes on."""
+    with SimMemory() as sim, Device() as dev, Netlink() as nl:
+        nl.subscribe()
+        va = sim.alloc(GPU_PAGE)
+        pin = dev.pin(va, GPU_PAGE)
+        assert [e["event"] for e in nl.events(timeout=10 * SLOW, count=1)] == ["pinned"]
+        try:
+            arm(1)
+            sim.free(va)  # the invalidation's event is gpupin's next allocation
+            assert not armed(), "the free made no allocation in gpupin"
+        finally:
+            arm(0)
+        with pytest.raises(EventsLost) as ei:
+            list(nl.events(timeout=10 * SLOW, count=1))
+        assert ei.value.errno == errno.ENOBUFS and "read the state again" in str(ei.value)
+        assert dev.query(pin).state == "invalidated"  # what the event would have said
+        dev.unpin(pin)
+        evs = list(nl.events(timeout=10 * SLOW, count=1))
+        assert [(e["event"], e["handle"]) for e in evs] == [("unpinned", pin.handle)]
+
+
+def test_watch_all_reports_lost_events_and_goes_on(gpupin_loaded: None, leakcheck: None) -> None:
+    import json
+    import subprocess
+    import sys
+
+    w = subprocess.Popen(
+        [sys.executable, "-m", "gpupin", "watch", "--all", "--count", "2", "--timeout", str(120 * SLOW), "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert w.stderr is not None
+        line = w.stderr.readline()  # printed once subscribed
+        assert line.startswith("watching the events"), line
+        with SimMemory() as sim, Device() as dev:
+            va = sim.alloc(GPU_PAGE)
+            pin = dev.pin(va, GPU_PAGE)  # event 1
+            try:
+                arm(1)
+                sim.free(va)  # its event cannot be allocated: lost
+                assert not armed()
+            finally:
+                arm(0)
+            dev.unpin(pin)  # event 2
+        out, err = w.communicate(timeout=120 * SLOW)
+    finally:
+        w.kill()
+    assert w.returncode == 0, err
+    evs = json.loads(out)
+    assert [e["event"] for e in evs] == ["pinned", "lost", "unpinned"], evs
+    assert "ENOBUFS" in evs[1]["error"] and evs[0]["handle"] == evs[2]["handle"] == pin.handle
+
+
+def test_failed_pin_allocations_are_counted() -> None:
+    """GET_STATS' fail_enomem counts a PIN and a PIN_DMABUF that ran out of memory alike."""
+    from gpupin import netlink
+
+    with SimMemory() as sim, Device() as dev:
+        va = sim.alloc(GPU_PAGE)
+        fd = sim.export_dmabuf(va)
+        try:
+            before = netlink.stats()["fail_enomem"]
+            for what, call in (("PIN", lambda: dev.pin(va, GPU_PAGE)), ("PIN_DMABUF", lambda: dev.pin_dmabuf(fd))):
+                arm(1)  # the pin's own allocation is the call's first
+                try:
+                    with pytest.raises(GpupinError) as ei:
+                        call()
+                finally:
+                    arm(0)
+                assert ei.value.errno == errno.ENOMEM, (what, ei.value)
+            assert netlink.stats()["fail_enomem"] == before + 2
+            assert dev.info().file_pins == 0
+        finally:
+            os.close(fd)
             sim.free(va)

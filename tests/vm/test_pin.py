@@ -219,3 +219,90 @@ def test_read_needs_a_whole_record(device: Device) -> None:
     with pytest.raises(OSError) as ei:
         os.read(device.fileno(), 8)
     assert ei.value.errno == errno.EINVAL
+
+
+def test_debug_log_says_what_happened_and_is_rate_limited(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
+    """debug=1 logs pins, releases and invalidations, at most a burst (10) per 5 s per message."""
+    import time
+
+    sim_params("gpupin", debug=True)
+    time.sleep(5.5)  # a fresh window for every message (earlier tests may have used theirs)
+    mark = f"gpupin-debug-log-test-{os.getpid()}-{time.monotonic_ns()}"
+    with open("/dev/kmsg", "w") as kmsg:
+        kmsg.write(mark + "\n")
+    va = sim.alloc(GPU_PAGE)
+    for _ in range(40):
+        device.unpin(device.pin(va, GPU_PAGE))
+    pin = device.pin(va, GPU_PAGE)
+    sim.free(va)  # invalidated by the provider
+    device.unpin(pin)
+    # Unbuffered: /dev/kmsg returns one record per read, and refuses a read shorter than it.
+    with open("/dev/kmsg", "rb", buffering=0) as kmsg:  # the whole ring from the start
+        os.set_blocking(kmsg.fileno(), False)
+        lines: list[str] = []
+        while True:
+            try:
+                rec = kmsg.read(8192)
+            except BlockingIOError:
+                break
+            except BrokenPipeError:  # the ring overwrote records before we read them: go on
+                continue
+            if not rec:
+                break
+            lines.append(rec.decode(errors="replace").split(";", 1)[-1].strip())
+    after = lines[max(i for i, ln in enumerate(lines) if ln == mark) + 1 :]
+    pinned = [ln for ln in after if ln.startswith("gpupin: pin ") and ln.endswith(f": {GPU_PAGE} bytes")]
+    released = [ln for ln in after if ln.startswith("gpupin: pin ") and ln.endswith(" released")]
+    assert 1 <= len(pinned) <= 10 and 1 <= len(released) <= 10, (pinned, released)
+    assert f"gpupin: pin {pin.handle} invalidated by the provider" in after, after[-20:]
+    # Handles and sizes only: no kernel pointer or physical address in the log.
+    assert not any("0xffff" in ln for ln in after if ln.startswith("gpupin:"))
+
+
+def test_blocking_read_waits_for_the_event_and_a_signal_interrupts_it(device: Device, sim: SimMemory) -> None:
+    """read() on /dev/gpupin without O_NONBLOCK sleeps until a record is queued; a signal wakes it."""
+    import signal
+    import struct
+    import threading
+    import time
+
+    from conftest import SLOW
+    from gpupin._native import ffi, lib
+
+    size = ffi.sizeof("struct gpupin_event")
+    va = sim.alloc(GPU_PAGE)
+    pin = device.pin(va, GPU_PAGE, user_tag=7)
+    got: list[bytes | BaseException] = []
+
+    def reader() -> None:
+        try:
+            got.append(os.read(device.fileno(), size))
+        except BaseException as exc:  # reported below
+            got.append(exc)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    time.sleep(0.3 * SLOW)
+    assert not got, f"read returned with nothing queued: {got}"
+    sim.free(va)
+    t.join(10 * SLOW)
+    assert not t.is_alive() and len(got) == 1 and isinstance(got[0], bytes), got
+    handle, tag, reason, _slot, _ = struct.unpack("=QQIIQ", got[0])
+    assert (handle, tag, reason) == (pin.handle, 7, lib.GPUPIN_INVAL_FREED)
+    device.unpin(pin)
+
+    class Interrupted(Exception):
+        pass
+
+    def on_alarm(signum: int, frame: object) -> None:
+        raise Interrupted
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3 * SLOW)
+        with pytest.raises(Interrupted):
+            os.read(device.fileno(), size)  # nothing queued: sleeps until the signal
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert device.read_events() == []  # the file still works, nothing was lost or invented
