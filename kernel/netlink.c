@@ -5,9 +5,10 @@
  * group.  One fill function per object serves both the dump and the events.
  *
  * Locking: the dump takes gpupin_files_lock, then each file's lock, then
- * each pin's lock (the order written in gpupin.h).  Events are built with
- * GFP_ATOMIC and sent without any gpupin lock held, so the free callback
- * never waits for a listener.
+ * each pin's lock (the order written in gpupin.h).  Pin events are built
+ * with GFP_NOWAIT (no reclaim, no reserves, no warning: a failure is reported
+ * to the listeners, below) and sent without any gpupin lock held, so the free
+ * callback never waits for memory or a listener.
  *
  * Events name other processes' addresses, so only CAP_NET_ADMIN may receive
  * them.  Where generic netlink can restrict a multicast group to that
@@ -203,8 +204,9 @@ cancel:
 /*
  * An event that could not be built is lost: mark the listeners' sockets, as
  * rtnetlink does, so that their next read fails with ENOBUFS (as when their
- * receive buffer overflows) and they know to read the state again.  The
- * unicast fallback has no group to mark; its subscribers miss the event.
+ * receive buffer overflows) and they know to read the state again.  Sockets
+ * that set NETLINK_NO_ENOBUFS are not marked.  The unicast fallback has no
+ * group to mark; its subscribers miss the event.
  */
 static void gpupin_nl_event_lost(void)
 {
@@ -221,7 +223,7 @@ void gpupin_nl_pin_event(struct gpupin_region *pin, u8 cmd, u32 reason)
 
 	if (!gpupin_nl_listening())
 		return;
-	skb = gpupin_genlmsg_new(NLMSG_GOODSIZE, GFP_ATOMIC);
+	skb = gpupin_genlmsg_new(NLMSG_GOODSIZE, GFP_NOWAIT | __GFP_NOWARN);
 	if (!skb) {
 		gpupin_nl_event_lost();
 		return;
@@ -233,7 +235,7 @@ void gpupin_nl_pin_event(struct gpupin_region *pin, u8 cmd, u32 reason)
 		return;
 	}
 	genlmsg_end(skb, hdr);
-	gpupin_nl_send_event(skb, GFP_ATOMIC);
+	gpupin_nl_send_event(skb, GFP_NOWAIT | __GFP_NOWARN);
 }
 
 void gpupin_nl_budget_event(struct gpupin_file *f, u64 size)

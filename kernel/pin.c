@@ -471,7 +471,7 @@ static int gpupin_pin_validate(struct gpupin_pin *arg)
 	return 0;
 }
 
-/* A new pin in state PINNING, not yet reserved; NULL (counted as ENOMEM) if out of memory. */
+/* A new pin in state PINNING, not yet reserved; NULL (counted in fail_enomem) if out of memory. */
 struct gpupin_region *gpupin_pin_alloc(struct gpupin_file *f, u64 va, u64 size, u64 aligned_va,
 				       u64 aligned_size, u64 user_tag, u32 page_shift)
 {
@@ -632,6 +632,7 @@ int gpupin_pin_publish(struct gpupin_file *f, struct gpupin_region *pin, void __
 
 	/* The result first: until the store below no other thread can reach the pin. */
 	if (copy_to_user(uarg, arg, len)) {
+		gpupin_count_failure(-EFAULT);
 		gpupin_pin_destroy(f, pin, GPUPIN_NL_REASON_UNPIN);
 		return -EFAULT;
 	}
@@ -644,6 +645,7 @@ int gpupin_pin_publish(struct gpupin_file *f, struct gpupin_region *pin, void __
 	ret = xa_insert(&f->pins, pin->handle, pin, GFP_KERNEL);
 	mutex_unlock(&f->lock);
 	if (ret) {
+		gpupin_count_failure(ret);
 		gpupin_pin_destroy(f, pin, GPUPIN_NL_REASON_UNPIN);
 		return ret == -EBUSY ? -EEXIST : ret;
 	}

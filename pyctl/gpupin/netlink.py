@@ -283,8 +283,9 @@ class Netlink(Closable):
                     raise
                 raise EventsLost(
                     "netlink events: some were lost (ENOBUFS: this socket's receive buffer "
-                    "overflowed, or the kernel could not allocate an event); read the state "
-                    "again (list_pins(), the validity map) and go on reading events",
+                    "overflowed, or the kernel could not allocate an event); read on until "
+                    "none is pending (those came before the loss), then read the state "
+                    "again (list_pins(), the validity map)",
                     exc.errno,
                 ) from None
             for m in self.sock.marshal.parse(data):

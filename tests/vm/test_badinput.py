@@ -285,13 +285,18 @@ def test_results_that_cannot_be_written_back_are_efault(device: Device, sim: Sim
         page, arg = _read_only("struct gpupin_query", handle=pin.handle)
         pages.append((page, arg))
         assert lib.gpupin_call(fd_, lib.GPUPIN_IOC_QUERY, arg) == -errno.EFAULT
-        # PIN_DMABUF whose result cannot be copied out: the pin is never published.
+        # PIN_DMABUF whose result cannot be copied out: the pin is never published, and the
+        # failure is counted.
+        from gpupin import netlink
+
+        other = netlink.stats()["fail_other"]
         dfd = sim.export_dmabuf(va)
         page, arg = _read_only("struct gpupin_pin_dmabuf", fd=dfd, size=GPU_PAGE)
         pages.append((page, arg))
         assert lib.gpupin_call(fd_, lib.GPUPIN_IOC_PIN_DMABUF, arg) == -errno.EFAULT
         os.close(dfd)
         assert device.info().file_pins == 1
+        assert netlink.stats()["fail_other"] == other + 1
         # Page addresses into a read-only array.
         page, arg = _read_only("__u64")
         pages.append((page, arg))
