@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import threading
@@ -126,6 +127,18 @@ def test_malformed_requests_get_extack(gpupin_loaded: None, attrs, msg: str) -> 
         with pytest.raises(gpupin.InvalidArgument, match=msg) as ei:
             nl.request(lib.GPUPIN_NL_CMD_GET_PIN, attrs)
     assert "EINVAL" in str(ei.value)
+
+
+def test_subscribe_where_the_group_exists_says_join_it(gpupin_loaded: None) -> None:
+    """SUBSCRIBE is the unicast fallback's; the multicast build refuses it with the way to go."""
+    from gpupin._native import lib
+
+    with netlink.Netlink() as nl:
+        if "events" not in nl.sock.mcast_groups:
+            pytest.skip("this gpupin build has no events group (the unicast fallback)")
+        with pytest.raises(gpupin.GpupinError, match='join the "events" multicast group') as ei:
+            nl.request(lib.GPUPIN_NL_CMD_SUBSCRIBE)
+    assert ei.value.errno == errno.EOPNOTSUPP
 
 
 def test_unprivileged_sees_only_its_own(device: Device, sim: SimMemory) -> None:
