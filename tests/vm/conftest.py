@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import sys
@@ -13,6 +14,11 @@ import pytest
 from gpupin._native import ffi, lib
 
 MiB = 1 << 20
+# libc for what Python's os module lacks (mprotect; read into a raw address), errno kept.
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+libc.read.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t]
+libc.read.restype = ctypes.c_ssize_t
 # Timeouts stretch under a debug kernel (KASAN, lockdep: make test-debug), which is ~10x slower.
 SLOW = 10 if os.path.exists("/sys/kernel/debug/kmemleak") else 1
 KiB = 1 << 10

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import mmap
@@ -11,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from conftest import GPU_PAGE, raw
+from conftest import GPU_PAGE, libc, raw
 from gpupin import Device, SimMemory, sim_stats
 from gpupin._native import ffi, lib
 from gpupin.device import DmaMapping, Pin
@@ -178,9 +177,6 @@ def test_sim_rejects(sim: SimMemory) -> None:
 
 
 # -- every field of every command, one at a time; arguments the kernel cannot read or write ----
-
-libc = ctypes.CDLL(None, use_errno=True)
-libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 # (command, struct, fields that must be zero) for each command that takes input.
 ZERO_FIELDS = [

@@ -19,16 +19,12 @@ from pathlib import Path
 import pytest
 
 import gpupin
-from conftest import GPU_PAGE, SLOW, MiB, in_child, raw
+from conftest import GPU_PAGE, SLOW, MiB, in_child, libc, raw
 from gpupin import Device, SimMemory, sim_stats
 from gpupin._native import ffi, lib
 from gpupin.peer import Peer
 
 pytestmark = [pytest.mark.vm, pytest.mark.simonly]
-libc = ctypes.CDLL(None, use_errno=True)
-libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-libc.read.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t]
-libc.read.restype = ctypes.c_ssize_t
 
 
 def module_refs() -> int:
