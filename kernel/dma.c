@@ -155,7 +155,7 @@ static int gpupin_nvp2p_map(struct gpupin_region *pin, struct gpupin_map *map, u
 	spin_unlock(&pin->lock);
 	if (ret)
 		return ret;
-	ret = nvidia_p2p_dma_map_pages(map->pdev, pin->pt, &map->m);
+	ret = gpupin_provider_err(nvidia_p2p_dma_map_pages(map->pdev, pin->pt, &map->m));
 
 	spin_lock(&pin->lock);
 	pin->mappers--;

@@ -116,7 +116,7 @@ static int gpupin_att_attach(struct gpupin_dmabuf_att *att, struct dma_buf *dmab
 	struct dma_buf_attachment *attach = dma_buf_dynamic_attach(dmabuf, dev, ops, priv);
 
 	if (IS_ERR(attach))
-		return PTR_ERR(attach);
+		return gpupin_provider_err(PTR_ERR(attach));
 	att->attach = attach;
 	return 0;
 }
@@ -157,13 +157,13 @@ static int gpupin_dmabuf_import(struct gpupin_file *f, struct gpupin_region *pin
 	if (ret)
 		return ret;
 	dma_resv_lock(dmabuf->resv, NULL);
-	ret = dma_buf_pin(pin->att.attach);
+	ret = gpupin_provider_err(dma_buf_pin(pin->att.attach));
 	if (ret)
 		goto out_unlock;
 	pin->att.pinned = true;
 	sgt = dma_buf_map_attachment(pin->att.attach, DMA_BIDIRECTIONAL);
 	if (IS_ERR(sgt)) {
-		ret = PTR_ERR(sgt);
+		ret = gpupin_provider_err(PTR_ERR(sgt));
 		goto out_unlock;
 	}
 	pin->att.sgt = sgt;
@@ -292,7 +292,7 @@ int gpupin_dmabuf_map(struct gpupin_region *pin, struct gpupin_map *map, u32 *id
 	dma_resv_lock(dmabuf->resv, NULL);
 	sgt = dma_buf_map_attachment(map->att.attach, DMA_BIDIRECTIONAL);
 	if (IS_ERR(sgt)) {
-		ret = PTR_ERR(sgt);
+		ret = gpupin_provider_err(PTR_ERR(sgt));
 	} else {
 		map->att.sgt = sgt;
 		ret = gpupin_sgt_addrs(sgt, pin->aligned_va, pin->entries, map->dma);

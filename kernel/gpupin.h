@@ -82,6 +82,17 @@ static inline void gpupin_fault_exit(void)
 	(gpupin_fail_alloc() ? NULL : kvmalloc_array(n, size, gfp))
 #define gpupin_genlmsg_new(size, gfp) (gpupin_fail_alloc() ? NULL : genlmsg_new(size, gfp))
 
+/*
+ * An error from NVIDIA's nv-p2p calls or a dma-buf exporter, as gpupin passes
+ * it on.  NVIDIA maps NV_ERR_NOT_SUPPORTED to -ENOTSUPP, and its dma-buf
+ * attach refuses an unsupported PCI topology with it: a kernel-internal code
+ * (524) that user space has no name for.  It becomes -EOPNOTSUPP.
+ */
+static inline int gpupin_provider_err(int err)
+{
+	return err == -ENOTSUPP ? -EOPNOTSUPP : err;
+}
+
 extern atomic64_t gpupin_pinned_bytes;
 
 /* Global counters for netlink GET_STATS (main.c). */

@@ -687,6 +687,7 @@ static int gpupin_pin_create(struct gpupin_file *f, const struct gpupin_pin *req
 					   &pin->pt, gpupin_free_callback, pin);
 	if (ret) {
 		gpupin_dbg("get_pages failed: %d\n", ret);
+		ret = gpupin_provider_err(ret);
 		pin->pt = NULL;
 		goto err_unreserve;
 	}

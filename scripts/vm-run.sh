@@ -50,8 +50,11 @@ if [ "$MODE" = shell ]; then
 	[ -t 0 ] || { echo "vm-run: 'shell' needs a terminal on stdin" >&2; exit 1; }
 	TTY_SIZE=$(stty size)
 fi
-rm -rf "$RESULTS"
+# Only what this run writes: results/ also keeps make coverage's reports, a GPU host's
+# coverage data and the VM benchmark's JSON, which other modes must not delete.
 mkdir -p "$RESULTS"
+rm -rf "$RESULTS"/{dmesg.txt,taint.txt,pytest.txt,junit.xml,kmemleak.txt,gcov}
+[ "$MODE" = bench ] && rm -f "$RESULTS/bench-vm.json"
 start=$(date +%s)
 set +e
 # timeout runs vng in a process group of its own: an interactive one must stay in the

@@ -62,6 +62,10 @@ extern unsigned int sim_race_window_ms;
 extern unsigned int sim_dead_tables_max;
 extern unsigned long sim_mem_limit;
 extern unsigned int sim_page_table_version;
+extern unsigned int sim_page_size_type;
+extern unsigned int sim_dma_mapping_version;
+extern int sim_fail_attach_nth;
+extern int sim_fail_dmabuf_map_nth;
 extern u8 sim_gpu_uuid[NVIDIA_P2P_GPU_UUID_LEN];
 
 /* Counters, under sim_lock. */
@@ -136,6 +140,7 @@ const char *nvp2p_sim_provider(void);
 /* sim_p2p.c */
 void sim_pin_put(struct sim_pin *pin);
 void sim_run_callbacks(struct list_head *claimed);
+int sim_injected_error_locked(int *nth_param);
 int sim_p2p_init(void);
 void sim_p2p_exit(void);
 

@@ -42,6 +42,17 @@ struct sim_export {
 	unsigned int pins;		/* under the dma-buf's reservation lock */
 };
 
+/* An importer attaches: refused only when a test injects it (fail_attach_nth). */
+static int sim_dmabuf_attach(struct dma_buf *dmabuf, struct dma_buf_attachment *attach)
+{
+	int err;
+
+	spin_lock(&sim_lock);
+	err = sim_injected_error_locked(&sim_fail_attach_nth);
+	spin_unlock(&sim_lock);
+	return err;
+}
+
 static int sim_dmabuf_pin(struct dma_buf_attachment *attach)
 {
 	struct sim_export *exp = attach->dmabuf->priv;
@@ -74,6 +85,11 @@ static struct sg_table *sim_dmabuf_map(struct dma_buf_attachment *attach,
 	dma_resv_assert_held(attach->dmabuf->resv);
 	if (exp->revoked)
 		return ERR_PTR(-ENODEV);
+	spin_lock(&sim_lock);
+	ret = sim_injected_error_locked(&sim_fail_dmabuf_map_nth);
+	spin_unlock(&sim_lock);
+	if (ret)
+		return ERR_PTR(ret);
 	sgt = kzalloc(sizeof(*sgt), GFP_KERNEL);
 	if (!sgt)
 		return ERR_PTR(-ENOMEM);
@@ -125,6 +141,7 @@ static void sim_dmabuf_release(struct dma_buf *dmabuf)
 }
 
 static const struct dma_buf_ops sim_dmabuf_ops = {
+	.attach = sim_dmabuf_attach,
 	.pin = sim_dmabuf_pin,
 	.unpin = sim_dmabuf_unpin,
 	.map_dma_buf = sim_dmabuf_map,

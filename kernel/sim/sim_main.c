@@ -75,6 +75,22 @@ unsigned int sim_page_table_version = NVIDIA_P2P_PAGE_TABLE_VERSION;
 module_param_named(page_table_version, sim_page_table_version, uint, 0644);
 MODULE_PARM_DESC(page_table_version, "Page-table version and layout handed out: 0x00020000 (R580 on, default) or 0x00010002 (R535..R575: no flags member); others test clients' version checks");
 
+unsigned int sim_page_size_type = NVIDIA_P2P_PAGE_SIZE_64KB;
+module_param_named(page_size_type, sim_page_size_type, uint, 0644);
+MODULE_PARM_DESC(page_size_type, "Page size type written into page tables: 1 = 64 KiB (default; what every GPU gives); others test clients' checks, the memory stays in 64 KiB pages");
+
+unsigned int sim_dma_mapping_version = NVIDIA_P2P_DMA_MAPPING_VERSION;
+module_param_named(dma_mapping_version, sim_dma_mapping_version, uint, 0644);
+MODULE_PARM_DESC(dma_mapping_version, "DMA-mapping version handed out by dma_map_pages (default 0x00020003); others test clients' version checks");
+
+int sim_fail_attach_nth;
+module_param_named(fail_attach_nth, sim_fail_attach_nth, int, 0644);
+MODULE_PARM_DESC(fail_attach_nth, "Fail the Nth attach to an exported dma-buf from now with -fail_errno, then reset to 0 (0 = off)");
+
+int sim_fail_dmabuf_map_nth;
+module_param_named(fail_dmabuf_map_nth, sim_fail_dmabuf_map_nth, int, 0644);
+MODULE_PARM_DESC(fail_dmabuf_map_nth, "Fail the Nth mapping of an exported dma-buf from now with -fail_errno, then reset to 0 (0 = off)");
+
 /*
  * gpupin looks this up with symbol_get() to tell the simulator from the real
  * driver; it is not part of the nv-p2p API.

@@ -256,14 +256,18 @@ static void sim_race_work(struct work_struct *work)
 	sim_api_unlock();
 }
 
-/* Fault injection: should this get_pages fail?  Caller holds sim_lock. */
-static int sim_injected_error_locked(void)
+/*
+ * Fault injection: should this call fail?  @nth is the countdown parameter
+ * (fail_nth for get_pages, fail_attach_nth, fail_dmabuf_map_nth); the error is
+ * fail_errno's.  Caller holds sim_lock.
+ */
+int sim_injected_error_locked(int *nth_param)
 {
-	int nth = READ_ONCE(sim_fail_nth);
+	int nth = READ_ONCE(*nth_param);
 
 	if (nth <= 0)
 		return 0;
-	WRITE_ONCE(sim_fail_nth, nth - 1);
+	WRITE_ONCE(*nth_param, nth - 1);
 	if (nth > 1)
 		return 0;
 	nth = abs(READ_ONCE(sim_fail_errno));
@@ -329,7 +333,7 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 	pin->data = data;
 	pin->owner = get_pid(task_tgid(current));
 	pin->pt->version = version;
-	pin->pt->page_size = NVIDIA_P2P_PAGE_SIZE_64KB;
+	pin->pt->page_size = READ_ONCE(sim_page_size_type);
 	pin->pt->pages = pin->pages;
 	pin->pt->entries = entries;
 	if (pin->pt_size > offsetof(struct nvidia_p2p_page_table, gpu_uuid))
@@ -340,7 +344,7 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 		goto err_free;
 	spin_lock(&sim_lock);
 	sim_stats.get_pages_calls++;
-	err = sim_injected_error_locked();
+	err = sim_injected_error_locked(&sim_fail_nth);
 	if (err)
 		goto err_unlock;
 	alloc = sim_find_alloc_locked(va, len, &err);
@@ -618,7 +622,7 @@ int nvidia_p2p_dma_map_pages(struct pci_dev *peer,
 	}
 	map->dev = &peer->dev;
 	map->pin = pin;
-	map->m.version = NVIDIA_P2P_DMA_MAPPING_VERSION;
+	map->m.version = READ_ONCE(sim_dma_mapping_version);
 	map->m.page_size_type = NVIDIA_P2P_PAGE_SIZE_64KB;
 	map->m.private = map;
 	map->m.pci_dev = peer;

@@ -308,12 +308,11 @@ def bench_threads(per_thread: int, counts: tuple[int, ...] = (1, 4, 16)) -> dict
 
 def bench_vm(reps: int) -> dict[str, Any]:
     from .device import Device
-    from .sim import SimMemory, set_sim_param
+    from .sim import SimMemory
+    from .vmscale import sim_param
 
     out: dict[str, Any] = {}
-    set_sim_param("pin_latency_us", 0)
-    set_sim_param("bar_size", 2 << 30)
-    with SimMemory() as sim, Device() as dev:
+    with sim_param("pin_latency_us", 0), sim_param("bar_size", 2 << 30), SimMemory() as sim, Device() as dev:
         for label, size in (("64k", 1 << 16), ("1g", 1 << 30)):
             try:
                 va = sim.alloc(size)

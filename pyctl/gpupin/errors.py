@@ -102,7 +102,10 @@ _HINTS = {
     errno.ENODEV: "no such PCI device",
     errno.ENOTTY: "the module does not know this command: is it the version this package expects?",
     errno.EPROTO: "the provider returned a page table or mapping of an unsupported version",
-    errno.EOPNOTSUPP: "the provider does not support this (persistent pins need R535.43+)",
+    errno.EOPNOTSUPP: (
+        "the provider does not support this (persistent pins need R535.43+; a peer mapping or a"
+        " dma-buf import needs a PCI path that allows peer-to-peer; gpupin reads 64 KiB GPU pages only)"
+    ),
 }
 
 _CLASSES: dict[int, type[GpupinError]] = {

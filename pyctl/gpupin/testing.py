@@ -5,7 +5,8 @@ real driver with GPUPIN_NATIVE=1), ``device`` (an open Device), ``memory``
 (SimMemory, or CudaMemory in native mode), ``sim`` (SimMemory only),
 ``leakcheck`` (fails a test that leaves simulator pages, BAR bytes,
 callbacks or mappings behind) and ``sim_params`` (set simulator/gpupin
-parameters for one test, restored afterwards).
+parameters for one test, restored afterwards).  ``ShellOnPty`` runs
+``gpupin shell`` on a pseudo-terminal for tests of the interactive shell.
 
 Where the modules cannot be loaded the tests skip with the reason, unless
 GPUPIN_REQUIRE_VM=1 (set by the VM harness), where that is a failure.
@@ -14,6 +15,10 @@ GPUPIN_REQUIRE_VM=1 (set by the VM harness), where that is a failure.
 from __future__ import annotations
 
 import os
+import pty
+import select
+import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -145,3 +150,58 @@ def sim_params(gpupin_loaded: None) -> Iterator[Any]:
     for module, name, old in reversed(saved):
         with open(f"/sys/module/{module}/parameters/{name}", "w") as f:
             f.write(old)
+
+
+class ShellOnPty:
+    """``gpupin shell`` on a pseudo-terminal, typed into as a developer would: the
+    prompt, tab completion, Ctrl-C and Ctrl-D behave as in a terminal.  ``history``
+    is its history file; each wait gives up after ``timeout`` seconds."""
+
+    def __init__(self, history: str, timeout: float = 30.0) -> None:
+        self.timeout = timeout
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child only execs: never back into the caller's code
+            try:
+                os.environ["GPUPIN_HISTORY"] = history
+                os.execv(sys.executable, [sys.executable, "-m", "gpupin", "shell"])
+            finally:
+                os._exit(127)
+
+    def write(self, keys: bytes) -> None:
+        os.write(self.fd, keys)
+
+    def _read(self, wait: float) -> bytes | None:
+        """What the shell printed within ``wait`` seconds (b"" if nothing); None once it closed."""
+        ready, _, _ = select.select([self.fd], [], [], max(wait, 0))
+        if not ready:
+            return b""
+        try:
+            return os.read(self.fd, 4096) or None
+        except OSError:  # EIO: the shell's side is closed
+            return None
+
+    def read_until(self, token: bytes) -> bytes:
+        """Everything printed up to and including ``token`` (AssertionError on timeout)."""
+        buf = b""
+        deadline = time.monotonic() + self.timeout
+        while token not in buf:
+            left = deadline - time.monotonic()
+            assert left > 0, f"the shell did not print {token!r} within {self.timeout} s; it printed {buf!r}"
+            chunk = self._read(left)
+            if chunk is None:
+                raise AssertionError(f"the shell ended before printing {token!r}; it printed {buf!r}")
+            buf += chunk
+        return buf
+
+    def close(self) -> int:
+        """Wait for the shell to leave (killed after the timeout); its exit status."""
+        deadline = time.monotonic() + self.timeout
+        done, status = 0, 0
+        while done == 0 and time.monotonic() < deadline:
+            self._read(0.1)  # keep its output flowing so it never blocks writing
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+        if done == 0:
+            os.kill(self.pid, 9)
+            _, status = os.waitpid(self.pid, 0)
+        os.close(self.fd)
+        return os.waitstatus_to_exitcode(status)

@@ -12,6 +12,7 @@ import pytest
 from gpupin import cli
 from gpupin.device import parse_pci
 from gpupin.errors import InvalidArgument
+from gpupin.testing import ShellOnPty
 
 
 @pytest.mark.parametrize(
@@ -107,3 +108,29 @@ def test_gds_status_without_cufile_says_what_is_missing() -> None:
     else:
         assert st["max_device_pinned_mem_bytes"] > 0
     assert st["GDS nvidia-fs"].split(":")[0] in ("pass", "info")
+
+
+def test_shell_on_a_terminal(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The interactive shell as a developer meets it on a host without the module: the
+    banner, tab completion of commands and of a command's options, an error that does not
+    end it, Ctrl-C (a new prompt), Ctrl-D (leaves, exit status 0) and the history file."""
+    hist = tmp_path / "hist"
+    sh = ShellOnPty(str(hist))
+    try:
+        assert b"'help' lists commands" in sh.read_until(b"gpupin> ")
+        sh.write(b"hel\t\r")  # completes to "help "
+        out = sh.read_until(b"gpupin> ")
+        assert b"help " in out and b"commands:" in out and b"status" in out
+        sh.write(b"query --js\t1\r")  # an option of the command completes
+        out = sh.read_until(b"gpupin> ")
+        assert b"query --json 1" in out and b"error" in out and b"gpupin load" in out
+        sh.write(b"sim \t\t")  # the choices of 'sim' listed
+        out = sh.read_until(b"free")
+        assert b"alloc" in out and b"free" in out
+        sh.write(b"\x03")  # Ctrl-C: the line is dropped, a new prompt
+        assert b"^C" in sh.read_until(b"gpupin> ")
+        sh.write(b"\x04")  # Ctrl-D leaves
+    finally:
+        status = sh.close()
+    assert status == 0
+    assert "query --json 1" in hist.read_text().splitlines()

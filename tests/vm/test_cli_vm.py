@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import pty
-import select
 import subprocess
 import sys
-import time
 
 import pytest
 
 from conftest import SLOW, first_pci_device
+from gpupin.testing import ShellOnPty
 
 pytestmark = [pytest.mark.vm, pytest.mark.simonly]
 
@@ -104,52 +102,21 @@ def test_sim_set_and_unknown_commands(gpupin_loaded: None, leakcheck: None, sim_
     assert open("/sys/module/nvp2p_sim/parameters/pin_latency_us").read().strip() == "5"
 
 
-def read_until(fd: int, token: bytes, timeout: float = 30 * SLOW) -> bytes:
-    buf = b""
-    deadline = time.monotonic() + timeout
-    while token not in buf:
-        left = deadline - time.monotonic()
-        assert left > 0, f"timed out waiting for {token!r}; got {buf!r}"
-        r, _, _ = select.select([fd], [], [], left)
-        if r:
-            try:
-                chunk = os.read(fd, 4096)
-            except OSError:
-                break
-            if not chunk:
-                break
-            buf += chunk
-    return buf
-
-
 def test_shell_on_a_pty_with_completion(gpupin_loaded: None, leakcheck: None, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    pid, fd = pty.fork()
-    done, status = 0, 0
-    if pid == 0:
-        os.environ["GPUPIN_HISTORY"] = str(tmp_path / "hist")
-        os.execv(sys.executable, [sys.executable, "-m", "gpupin", "shell"])
+    sh = ShellOnPty(str(tmp_path / "hist"), timeout=30 * SLOW)
     try:
-        read_until(fd, b"gpupin> ")
-        os.write(fd, b"statu\t\r")  # tab completes "status"
-        out = read_until(fd, b"gpupin> ")
+        sh.read_until(b"gpupin> ")
+        sh.write(b"statu\t\r")  # tab completes "status"
+        out = sh.read_until(b"gpupin> ")
         assert b"provider" in out and b"nvp2p_sim" in out
-        os.write(fd, b"pin --sim-alloc 128K\r")
-        out = read_until(fd, b"gpupin> ")
-        assert b"entries" in out
-        os.write(fd, b"query 77\r")
-        out = read_until(fd, b"gpupin> ")
-        assert b"error:" in out  # and the shell goes on
-        os.write(fd, b"exit\r")
-        deadline = time.monotonic() + 30 * SLOW
-        while time.monotonic() < deadline and done == 0:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            time.sleep(0.1)
+        sh.write(b"pin --sim-alloc 128K\r")
+        assert b"entries" in sh.read_until(b"gpupin> ")
+        sh.write(b"query 77\r")
+        assert b"error:" in sh.read_until(b"gpupin> ")  # and the shell goes on
+        sh.write(b"exit\r")
     finally:
-        if done == 0:
-            os.kill(pid, 9)
-            _, status = os.waitpid(pid, 0)
-        os.close(fd)
-    assert os.waitstatus_to_exitcode(status) == 0
+        status = sh.close()
+    assert status == 0
     assert "status" in (tmp_path / "hist").read_text()
 
 

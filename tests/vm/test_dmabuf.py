@@ -228,3 +228,50 @@ def test_cache_dmabuf_backend(device: Device, sim: SimMemory) -> None:
         cache.purge()
         sim.free(va2)
     assert sim_stats().dmabuf_exports == 0
+
+
+# NVIDIA's exporter refuses an attach for a PCI topology without peer-to-peer (-ENOTSUPP,
+# which user space cannot name: EOPNOTSUPP) and fails a mapping it cannot make (NULL: ENOMEM).
+EXPORTER_FAILURES = [("fail_attach_nth", 524, errno.EOPNOTSUPP), ("fail_dmabuf_map_nth", errno.ENOMEM, errno.ENOMEM)]
+
+
+@pytest.mark.parametrize("knob,err,seen", EXPORTER_FAILURES)
+def test_exporter_refuses_import(device: Device, sim: SimMemory, sim_params, knob: str, err: int, seen: int) -> None:  # type: ignore[no-untyped-def]
+    """PIN_DMABUF says what the exporter said and leaves nothing: no pin, no attachment
+    or mapping, the buffer's reference dropped (the export goes with the user's fd)."""
+    va = sim.alloc(2 * GPU_PAGE)
+    fd = sim.export_dmabuf(va)
+    sim_params(fail_errno=err, **{knob: 1})
+    with pytest.raises(gpupin.GpupinError) as ei:
+        device.pin_dmabuf(fd)
+    assert ei.value.errno == seen and "PIN_DMABUF" in str(ei.value)
+    s = sim_stats()
+    assert s.dmabuf_mappings == 0 and s.dmabuf_exports == 1
+    assert device.info().file_pins == 0 and device.info().pinned_bytes == 0
+    pin = device.pin_dmabuf(fd)  # one failure only
+    os.close(fd)
+    assert sim_stats().dmabuf_mappings == 1
+    device.unpin(pin)
+    assert sim_stats().dmabuf_exports == 0  # gpupin held no reference after the failure
+    sim.free(va)
+
+
+@pytest.mark.parametrize("knob,err,seen", EXPORTER_FAILURES)
+def test_exporter_refuses_peer_map(device: Device, sim: SimMemory, sim_params, knob: str, err: int, seen: int) -> None:  # type: ignore[no-untyped-def]
+    """DMA_MAP of a dma-buf pin for a peer the exporter refuses: the error, no mapping
+    listed, the pin still pinned and mappable."""
+    va = sim.alloc(2 * GPU_PAGE)
+    fd = sim.export_dmabuf(va)
+    pin = device.pin_dmabuf(fd)
+    os.close(fd)
+    sim_params(fail_errno=err, **{knob: 1})
+    with pytest.raises(gpupin.GpupinError) as ei:
+        device.dma_map(pin, first_pci_device())
+    assert ei.value.errno == seen and "DMA_MAP" in str(ei.value)
+    assert sim_stats().dmabuf_mappings == 1 and device.query(pin).dma_mappings == 0
+    assert pin.is_valid()
+    m = device.dma_map(pin, first_pci_device())
+    assert m.entries == pin.entries and sim_stats().dmabuf_mappings == 2
+    device.unpin(pin)
+    assert sim_stats().dmabuf_mappings == 0 and sim_stats().dmabuf_exports == 0
+    sim.free(va)

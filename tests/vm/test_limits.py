@@ -7,7 +7,7 @@ import errno
 import pytest
 
 import gpupin
-from conftest import GPU_PAGE, MiB
+from conftest import GPU_PAGE, MiB, first_pci_device
 from gpupin import Device, SimMemory, sim_stats
 
 pytestmark = [pytest.mark.vm, pytest.mark.simonly]
@@ -70,23 +70,27 @@ def test_budget_released_by_invalidation(device: Device, sim: SimMemory, sim_par
     sim.free(vb)
 
 
+ENOTSUPP = 524  # kernel-internal: NVIDIA's answer for NV_ERR_NOT_SUPPORTED
+
+
 @pytest.mark.parametrize(
-    "err,exc",
+    "err,exc,seen",
     [
-        (errno.ENOMEM, gpupin.BarExhausted),
-        (errno.EIO, gpupin.GpupinError),
-        (errno.EINVAL, gpupin.NotGpuMemory),
-        (errno.EBUSY, gpupin.GpupinError),
+        (errno.ENOMEM, gpupin.BarExhausted, errno.ENOMEM),
+        (errno.EIO, gpupin.GpupinError, errno.EIO),
+        (errno.EINVAL, gpupin.NotGpuMemory, errno.EINVAL),
+        (errno.EBUSY, gpupin.GpupinError, errno.EBUSY),
+        (ENOTSUPP, gpupin.GpupinError, errno.EOPNOTSUPP),  # user space has no name for 524
     ],
 )
-def test_injected_provider_failure(device: Device, sim: SimMemory, sim_params, err: int, exc: type) -> None:  # type: ignore[no-untyped-def]
+def test_injected_provider_failure(device: Device, sim: SimMemory, sim_params, err: int, exc: type, seen: int) -> None:  # type: ignore[no-untyped-def]
     va = sim.alloc(4 * GPU_PAGE)
     sim_params(fail_errno=err, fail_nth=3)
     a = device.pin(va, GPU_PAGE)
     b = device.pin(va, GPU_PAGE)
     with pytest.raises(exc) as ei:
         device.pin(va, GPU_PAGE)
-    assert ei.value.errno == err
+    assert ei.value.errno == seen
     c = device.pin(va, GPU_PAGE)  # one failure only
     assert device.info().file_pins == 3 and device.info().pinned_bytes == 3 * GPU_PAGE
     for p in (a, b, c):
@@ -143,4 +147,43 @@ def test_pin_latency_parameter(device: Device, sim: SimMemory, sim_params) -> No
     pin = device.pin(va, GPU_PAGE)
     assert time.monotonic() - t >= 0.02
     device.unpin(pin)
+    sim.free(va)
+
+
+@pytest.mark.parametrize("page_size_type", [0, 2, 7])  # 4 KiB, 128 KiB, no such type
+def test_page_size_other_than_64k_is_refused(device: Device, sim: SimMemory, sim_params, page_size_type: int) -> None:  # type: ignore[no-untyped-def]
+    """gpupin's pages, offsets and dma addresses are 64 KiB ones: a table of other
+    pages is given back (put_pages) and the pin refused, with nothing left."""
+    va = sim.alloc(2 * GPU_PAGE)
+    sim_params(page_size_type=page_size_type)
+    with pytest.raises(gpupin.GpupinError) as ei:
+        device.pin(va, 2 * GPU_PAGE)
+    assert ei.value.errno == errno.EOPNOTSUPP and "does not support" in str(ei.value)
+    s = sim_stats()
+    assert s.page_tables == 0 and s.pinned_pages == 0 and s.get_pages_calls >= 1
+    assert device.info().pinned_bytes == 0 and device.info().file_pins == 0
+    sim_params(page_size_type=1)
+    pin = device.pin(va, 2 * GPU_PAGE)  # the same range pins once the tables are right
+    device.unpin(pin)
+    sim.free(va)
+
+
+@pytest.mark.parametrize("version", [0x00010003, 0x00030003, 0x00020002])
+def test_incompatible_dma_mapping_is_refused(device: Device, sim: SimMemory, sim_params, version: int) -> None:  # type: ignore[no-untyped-def]
+    """A DMA mapping gpupin cannot read (another major, or a 2.x older than the
+    header's minor) goes back to the driver (dma_unmap_pages) and DMA_MAP says
+    EPROTO; the pin stays pinned and maps once the driver answers right."""
+    va = sim.alloc(2 * GPU_PAGE)
+    pin = device.pin(va, 2 * GPU_PAGE)
+    sim_params(dma_mapping_version=version)
+    with pytest.raises(gpupin.GpupinError) as ei:
+        device.dma_map(pin, first_pci_device())
+    assert ei.value.errno == errno.EPROTO and "unsupported version" in str(ei.value)
+    assert sim_stats().dma_mappings == 0 and device.query(pin).dma_mappings == 0
+    assert pin.is_valid()
+    sim_params(dma_mapping_version=0x00020003)
+    m = device.dma_map(pin, first_pci_device())
+    assert m.entries == 2 and sim_stats().dma_mappings == 1
+    device.unpin(pin)  # takes the mapping with it
+    assert sim_stats().dma_mappings == 0
     sim.free(va)
