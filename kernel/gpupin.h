@@ -31,6 +31,7 @@
 #define _GPUPIN_INTERNAL_H
 
 #include <linux/bits.h>
+#include <linux/errno.h>
 #include <linux/idr.h>
 #include <linux/kref.h>
 #include <linux/list.h>

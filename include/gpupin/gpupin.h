@@ -123,7 +123,9 @@ int gpupin_ref_info(struct gpupin_ref *ref, struct gpupin_ref_info *info);
  * Context: process context; may sleep.  Do not call it inside an access
  * section, nor with a lock that your notifier takes.
  * Return: 0, -ENODEV when the memory is gone or its free callback has
- * begun, -ENOSPC past the per-pin mapping limit, or the provider's error -
+ * begun, -ENOSPC past the per-pin mapping limit, -EPROTO for a DMA mapping
+ * of a version gpupin cannot read (given back), or the provider's error
+ * (its -ENOTSUPP, which user space cannot name, as -EOPNOTSUPP) -
  * which is also what a call racing the GPU memory's free gets in the short
  * time between the provider starting the free and calling gpupin (the
  * simulator answers -EINVAL for memory it is freeing).

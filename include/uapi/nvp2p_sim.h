@@ -86,6 +86,8 @@ struct nvp2p_sim_stats {
 	__u64 lock_timeouts;		/* API lock waits given up: a real-driver deadlock */
 	__u64 callback_overruns;	/* free callbacks that ran past callback_timeout_ms */
 	__u64 dma_map_races;		/* freed by a callback in dma_map_pages' window */
+	__u64 dmabuf_attachments;	/* importers attached to the exported dma-bufs */
+	__u64 dmabuf_pins;		/* their pins (dynamic importers' dma_buf_pin) */
 	__u64 reserved[1];
 };
 

@@ -64,6 +64,7 @@ extern unsigned long sim_mem_limit;
 extern unsigned int sim_page_table_version;
 extern unsigned int sim_page_size_type;
 extern unsigned int sim_dma_mapping_version;
+extern int sim_fail_dma_map_nth;
 extern int sim_fail_attach_nth;
 extern int sim_fail_dmabuf_map_nth;
 extern u8 sim_gpu_uuid[NVIDIA_P2P_GPU_UUID_LEN];

@@ -42,15 +42,27 @@ struct sim_export {
 	unsigned int pins;		/* under the dma-buf's reservation lock */
 };
 
-/* An importer attaches: refused only when a test injects it (fail_attach_nth). */
+/*
+ * An importer attaches (refused only when a test injects it: fail_attach_nth)
+ * or detaches; counted, so that a test sees an importer that left one behind.
+ */
 static int sim_dmabuf_attach(struct dma_buf *dmabuf, struct dma_buf_attachment *attach)
 {
 	int err;
 
 	spin_lock(&sim_lock);
 	err = sim_injected_error_locked(&sim_fail_attach_nth);
+	if (!err)
+		sim_stats.dmabuf_attachments++;
 	spin_unlock(&sim_lock);
 	return err;
+}
+
+static void sim_dmabuf_detach(struct dma_buf *dmabuf, struct dma_buf_attachment *attach)
+{
+	spin_lock(&sim_lock);
+	sim_stats.dmabuf_attachments--;
+	spin_unlock(&sim_lock);
 }
 
 static int sim_dmabuf_pin(struct dma_buf_attachment *attach)
@@ -61,6 +73,9 @@ static int sim_dmabuf_pin(struct dma_buf_attachment *attach)
 	if (exp->revoked)
 		return -ENODEV;
 	exp->pins++;
+	spin_lock(&sim_lock);
+	sim_stats.dmabuf_pins++;
+	spin_unlock(&sim_lock);
 	return 0;
 }
 
@@ -71,6 +86,9 @@ static void sim_dmabuf_unpin(struct dma_buf_attachment *attach)
 	dma_resv_assert_held(attach->dmabuf->resv);
 	WARN_ON_ONCE(!exp->pins);
 	exp->pins--;
+	spin_lock(&sim_lock);
+	sim_stats.dmabuf_pins--;
+	spin_unlock(&sim_lock);
 }
 
 static struct sg_table *sim_dmabuf_map(struct dma_buf_attachment *attach,
@@ -88,6 +106,9 @@ static struct sg_table *sim_dmabuf_map(struct dma_buf_attachment *attach,
 	spin_lock(&sim_lock);
 	ret = sim_injected_error_locked(&sim_fail_dmabuf_map_nth);
 	spin_unlock(&sim_lock);
+	/* NVIDIA's nv_dma_buf_map returns NULL, which the dma-buf core makes -ENOMEM. */
+	if (ret == -ENOMEM)
+		return NULL;
 	if (ret)
 		return ERR_PTR(ret);
 	sgt = kzalloc(sizeof(*sgt), GFP_KERNEL);
@@ -142,6 +163,7 @@ static void sim_dmabuf_release(struct dma_buf *dmabuf)
 
 static const struct dma_buf_ops sim_dmabuf_ops = {
 	.attach = sim_dmabuf_attach,
+	.detach = sim_dmabuf_detach,
 	.pin = sim_dmabuf_pin,
 	.unpin = sim_dmabuf_unpin,
 	.map_dma_buf = sim_dmabuf_map,

@@ -257,9 +257,9 @@ static void sim_race_work(struct work_struct *work)
 }
 
 /*
- * Fault injection: should this call fail?  @nth is the countdown parameter
- * (fail_nth for get_pages, fail_attach_nth, fail_dmabuf_map_nth); the error is
- * fail_errno's.  Caller holds sim_lock.
+ * Fault injection: should this call fail?  @nth_param is the countdown
+ * (fail_nth for get_pages, fail_dma_map_nth, fail_attach_nth,
+ * fail_dmabuf_map_nth); the error is fail_errno's.  Caller holds sim_lock.
  */
 int sim_injected_error_locked(int *nth_param)
 {
@@ -605,7 +605,7 @@ int nvidia_p2p_dma_map_pages(struct pci_dev *peer,
 		sim_stats.dma_map_races++;
 		pr_warn_ratelimited("dma_map_pages: the table was freed while it waited for the API lock\n");
 	} else if (pin->state == SIM_PIN_LIVE) {
-		err = 0;
+		err = sim_injected_error_locked(&sim_fail_dma_map_nth);
 	}
 	spin_unlock(&sim_lock);
 	if (err)

@@ -40,6 +40,8 @@ class SimStats:
     lock_timeouts: int
     callback_overruns: int
     dma_map_races: int
+    dmabuf_attachments: int
+    dmabuf_pins: int
 
     def leaks(self) -> dict[str, int]:
         """Counters that must be 0 once everything is released, and are not.
@@ -61,6 +63,8 @@ class SimStats:
             "poison_errors",
             "dmabuf_exports",
             "dmabuf_mappings",
+            "dmabuf_attachments",
+            "dmabuf_pins",
             "use_after_free_calls",
             "puts_not_found",
             "lock_timeouts",

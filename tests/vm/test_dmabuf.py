@@ -45,9 +45,11 @@ def test_sim_export_pinned_and_read_exactly(device: Device, sim: SimMemory, peer
     assert sim.read(va, 3333) == data[:3333]
     s = sim_stats()
     assert s.dmabuf_exports == 1 and s.dmabuf_mappings == 1  # gpupin's import
+    assert s.dmabuf_attachments == 1 and s.dmabuf_pins == 1  # gpupin's (the peer's XFERs left)
     device.unpin(pin)
     s = sim_stats()
     assert s.dmabuf_exports == 0 and s.dmabuf_mappings == 0
+    assert s.dmabuf_attachments == 0 and s.dmabuf_pins == 0
     sim.free(va)
 
 
@@ -247,10 +249,12 @@ def test_exporter_refuses_import(device: Device, sim: SimMemory, sim_params, kno
     assert ei.value.errno == seen and "PIN_DMABUF" in str(ei.value)
     s = sim_stats()
     assert s.dmabuf_mappings == 0 and s.dmabuf_exports == 1
+    assert s.dmabuf_attachments == 0 and s.dmabuf_pins == 0  # detached, unpinned
     assert device.info().file_pins == 0 and device.info().pinned_bytes == 0
     pin = device.pin_dmabuf(fd)  # one failure only
     os.close(fd)
-    assert sim_stats().dmabuf_mappings == 1
+    s = sim_stats()
+    assert s.dmabuf_mappings == 1 and s.dmabuf_attachments == 1 and s.dmabuf_pins == 1
     device.unpin(pin)
     assert sim_stats().dmabuf_exports == 0  # gpupin held no reference after the failure
     sim.free(va)
@@ -268,10 +272,13 @@ def test_exporter_refuses_peer_map(device: Device, sim: SimMemory, sim_params, k
     with pytest.raises(gpupin.GpupinError) as ei:
         device.dma_map(pin, first_pci_device())
     assert ei.value.errno == seen and "DMA_MAP" in str(ei.value)
-    assert sim_stats().dmabuf_mappings == 1 and device.query(pin).dma_mappings == 0
-    assert pin.is_valid()
+    s = sim_stats()
+    assert s.dmabuf_mappings == 1 and s.dmabuf_attachments == 1  # gpupin's import only
+    assert device.query(pin).dma_mappings == 0 and pin.is_valid()
     m = device.dma_map(pin, first_pci_device())
-    assert m.entries == pin.entries and sim_stats().dmabuf_mappings == 2
+    s = sim_stats()
+    assert m.entries == pin.entries and s.dmabuf_mappings == 2 and s.dmabuf_attachments == 2
     device.unpin(pin)
-    assert sim_stats().dmabuf_mappings == 0 and sim_stats().dmabuf_exports == 0
+    s = sim_stats()
+    assert s.dmabuf_mappings == 0 and s.dmabuf_attachments == 0 and s.dmabuf_exports == 0
     sim.free(va)

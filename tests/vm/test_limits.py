@@ -156,11 +156,12 @@ def test_page_size_other_than_64k_is_refused(device: Device, sim: SimMemory, sim
     pages is given back (put_pages) and the pin refused, with nothing left."""
     va = sim.alloc(2 * GPU_PAGE)
     sim_params(page_size_type=page_size_type)
+    calls = sim_stats().get_pages_calls
     with pytest.raises(gpupin.GpupinError) as ei:
         device.pin(va, 2 * GPU_PAGE)
     assert ei.value.errno == errno.EOPNOTSUPP and "does not support" in str(ei.value)
     s = sim_stats()
-    assert s.page_tables == 0 and s.pinned_pages == 0 and s.get_pages_calls >= 1
+    assert s.page_tables == 0 and s.pinned_pages == 0 and s.get_pages_calls == calls + 1
     assert device.info().pinned_bytes == 0 and device.info().file_pins == 0
     sim_params(page_size_type=1)
     pin = device.pin(va, 2 * GPU_PAGE)  # the same range pins once the tables are right
@@ -186,4 +187,26 @@ def test_incompatible_dma_mapping_is_refused(device: Device, sim: SimMemory, sim
     assert m.entries == 2 and sim_stats().dma_mappings == 1
     device.unpin(pin)  # takes the mapping with it
     assert sim_stats().dma_mappings == 0
+    sim.free(va)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_provider_enotsupp_is_eopnotsupp(device: Device, sim: SimMemory, sim_params, persistent: bool) -> None:  # type: ignore[no-untyped-def]
+    """NVIDIA answers NV_ERR_NOT_SUPPORTED with -ENOTSUPP (524), which user space cannot
+    name: PIN (either API) and DMA_MAP pass it on as EOPNOTSUPP, leaving nothing."""
+    va = sim.alloc(2 * GPU_PAGE)
+    sim_params(fail_errno=ENOTSUPP, fail_nth=1)
+    with pytest.raises(gpupin.GpupinError) as ei:
+        device.pin(va, 2 * GPU_PAGE, persistent=persistent)
+    assert ei.value.errno == errno.EOPNOTSUPP and "does not support" in str(ei.value)
+    assert sim_stats().page_tables == 0 and device.info().file_pins == 0
+    pin = device.pin(va, 2 * GPU_PAGE, persistent=persistent)
+    sim_params(fail_dma_map_nth=1)
+    with pytest.raises(gpupin.GpupinError) as ei:
+        device.dma_map(pin, first_pci_device())
+    assert ei.value.errno == errno.EOPNOTSUPP and "DMA_MAP" in str(ei.value)
+    assert sim_stats().dma_mappings == 0 and device.query(pin).dma_mappings == 0 and pin.is_valid()
+    m = device.dma_map(pin, first_pci_device())  # one failure only
+    assert m.entries == 2
+    device.unpin(pin)
     sim.free(va)
