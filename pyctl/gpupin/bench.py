@@ -40,7 +40,7 @@ MiB = 1 << 20
 TARGETS = {
     "direct_over_cuda_python": 0.25,
     "cuda_tag_hit_over_direct_query": 1.5,
-    "kernel_hit_over_dict": 3.0,
+    "kernel_hit_over_dict": 1.5,
     "trace_pin_reduction": 100.0,
     "trace_speedup": 10.0,
     "scale_100k_over_100": 1.5,
