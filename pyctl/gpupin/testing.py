@@ -159,6 +159,7 @@ class ShellOnPty:
 
     def __init__(self, history: str, timeout: float = 30.0) -> None:
         self.timeout = timeout
+        self._pending = b""  # printed after the token the last read_until waited for
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child only execs: never back into the caller's code
             try:
@@ -181,8 +182,9 @@ class ShellOnPty:
             return None
 
     def read_until(self, token: bytes) -> bytes:
-        """Everything printed up to and including ``token`` (AssertionError on timeout)."""
-        buf = b""
+        """What the shell printed up to and including ``token``; the rest stays for the
+        next call (AssertionError on timeout)."""
+        buf, self._pending = self._pending, b""
         deadline = time.monotonic() + self.timeout
         while token not in buf:
             left = deadline - time.monotonic()
@@ -191,7 +193,9 @@ class ShellOnPty:
             if chunk is None:
                 raise AssertionError(f"the shell ended before printing {token!r}; it printed {buf!r}")
             buf += chunk
-        return buf
+        end = buf.index(token) + len(token)
+        self._pending = buf[end:]
+        return buf[:end]
 
     def close(self) -> int:
         """Wait for the shell to leave (killed after the timeout); its exit status."""
