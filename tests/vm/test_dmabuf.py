@@ -284,3 +284,22 @@ def test_exporter_refuses_peer_map(device: Device, sim: SimMemory, sim_params, k
     s = sim_stats()
     assert s.dmabuf_mappings == 0 and s.dmabuf_attachments == 0 and s.dmabuf_exports == 0
     sim.free(va)
+
+
+def test_budget_applies_to_dmabuf_pins(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
+    """max_pinned_bytes counts dma-buf pins as it counts nv-p2p ones: beyond it PIN_DMABUF
+    is BudgetExceeded before anything is attached, and the buffer's reference is dropped."""
+    sim_params("gpupin", max_pinned_bytes=GPU_PAGE)
+    va = sim.alloc(2 * GPU_PAGE)
+    fd = sim.export_dmabuf(va)
+    with pytest.raises(gpupin.BudgetExceeded) as ei:
+        device.pin_dmabuf(fd)
+    assert ei.value.errno == errno.ENOSPC and "PIN_DMABUF" in str(ei.value)
+    s = sim_stats()
+    assert s.dmabuf_attachments == 0 and s.dmabuf_mappings == 0 and device.info().file_pins == 0
+    pin = device.pin_dmabuf(fd, GPU_PAGE)  # within the budget
+    os.close(fd)
+    assert device.info().pinned_bytes == GPU_PAGE
+    device.unpin(pin)
+    assert sim_stats().dmabuf_exports == 0  # no reference left behind by the refusal
+    sim.free(va)
