@@ -22,7 +22,7 @@ if [ "${1:-}" = --summary ]; then
 	elif [ -f "$OUT/summary.txt" ]; then
 		echo "coverage: last measured at $(sed -n 's/^commit: //p' "$OUT/summary.txt"), not $head (make coverage)"
 	else
-		echo "coverage: never measured here (make coverage: about 40 minutes on 2 cores)"
+		echo "coverage: never measured here (make coverage: about 20 minutes on 2 cores)"
 	fi
 	exit 0
 fi

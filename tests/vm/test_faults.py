@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable
 
 import pytest
 
@@ -64,6 +65,33 @@ def scenario(peer: Peer, pci: str, log: list[str]) -> None:
         sim.free(va)
 
 
+def scenario_dmabuf(peer: Peer, pci: str, log: list[str]) -> None:
+    """The same for a dma-buf pin: the import, a peer's attachment and the address buffers."""
+    with SimMemory() as sim:
+        va = sim.alloc(4 * GPU_PAGE)
+        fd = sim.export_dmabuf(va)
+        try:
+            dev = Device()
+            log.append("open")
+            try:
+                pin = dev.pin_dmabuf(fd)  # pin + its record + the import's address array
+                log.append("pin")
+                m = dev.dma_map(pin, pci)  # mapping + its address array
+                log.append("dma_map")
+                assert len(dev.get_pages(pin)) == pin.entries
+                log.append("get_pages")
+                assert len(dev.dma_addrs(m)) == pin.entries
+                log.append("dma_addrs")
+                dev.dma_unmap(m)
+                dev.unpin(pin)
+                log.append("unpin")
+            finally:
+                dev.close()
+        finally:
+            os.close(fd)
+        sim.free(va)
+
+
 def _write(path: str, value: int) -> None:
     with open(path, "w") as f:
         f.write(str(value))
@@ -105,7 +133,28 @@ def armed() -> bool:
     return _read(f"{ATTR}/times") > 0 if framework() else _read(PARAM) > 0
 
 
-def test_every_own_allocation_failure_is_clean(peer: Peer) -> None:
+NVP2P_STEPS = [
+    "open",
+    "pin",
+    "nl_get_pin",
+    "nl_info",
+    "nl_stats",
+    "dma_map",
+    "get_pages",
+    "dma_addrs",
+    "hold",
+    "peer_read",
+]
+
+
+@pytest.mark.parametrize(
+    "scenario,steps",
+    [(scenario, NVP2P_STEPS), (scenario_dmabuf, ["open", "pin", "dma_map", "get_pages", "dma_addrs"])],
+    ids=["nvp2p", "dmabuf"],
+)
+def test_every_own_allocation_failure_is_clean(
+    peer: Peer, scenario: Callable[[Peer, str, list[str]], None], steps: list[str]
+) -> None:
     pci = first_pci_device()
     full: list[str] = []
     scenario(peer, pci, full)
@@ -136,8 +185,6 @@ def test_every_own_allocation_failure_is_clean(peer: Peer) -> None:
         arm(0)
     print(f"own-allocation failures injected at: {failed_at}")
     # Every step that allocates was hit at least once.
-    steps = ["open", "pin", "nl_get_pin", "nl_info", "nl_stats"]
-    steps += ["dma_map", "get_pages", "dma_addrs", "hold", "peer_read"]
     assert set(steps) <= set(failed_at)
     log = []
     scenario(peer, pci, log)
