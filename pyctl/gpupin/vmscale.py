@@ -290,7 +290,8 @@ def dump_racing_unpins(n: int) -> dict[str, Any]:
 
 
 def huge_pins(count: int) -> dict[str, Any]:
-    """Kernel memory per 1 GiB pin (page table of 16,384 GPU pages)."""
+    """Kernel memory per 1 GiB pin (page table of 16,384 GPU pages); the simulated BAR must
+    hold ``count`` GiB (``run()`` makes it 64 GiB)."""
     with SimMemory() as sim, Device() as dev:
         try:
             va = sim.alloc(1 << 30)
