@@ -308,11 +308,15 @@ def bench_threads(per_thread: int, counts: tuple[int, ...] = (1, 4, 16)) -> dict
 
 def bench_vm(reps: int) -> dict[str, Any]:
     from .device import Device
-    from .sim import SimMemory
-    from .vmscale import sim_param
+    from .sim import SimMemory, module_param
 
     out: dict[str, Any] = {}
-    with sim_param("pin_latency_us", 0), sim_param("bar_size", 2 << 30), SimMemory() as sim, Device() as dev:
+    with (
+        module_param("nvp2p_sim", "pin_latency_us", 0),
+        module_param("nvp2p_sim", "bar_size", 2 << 30),
+        SimMemory() as sim,
+        Device() as dev,
+    ):
         for label, size in (("64k", 1 << 16), ("1g", 1 << 30)):
             try:
                 va = sim.alloc(size)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -13,7 +15,6 @@ from .errors import DriverNotLoaded, InvalidArgument, NotGpuMemory, from_errno
 from .memory import AllocationRange, ProviderBase
 
 SIM_PATH = "/dev/nvp2p_sim"
-SIM_PARAMS = "/sys/module/nvp2p_sim/parameters"
 
 
 @dataclass(frozen=True)
@@ -196,16 +197,40 @@ def sim_stats(fd: int | None = None) -> SimStats:
             os.close(fd)
 
 
-def set_sim_param(name: str, value: object) -> None:
-    """Set a simulator parameter at run time (bar_size, pin_latency_us, fail_nth, ...)."""
-    path = os.path.join(SIM_PARAMS, name)
+def _param_path(module: str, name: str) -> str:
+    path = f"/sys/module/{module}/parameters/{name}"
     if not os.path.exists(path):
-        raise DriverNotLoaded(f"{path} does not exist: is nvp2p_sim loaded, and is '{name}' a parameter?")
+        raise DriverNotLoaded(f"{path} does not exist: is {module} loaded, and is '{name}' a parameter?")
+    return path
+
+
+def set_module_param(module: str, name: str, value: object) -> None:
+    """Set a loaded module's parameter at run time (a bool as Y/N)."""
     text = ("Y" if value else "N") if isinstance(value, bool) else str(value)
-    with open(path, "w") as f:
+    with open(_param_path(module, name), "w") as f:
         f.write(text)
 
 
-def get_sim_param(name: str) -> str:
-    with open(os.path.join(SIM_PARAMS, name)) as f:
+def get_module_param(module: str, name: str) -> str:
+    with open(_param_path(module, name)) as f:
         return f.read().strip()
+
+
+@contextlib.contextmanager
+def module_param(module: str, name: str, value: object) -> Iterator[None]:
+    """The module's parameter ``name`` is ``value`` inside, its old value after."""
+    old = get_module_param(module, name)
+    set_module_param(module, name, value)
+    try:
+        yield
+    finally:
+        set_module_param(module, name, old)
+
+
+def set_sim_param(name: str, value: object) -> None:
+    """Set a simulator parameter at run time (bar_size, pin_latency_us, fail_nth, ...)."""
+    set_module_param("nvp2p_sim", name, value)
+
+
+def get_sim_param(name: str) -> str:
+    return get_module_param("nvp2p_sim", name)

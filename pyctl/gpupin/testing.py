@@ -14,6 +14,7 @@ GPUPIN_REQUIRE_VM=1 (set by the VM harness), where that is a failure.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pty
 import select
@@ -29,7 +30,7 @@ from .device import Device
 from .errors import ModuleError
 from .memory import MemoryProvider
 from .peer import Peer, load_peer
-from .sim import SimMemory, set_sim_param, sim_stats
+from .sim import SimMemory, module_param, sim_stats
 
 NATIVE = os.environ.get("GPUPIN_NATIVE") == "1"
 REQUIRED = os.environ.get("GPUPIN_REQUIRE_VM") == "1"
@@ -133,23 +134,13 @@ def memory(leakcheck: None) -> Iterator[MemoryProvider]:
 @pytest.fixture
 def sim_params(gpupin_loaded: None) -> Iterator[Any]:
     """``sim_params(module, name=value, ...)`` for this test; old values come back after."""
-    saved: list[tuple[str, str, str]] = []
+    with contextlib.ExitStack() as saved:  # restores in reverse order
 
-    def setter(module: str = "nvp2p_sim", **values: object) -> None:
-        for name, value in values.items():
-            path = f"/sys/module/{module}/parameters/{name}"
-            with open(path) as f:
-                saved.append((module, name, f.read().strip()))
-            if module == "nvp2p_sim":
-                set_sim_param(name, value)
-            else:
-                with open(path, "w") as f:
-                    f.write(str(int(value) if isinstance(value, bool) else value))
+        def setter(module: str = "nvp2p_sim", **values: object) -> None:
+            for name, value in values.items():
+                saved.enter_context(module_param(module, name, value))
 
-    yield setter
-    for module, name, old in reversed(saved):
-        with open(f"/sys/module/{module}/parameters/{name}", "w") as f:
-            f.write(old)
+        yield setter
 
 
 class ShellOnPty:

@@ -34,10 +34,9 @@ from typing import Any
 from ._native import lib
 from .device import Device
 from .errors import GpupinError
-from .sim import SimMemory, get_sim_param, set_sim_param
+from .sim import SimMemory, module_param
 
 GPU_PAGE = 1 << 16
-PARAM = "/sys/module/gpupin/parameters/max_pins_per_file"
 NLMSG_ERROR, NLMSG_DONE = 2, 3
 NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
 NETLINK_GENERIC = 16  # not in every Python's socket module
@@ -47,29 +46,9 @@ def _progress(msg: str) -> None:
     print(f"bench-vm: {msg}", file=sys.stderr, flush=True)
 
 
-@contextlib.contextmanager
-def max_pins_per_file(n: int) -> Iterator[None]:
+def max_pins_per_file(n: int) -> contextlib.AbstractContextManager[None]:
     """Files opened inside get n slots (the parameter is read at open)."""
-    with open(PARAM) as f:
-        old = f.read().strip()
-    with open(PARAM, "w") as f:
-        f.write(str(n))
-    try:
-        yield
-    finally:
-        with open(PARAM, "w") as f:
-            f.write(old)
-
-
-@contextlib.contextmanager
-def sim_param(name: str, value: object) -> Iterator[None]:
-    """The simulator's parameter ``name`` is ``value`` inside, its old value after."""
-    old = get_sim_param(name)
-    set_sim_param(name, value)
-    try:
-        yield
-    finally:
-        set_sim_param(name, old)
+    return module_param("gpupin", "max_pins_per_file", n)
 
 
 def meminfo_kb(key: str) -> int:
@@ -376,7 +355,7 @@ def run(total: int = 100_000, reps: int = 50, flood_slots: int = 4096, huge: int
     flood overflows only when ``total`` exceeds ``flood_slots``).  The simulated BAR is
     made large enough for every pin (each 64 KiB pin takes 64 KiB of it, as on a GPU:
     100,000 of them take 6.1 GiB, the default BAR 256 MiB) and restored after."""
-    with sim_param("pin_latency_us", 0), sim_param("bar_size", 64 << 30):
+    with module_param("nvp2p_sim", "pin_latency_us", 0), module_param("nvp2p_sim", "bar_size", 64 << 30):
         return _run(total, reps, flood_slots, huge)
 
 
