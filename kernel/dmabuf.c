@@ -180,7 +180,10 @@ static int gpupin_pin_dmabuf_validate(const struct gpupin_pin_dmabuf *arg, u64 *
 {
 	u64 end;
 
-	if (arg->flags || arg->reserved[0] || arg->reserved[1] || !arg->size ||
+	if ((arg->flags & ~GPUPIN_PIN_DMABUF_FLAGS_ALL) || arg->pad || arg->reserved ||
+	    (!(arg->flags & GPUPIN_PIN_DMABUF_PCI_DEV) &&
+	     (arg->pci_domain || arg->pci_bus || arg->pci_devfn)) ||
+	    arg->pci_domain > 0xffff || arg->pci_bus > 0xff || arg->pci_devfn > 0xff || !arg->size ||
 	    !PAGE_ALIGNED(arg->offset) || check_add_overflow(arg->offset, arg->size, &end) ||
 	    end > U64_MAX - PAGE_SIZE)
 		return -EINVAL;

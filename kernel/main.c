@@ -106,7 +106,7 @@ static int __init gpupin_init(void)
 	BUILD_BUG_ON(sizeof(struct gpupin_dma_addrs) != 48);
 	BUILD_BUG_ON(sizeof(struct gpupin_dma_unmap) != 32);
 	BUILD_BUG_ON(sizeof(struct gpupin_event) != 32);
-	BUILD_BUG_ON(sizeof(struct gpupin_pin_dmabuf) != 112);
+	BUILD_BUG_ON(sizeof(struct gpupin_pin_dmabuf) != 120);
 
 	gpupin_detect_provider();
 	ret = gpupin_fault_init();

@@ -17,7 +17,7 @@
 #include <linux/ioctl.h>
 #include <linux/types.h>
 
-#define GPUPIN_ABI_VERSION 1
+#define GPUPIN_ABI_VERSION 2
 #define GPUPIN_IOC_MAGIC 0xC7
 
 /* GPU pages are 64 KiB: pins are widened to this alignment. */
@@ -52,6 +52,17 @@ struct gpupin_info {
 #define GPUPIN_PIN_FLAGS_ALL 0x1
 /* .pin_flags (out) only: the pin imports a dma-buf (GPUPIN_IOC_PIN_DMABUF) */
 #define GPUPIN_PIN_DMABUF 0x2
+/*
+ * .pin_flags (out) only: the provider tells gpupin when the memory goes (the
+ * nv-p2p free callback of a non-persistent pin, move_notify of a dma-buf
+ * exporter that can revoke), and gpupin then clears the validity word and
+ * queues an invalidation record.  Without it (persistent pins; dma-bufs of a
+ * static exporter, NVIDIA's among them) the pin holds the memory until
+ * UNPIN and is never invalidated: the GPU memory stays allocated after
+ * cuMemFree, a new allocation may get the same address with other memory,
+ * and only a buffer-id check tells a stale pin.
+ */
+#define GPUPIN_PIN_REVOCABLE 0x4
 
 struct gpupin_pin {
 	__u64 va;
@@ -117,19 +128,28 @@ struct gpupin_get_pages {
 };
 
 /*
- * Map a pin's pages for the PCI device domain:bus:devfn (nvidia_p2p_dma_map_pages
- * or a dma-buf attachment); mapping_id (out) names the mapping.  Only for a
- * file opened by a process with CAP_SYS_ADMIN (EPERM otherwise): a mapping
- * opens the memory to that device.  Each call makes a new mapping, also for
- * a device already mapped (at most 16 per pin, ENOSPC beyond).
+ * Map a pin's pages for the PCI device domain:bus:devfn; mapping_id (out)
+ * names the mapping.  Only for a file opened by a process with
+ * CAP_SYS_ADMIN (EPERM otherwise): a mapping opens the memory to that
+ * device.  Each call makes a new mapping, also for a device already mapped
+ * (at most 16 per pin, ENOSPC beyond).  ENXIO: the memory is gone.
  *
- * Limitation of NVIDIA's API: nvidia_p2p_dma_map_pages reads the page table
- * before it takes the driver lock that the free callback runs under, and
- * the callback cannot wait for it (that deadlocks the driver).  gpupin checks
- * that the pin is alive right before the call, so only a free of the GPU
- * memory that races this very call is exposed; free GPU memory only after
- * DMA_MAP returned, or use persistent pins (no callback).  ENXIO: the memory
- * was freed meanwhile.
+ * Who maps:
+ * - Persistent pins: nvidia_p2p_dma_map_pages (no free callback can race it).
+ * - Non-persistent pins: gpupin itself, never NVIDIA.  NVIDIA's
+ *   nvidia_p2p_dma_map_pages reads the page table, then waits for the
+ *   driver lock that the free callback runs under, and links its mapping
+ *   into the table afterwards: a free racing the call corrupts NVIDIA's
+ *   heap, and the callback cannot wait for the mapper (deadlock).  gpupin's
+ *   own mapping takes no NVIDIA lock, so the free callback waits for it and
+ *   unmaps it.  BAR pages (discrete GPUs) go through dma_map_resource; where
+ *   the kernel has CONFIG_PCI_P2PDMA, a device the PCI topology gives no
+ *   peer-to-peer path to the GPU is refused (EOPNOTSUPP), as NVIDIA's
+ *   dma-buf exporter refuses it.  GPU memory with struct pages (coherent
+ *   systems such as GH200) goes through dma_map_page: the device reaches it
+ *   as system memory, never over FORCE_PCIE; use a persistent pin or a
+ *   dma-buf for NVIDIA's own choice of path there.
+ * - dma-buf pins: a dynamic attachment of the buffer for that device.
  */
 struct gpupin_dma_map {
 	__u64 handle;
@@ -173,13 +193,33 @@ struct gpupin_event {
 	__u64 reserved;
 };
 
+/* gpupin_pin_dmabuf.flags (in) */
+#define GPUPIN_PIN_DMABUF_PCI_DEV 0x1	/* import for pci_domain:pci_bus:pci_devfn */
+#define GPUPIN_PIN_DMABUF_FLAGS_ALL 0x1
+
 /*
- * Pin [offset, offset + size) of a dma-buf (fd) by importing it: offset is
- * page aligned, size > 0 and within the buffer.  The result is a pin like
- * PIN's, with page_size = the CPU page size and pin_flags GPUPIN_PIN_DMABUF;
- * va and aligned_va are offsets into the buffer.  The pin holds the buffer:
- * user space may close fd.  If the exporter revokes the buffer (move_notify)
- * the pin is invalidated as by the nv-p2p free callback.
+ * Pin [offset, offset + size) of a dma-buf (fd): offset is page aligned,
+ * size > 0 and within the buffer.  The result is a pin like PIN's, with
+ * page_size = the CPU page size and pin_flags GPUPIN_PIN_DMABUF; va and
+ * aligned_va are offsets into the buffer.  The pin holds the buffer: user
+ * space may close fd, and the memory stays until UNPIN.
+ *
+ * The importing device: an exporter maps a buffer for a device, and
+ * NVIDIA's treats it as a PCI device (nv_dma_buf_attach reads its DMA mask
+ * through to_pci_dev).  With GPUPIN_PIN_DMABUF_PCI_DEV gpupin imports the
+ * buffer for that PCI device (ENODEV if there is none): GET_PAGES then
+ * gives that device's bus addresses.  Without it (the PCI fields zero)
+ * gpupin does not attach at all: the pin only holds the buffer, GET_PAGES
+ * fails with EOPNOTSUPP, and DMA_MAP gives addresses for each device.
+ *
+ * Revocation: a dynamic exporter (one that can move or revoke its memory)
+ * tells its importers through move_notify; gpupin then invalidates the pin
+ * as the nv-p2p free callback does, and pin_flags has GPUPIN_PIN_REVOCABLE.
+ * To hear it gpupin must be attached, so such a buffer needs
+ * GPUPIN_PIN_DMABUF_PCI_DEV (EINVAL without).  A static exporter (NVIDIA's:
+ * no pin/unpin, never move_notify, export holds the memory) never revokes:
+ * cuMemFree frees nothing while the pin holds the buffer, and the pin is
+ * never invalidated (no GPUPIN_PIN_REVOCABLE).
  */
 struct gpupin_pin_dmabuf {
 	__s32 fd;
@@ -196,7 +236,11 @@ struct gpupin_pin_dmabuf {
 	__u32 slot;
 	__u32 pin_flags;
 	__u64 valid_word;		/* ... out */
-	__u64 reserved[2];
+	__u32 pci_domain;		/* in, with GPUPIN_PIN_DMABUF_PCI_DEV */
+	__u32 pci_bus;
+	__u32 pci_devfn;
+	__u32 pad;
+	__u64 reserved;
 };
 
 #define GPUPIN_IOC_INFO _IOWR(GPUPIN_IOC_MAGIC, 0x00, struct gpupin_info)

@@ -100,6 +100,7 @@ class PinState:
     persistent: bool
     slot: int
     dmabuf: bool = False
+    revocable: bool = False
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,7 @@ class Pin:
         "persistent",
         "user_tag",
         "dmabuf",
+        "revocable",
     )
 
     def __init__(self, device: Device, c: Any, va: int, size: int, user_tag: int) -> None:
@@ -155,6 +157,9 @@ class Pin:
         self.valid_word: int = c.valid_word
         self.persistent = bool(c.pin_flags & lib.GPUPIN_PIN_PERSISTENT)
         self.dmabuf = bool(c.pin_flags & lib.GPUPIN_PIN_DMABUF)
+        # False: the kernel never invalidates this pin (persistent, or a static dma-buf exporter
+        # such as NVIDIA's); only a buffer-id check tells that the memory was freed and reused.
+        self.revocable = bool(c.pin_flags & lib.GPUPIN_PIN_REVOCABLE)
 
     def is_valid(self) -> bool:
         """True while the kernel has not invalidated or released the pin."""
@@ -307,11 +312,17 @@ class Device(Closable):
             self._map_words()
         return Pin(self, c, va, size, user_tag)
 
-    def pin_dmabuf(self, fd: int, size: int | None = None, *, offset: int = 0, user_tag: int = 0) -> Pin:
-        """Pin [offset, offset + size) of the dma-buf ``fd`` (default: to its end) by importing it.
+    def pin_dmabuf(
+        self, fd: int, size: int | None = None, *, offset: int = 0, user_tag: int = 0, pci: str | None = None
+    ) -> Pin:
+        """Pin [offset, offset + size) of the dma-buf ``fd`` (default: to its end).
 
         The pin holds the buffer, so ``fd`` may be closed afterwards.  Its ``va`` is ``offset``;
-        pages are CPU pages.  If the exporter revokes the buffer the pin is invalidated.
+        pages are CPU pages.  ``pci`` (e.g. '0000:00:03.0') names the device the buffer is
+        imported for: ``get_pages`` then gives that device's bus addresses.  Without it nothing
+        is imported (``dma_map`` gives addresses per device); an exporter that can revoke its
+        buffer needs it.  ``Pin.revocable`` says whether the pin is ever invalidated: NVIDIA's
+        exporter never revokes, so its memory stays allocated until the pin goes.
         """
         if size is None:
             try:
@@ -327,14 +338,18 @@ class Device(Closable):
         c = ffi.new("struct gpupin_pin_dmabuf *")
         c.fd, c.offset, c.size, c.user_tag = fd, offset, size, user_tag
         desc = f"fd={fd}, offset={offset}, size={size}"
+        if pci is not None:
+            c.flags = lib.GPUPIN_PIN_DMABUF_PCI_DEV
+            c.pci_domain, c.pci_bus, c.pci_devfn = parse_pci(pci)
+            desc += f", pci={pci}"
         ret = lib.gpupin_call(self.fileno(), lib.GPUPIN_IOC_PIN_DMABUF, c)
         if ret == -errno.EINVAL:
-            raise from_errno(
-                errno.EINVAL,
-                "PIN_DMABUF",
-                desc,
-                hint=("fd must be a dma-buf, offset page aligned, and [offset, offset + size) inside it"),
-            )
+            hint = "fd must be a dma-buf, offset page aligned, and [offset, offset + size) inside it"
+            if pci is None:
+                hint += "; a buffer whose exporter can revoke it needs the importing device (pci=)"
+            raise from_errno(errno.EINVAL, "PIN_DMABUF", desc, hint=hint)
+        if ret == -errno.ENODEV and pci is not None:
+            raise from_errno(errno.ENODEV, "PIN_DMABUF", desc, hint=f"no PCI device {pci} (see lspci -D)")
         if ret == -errno.EBADF:
             raise from_errno(
                 errno.EBADF, "PIN_DMABUF", desc, cls=InvalidArgument, hint="fd is not an open file descriptor"
@@ -369,6 +384,7 @@ class Device(Closable):
             persistent=bool(c.pin_flags & lib.GPUPIN_PIN_PERSISTENT),
             slot=c.slot,
             dmabuf=bool(c.pin_flags & lib.GPUPIN_PIN_DMABUF),
+            revocable=bool(c.pin_flags & lib.GPUPIN_PIN_REVOCABLE),
         )
 
     def get_pages(self, handle: int | Pin, first: int = 0, count: int | None = None) -> list[int]:
