@@ -1,9 +1,13 @@
 // SPDX-License-Identifier: (GPL-2.0 OR MIT)
 /*
  * gpupin: DMA mappings of pinned pages for a peer PCI device (DMA_MAP,
- * DMA_ADDRS, DMA_UNMAP) through nvidia_p2p_dma_map_pages.  Mappings live on
- * their pin and go away on DMA_UNMAP, unpin, close, or invalidation (where
- * the free callback hands them to nvidia_p2p_free_dma_mapping instead).
+ * DMA_ADDRS, DMA_UNMAP, and the kernel API's).  Three kinds, by pin:
+ * persistent nv-p2p pins through nvidia_p2p_dma_map_pages (no free callback
+ * can race it), non-persistent ones by gpupin itself (ownmap.c: NVIDIA's
+ * call is not safe against a racing free), dma-buf pins through an
+ * attachment of the buffer (dmabuf.c).  Mappings live on their pin and go
+ * away on DMA_UNMAP, unpin, close, or invalidation (the free callback unmaps
+ * gpupin's own; a revocation unmaps attachments).
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
@@ -20,12 +24,18 @@ static void gpupin_map_destroy(struct gpupin_region *pin, struct gpupin_map *map
 {
 	int ret;
 
-	if (map->att.attach) {
+	switch (map->kind) {
+	case GPUPIN_MAP_DMABUF:
 		gpupin_dmabuf_unmap(map);
-	} else {
+		break;
+	case GPUPIN_MAP_OWN:
+		gpupin_own_unmap(map);
+		break;
+	case GPUPIN_MAP_NVP2P:
 		ret = nvidia_p2p_dma_unmap_pages(map->pdev, pin->pt, map->m);
 		if (ret)
 			pr_warn_ratelimited("dma_unmap_pages failed: %d\n", ret);
+		break;
 	}
 	pci_dev_put(map->pdev);
 	kfree(map);
@@ -59,8 +69,10 @@ u32 gpupin_map_count_locked(struct gpupin_region *pin)
 }
 
 /*
- * From the free callback: the provider already tore the mappings down, so
- * only their descriptors are freed (never dma_unmap_pages here).
+ * From the free callback, no user in flight: unmap gpupin's own mappings
+ * (they take no NVIDIA lock).  A pin with a callback never has one of
+ * NVIDIA's (only persistent pins do): should one be listed, it is NVIDIA's
+ * to free after the callback, with the peer's pci_dev, which is then kept.
  */
 void gpupin_free_maps_invalidated(struct gpupin_region *pin)
 {
@@ -71,7 +83,12 @@ void gpupin_free_maps_invalidated(struct gpupin_region *pin)
 	list_splice_init(&pin->maps, &maps);
 	spin_unlock(&pin->lock);
 	list_for_each_entry_safe(map, tmp, &maps, node) {
-		nvidia_p2p_free_dma_mapping(map->m);
+		if (WARN_ON_ONCE(map->kind != GPUPIN_MAP_OWN)) {
+			nvidia_p2p_free_dma_mapping(map->m);
+			kfree(map);
+			continue;
+		}
+		gpupin_own_unmap(map);
 		pci_dev_put(map->pdev);
 		kfree(map);
 	}
@@ -104,7 +121,7 @@ static int gpupin_map_link_locked(struct gpupin_region *pin, struct gpupin_map *
 	return 0;
 }
 
-/* gpupin_map_link_locked() for a dma-buf pin: -ENXIO once it is no longer PINNED. */
+/* gpupin_map_link_locked(), or -ENXIO once the pin is no longer PINNED. */
 int gpupin_map_add(struct gpupin_region *pin, struct gpupin_map *map, u32 *id)
 {
 	int ret = -ENXIO;
@@ -132,20 +149,17 @@ static int gpupin_nvp2p_map_add_locked(struct gpupin_region *pin, struct gpupin_
 }
 
 /*
- * nv-p2p: nvidia_p2p_dma_map_pages.  Not as an in-flight user: that call
- * takes the driver lock under which the free callback runs, and the
- * callback waits for in-flight users, so counting ourselves would deadlock
- * the GPU driver.  The pin is checked alive right before the call; what
- * remains is NVIDIA's own window (the table read before its lock; see the
- * UAPI header), which includes a callback that runs and returns between our
- * check and the call: nothing a client does can close it.  After the call,
- * under pin->lock: if the callback has begun the mapping is NVIDIA's to free
- * with the table, and is never touched.
+ * A persistent pin: nvidia_p2p_dma_map_pages.  Such a pin has no free
+ * callback, so only its own unpin can release the table, and that waits
+ * for us (pin->mappers).  Not as an in-flight user: the call takes the
+ * driver's API lock.  Never for a pin with a callback: see ownmap.c.
  */
 static int gpupin_nvp2p_map(struct gpupin_region *pin, struct gpupin_map *map, u32 *id)
 {
 	bool undo = false;
 	int ret = 0;
+
+	map->kind = GPUPIN_MAP_NVP2P;
 
 	spin_lock(&pin->lock);
 	if (pin->state == GPUPIN_PIN_PINNED)
@@ -172,10 +186,10 @@ static int gpupin_nvp2p_map(struct gpupin_region *pin, struct gpupin_map *map, u
 		ret = -ENXIO;
 		break;
 	default:
-		/* The free callback began: the driver frees (or refused) the mapping. */
+		/* Invalidated: impossible without a callback; nothing of ours to touch. */
 		ret = -ENXIO;
 	}
-	/* Undo as an in-flight user: a free callback waits for the unmap. */
+	/* Undo as an in-flight user, as every unmap of a table is. */
 	if (undo)
 		pin->inflight++;
 	wake_up_all(&pin->wq);
@@ -214,7 +228,12 @@ int gpupin_map_create(struct gpupin_region *pin, struct pci_dev *pdev, bool user
 	map->drv_users = !user;
 	/* The id is fixed before the map is published (map->id is set under pin->lock). */
 	*id = 0;
-	ret = pin->dmabuf ? gpupin_dmabuf_map(pin, map, id) : gpupin_nvp2p_map(pin, map, id);
+	if (pin->dmabuf)
+		ret = gpupin_dmabuf_map(pin, map, id);
+	else if (pin->flags & GPUPIN_PIN_PERSISTENT)
+		ret = gpupin_nvp2p_map(pin, map, id);
+	else
+		ret = gpupin_own_map(pin, map, id);
 	if (ret) {
 		pci_dev_put(map->pdev);
 		kfree(map);
@@ -256,16 +275,20 @@ int gpupin_map_for_driver(struct gpupin_region *pin, struct pci_dev *pdev,
 
 /*
  * Destroy @map, taken off @pin's list by the caller, an in-flight user:
- * nv-p2p mappings before the use ends (the free callback must not free the
- * page table under dma_unmap_pages), dma-buf ones after it (unmapping takes
- * the reservation lock, under which a revocation waits for in-flight users).
+ * nv-p2p and own mappings before the use ends (the free callback must not
+ * free the page table under the unmap), dma-buf ones after it (unmapping
+ * takes the reservation lock, under which a revocation waits for in-flight
+ * users).  The kind is the map's own: once the use ends, an unpin may
+ * release the pin's buffer and clear pin->dmabuf.
  */
 static void gpupin_map_destroy_unuse(struct gpupin_region *pin, struct gpupin_map *map)
 {
-	if (map && !pin->dmabuf)
+	bool late = map && map->kind == GPUPIN_MAP_DMABUF;
+
+	if (map && !late)
 		gpupin_map_destroy(pin, map);
 	gpupin_pin_unuse(pin);
-	if (map && pin->dmabuf)
+	if (late)
 		gpupin_map_destroy(pin, map);
 }
 

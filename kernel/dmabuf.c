@@ -268,8 +268,10 @@ long gpupin_ioctl_pin_dmabuf(struct gpupin_file *f, struct gpupin_pin_dmabuf __u
 /*
  * DMA_MAP of a dma-buf pin: a dynamic attachment for the peer device,
  * mapped and put on the pin's list under the reservation lock (so a
- * revocation sees it).  Takes no in-flight use: a revocation waits for
- * those while holding the lock this needs.
+ * revocation sees it).  The mapping holds its own reference to the buffer:
+ * an unpin may let go of the pin's while a DMA_UNMAP still works on the
+ * mapping.  Takes no in-flight use: a revocation waits for those while
+ * holding the lock this needs.
  */
 int gpupin_dmabuf_map(struct gpupin_region *pin, struct gpupin_map *map, u32 *id)
 {
@@ -277,6 +279,7 @@ int gpupin_dmabuf_map(struct gpupin_region *pin, struct gpupin_map *map, u32 *id
 	struct sg_table *sgt;
 	int ret;
 
+	map->kind = GPUPIN_MAP_DMABUF;
 	spin_lock(&pin->lock);
 	if (pin->state == GPUPIN_PIN_PINNED) {
 		dmabuf = pin->dmabuf;
@@ -315,14 +318,17 @@ out_free:
 		map->dma = NULL;
 	}
 out_put:
-	dma_buf_put(dmabuf);
+	if (ret)
+		dma_buf_put(dmabuf);
+	else
+		map->dmabuf = dmabuf;
 	return ret;
 }
 
-/* Destroy a peer attachment that is off the pin's list. */
+/* Destroy a peer attachment that is off the pin's list; drops its buffer reference. */
 void gpupin_dmabuf_unmap(struct gpupin_map *map)
 {
-	struct dma_buf *dmabuf = map->att.attach->dmabuf;
+	struct dma_buf *dmabuf = map->dmabuf;
 
 	dma_resv_lock(dmabuf->resv, NULL);
 	gpupin_att_unmap(&map->att);
@@ -331,4 +337,6 @@ void gpupin_dmabuf_unmap(struct gpupin_map *map)
 	map->att.attach = NULL;
 	kvfree(map->dma);
 	map->dma = NULL;
+	map->dmabuf = NULL;
+	dma_buf_put(dmabuf);
 }

@@ -23,9 +23,9 @@
  * dma_unmap_pages does not).  So the callback takes only the locks above,
  * none of which is held across those calls, and it waits only for
  * in-flight users (gpupin_pin_use), which never call get/put/dma_map while
- * counted: they copy addresses, run a peer's DMA, or dma_unmap_pages.  A
- * DMA map is made without being in flight (see dma.c for the window that
- * NVIDIA's API leaves open there).
+ * counted: they copy addresses, run a peer's DMA, make or undo gpupin's own
+ * DMA mappings (ownmap.c), or dma_unmap_pages.  nvidia_p2p_dma_map_pages is
+ * called only for persistent pins, which have no callback (dma.c).
  */
 #ifndef _GPUPIN_INTERNAL_H
 #define _GPUPIN_INTERNAL_H
@@ -51,6 +51,7 @@
 #define GPUPIN_MAX_SLOTS BIT(20)
 
 extern atomic_t gpupin_nr_detached;
+extern atomic_t gpupin_callbacks_running;
 
 /* Module parameters (main.c) */
 extern unsigned long gpupin_max_pinned_bytes;
@@ -60,9 +61,14 @@ extern bool gpupin_debug;
 /* Fault injection (fault.c), in test builds only. */
 #ifdef GPUPIN_FAULT_INJECTION
 bool gpupin_fail_alloc(void);
+void gpupin_fault_callback_tail(void);
 int gpupin_fault_init(void);
 void gpupin_fault_exit(void);
 #else
+static inline void gpupin_fault_callback_tail(void)
+{
+}
+
 static inline bool gpupin_fail_alloc(void)
 {
 	return false;
@@ -167,6 +173,7 @@ struct gpupin_event_rec {
 
 struct dma_buf;
 struct dma_buf_attachment;
+struct pci_dev;
 struct sg_table;
 
 /* One dma-buf attachment and its mapping. */
@@ -193,8 +200,9 @@ struct gpupin_region {
 	struct nvidia_p2p_page_table *pt;	/* nv-p2p pins */
 	u8 gpu_uuid[16];		/* copied from the page table while PINNING */
 	struct dma_buf *dmabuf;		/* dma-buf pins: a reference */
-	struct gpupin_dmabuf_att att;	/* dma-buf pins: gpupin's own import */
-	u64 *dmabuf_addrs;		/* dma-buf pins: per page, its address in our import */
+	struct pci_dev *dmabuf_pdev;	/* dma-buf pins: the importing device (a reference), or NULL */
+	struct gpupin_dmabuf_att att;	/* dma-buf pins: the import for dmabuf_pdev */
+	u64 *dmabuf_addrs;		/* dma-buf pins: per page, dmabuf_pdev's address, or NULL */
 
 	spinlock_t lock;		/* see top of file */
 	enum gpupin_pin_state state;	/* under lock */
@@ -213,15 +221,25 @@ struct gpupin_region {
 	u32 orphan_reason;		/* GPUPIN_NL_REASON_* of the deferred unpin */
 };
 
+enum gpupin_map_kind {
+	GPUPIN_MAP_NVP2P,	/* nvidia_p2p_dma_map_pages: persistent pins only */
+	GPUPIN_MAP_OWN,		/* gpupin's own (ownmap.c): non-persistent nv-p2p pins */
+	GPUPIN_MAP_DMABUF,	/* an attachment of the pin's dma-buf */
+};
+
 struct gpupin_map {
 	struct list_head node;
 	struct gpupin_region *pin;	/* the pin it belongs to (no reference) */
+	enum gpupin_map_kind kind;
+	bool mmio;			/* own: dma_map_resource (BAR pages), else dma_map_page */
+	u32 entries;			/* own: pages mapped */
 	u32 id;
 	bool user_owned;		/* made by DMA_MAP, not yet DMA_UNMAPped; under pin->lock */
 	unsigned int drv_users;		/* kernel-API references sharing it; under pin->lock */
 	struct pci_dev *pdev;		/* holds a reference */
 	struct nvidia_p2p_dma_mapping *m;	/* nv-p2p pins */
 	struct gpupin_dmabuf_att att;	/* dma-buf pins: the peer's attachment */
+	struct dma_buf *dmabuf;		/* dma-buf pins: the map's own reference */
 	u64 *dma;			/* per page: bus address for pdev */
 };
 
@@ -265,6 +283,10 @@ int gpupin_map_add(struct gpupin_region *pin, struct gpupin_map *map, u32 *id);
 int gpupin_map_for_driver(struct gpupin_region *pin, struct pci_dev *pdev,
 			  struct gpupin_map **out, u32 *id);
 void gpupin_map_drop_driver(struct gpupin_region *pin, u32 id);
+
+/* ownmap.c */
+int gpupin_own_map(struct gpupin_region *pin, struct gpupin_map *map, u32 *id);
+void gpupin_own_unmap(struct gpupin_map *map);
 
 /* dmabuf.c */
 long gpupin_ioctl_pin_dmabuf(struct gpupin_file *f, struct gpupin_pin_dmabuf __user *uarg);

@@ -38,8 +38,10 @@
  *
  * Pins made from a dma-buf (GPUPIN_IOC_PIN_DMABUF) work the same way: the
  * notifier runs from the exporter's move_notify (the buffer's reservation
- * lock held), pages are CPU pages, and gpupin_ref_page_phys() gives the bus
- * address of gpupin's own import.
+ * lock held; only exporters that can revoke send it - NVIDIA's never does,
+ * and its memory stays while the pin holds the buffer), pages are CPU
+ * pages, and gpupin_ref_page_phys() gives the bus address for the device
+ * the user imported the buffer for (0 when it named none).
  */
 #ifndef _GPUPIN_KAPI_H
 #define _GPUPIN_KAPI_H
@@ -108,27 +110,28 @@ int gpupin_ref_info(struct gpupin_ref *ref, struct gpupin_ref_info *info);
  * @ref: the reference
  * @pdev: the device that will DMA to the pages
  *
- * Uses nvidia_p2p_dma_map_pages() (for a dma-buf pin: a dynamic attachment
- * of the buffer to @pdev); an existing mapping of the same pin for @pdev is
- * shared.  One mapping per reference: a second call for another
- * device fails with -EBUSY.
+ * An existing mapping of the same pin for @pdev is shared.  One mapping per
+ * reference: a second call for another device fails with -EBUSY; calls on
+ * one reference are serialised.
  *
- * A limitation of NVIDIA's API: nvidia_p2p_dma_map_pages() reads the page
- * table before it takes the driver lock under which free callbacks run, and
- * gpupin's callback cannot wait for the mapper (that would deadlock the GPU
- * driver).  gpupin checks the pin is alive right before the call, so only a
- * free of the GPU memory that races this very call is exposed to NVIDIA's
- * window.  Map before handing the memory to work that may free it, or use
- * persistent pins, which have no callback.
+ * Who maps: for a persistent pin nvidia_p2p_dma_map_pages() (no free
+ * callback can race it); for a non-persistent pin gpupin itself, because
+ * NVIDIA's call corrupts its own heap when the memory is freed while it
+ * waits for the driver lock, and a free callback cannot wait for it.
+ * gpupin's mapping takes no NVIDIA lock: a racing free waits for it and
+ * then unmaps it, so this is safe at any time.  BAR pages are mapped with
+ * dma_map_resource() (with CONFIG_PCI_P2PDMA, after the PCI topology check:
+ * -EOPNOTSUPP where @pdev has no peer-to-peer path to the GPU); GPU memory
+ * with struct pages (coherent systems) with dma_map_page(), so @pdev reaches
+ * it as system memory, never over NVIDIA's FORCE_PCIE path.  For a dma-buf
+ * pin: a dynamic attachment of the buffer to @pdev.
  * Context: process context; may sleep.  Do not call it inside an access
  * section, nor with a lock that your notifier takes.
- * Return: 0, -ENODEV when the memory is gone or its free callback has
- * begun, -ENOSPC past the per-pin mapping limit, -EPROTO for a DMA mapping
- * of a version gpupin cannot read (given back), or the provider's error
- * (its -ENOTSUPP, which user space cannot name, as -EOPNOTSUPP) -
- * which is also what a call racing the GPU memory's free gets in the short
- * time between the provider starting the free and calling gpupin (the
- * simulator answers -EINVAL for memory it is freeing).
+ * Return: 0, -ENODEV when the memory is gone or going, -ENOSPC past the
+ * per-pin mapping limit, -EOPNOTSUPP (no peer-to-peer path; or the
+ * provider's -ENOTSUPP, which user space cannot name), -ENOMEM, -EPROTO for
+ * an NVIDIA DMA mapping of a version gpupin cannot read (given back), or
+ * the provider's error.
  */
 int gpupin_ref_dma_map(struct gpupin_ref *ref, struct pci_dev *pdev);
 
@@ -155,7 +158,8 @@ void gpupin_access_end(struct gpupin_ref *ref);
  * @idx: page index, below &gpupin_ref_info.entries
  *
  * For a dma-buf pin (GPUPIN_IOC_PIN_DMABUF) this is the page's bus address
- * in gpupin's own import (a device without IOMMU translation).
+ * for the PCI device the buffer was imported for, or 0 where the user named
+ * none (map it with gpupin_ref_dma_map() instead).
  * Return: the address, or 0 for an index out of range.
  */
 u64 gpupin_ref_page_phys(struct gpupin_ref *ref, u32 idx);

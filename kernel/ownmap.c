@@ -1,0 +1,155 @@
+// SPDX-License-Identifier: (GPL-2.0 OR MIT)
+/*
+ * gpupin: its own DMA mappings of non-persistent nv-p2p pins.
+ *
+ * NVIDIA's nvidia_p2p_dma_map_pages cannot be called for a page table that a
+ * free callback may release: it reads the table, then waits for the RM API
+ * lock under which the callback runs, then links its mapping into the
+ * table's private data, which NVIDIA frees when the callback returns (heap
+ * corruption, not an error).  The callback cannot wait for such a mapper
+ * either: the mapper may be waiting for the lock the callback's caller holds.
+ *
+ * So gpupin maps the pages of those pins itself, as an in-flight user of the
+ * pin (gpupin_pin_use): that takes no NVIDIA lock, so the free callback
+ * waits for the mapper, then unmaps every such mapping before it returns.
+ *
+ * - BAR pages of a discrete GPU are MMIO: dma_map_resource, as NVIDIA's own
+ *   peer mappings do.  Where the kernel has CONFIG_PCI_P2PDMA, a peer that
+ *   the PCI topology gives no peer-to-peer path to the GPU is refused
+ *   (-EOPNOTSUPP), as NVIDIA's dma-buf exporter refuses it; without it the
+ *   kernel cannot tell, and the mapping is made as nvidia_p2p_dma_map_pages
+ *   would make it.
+ * - GPU memory with struct pages (coherent systems such as GH200, and the
+ *   simulator's host pages) is memory to the peer: dma_map_page.
+ */
+#define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
+
+#include <linux/dma-mapping.h>
+#include <linux/mm.h>
+#include <linux/pci.h>
+#include <linux/pci-p2pdma.h>
+#include <linux/slab.h>
+#include "gpupin.h"
+
+/* The PCI device one of whose memory BARs holds @phys, with a reference; NULL if none. */
+static struct pci_dev *gpupin_bar_owner(phys_addr_t phys)
+{
+	struct pci_dev *pdev = NULL;
+	int bar;
+
+	/* for_each_pci_dev() holds a reference to the device it stopped at. */
+	for_each_pci_dev(pdev) {
+		for (bar = 0; bar < PCI_STD_NUM_BARS; bar++) {
+			struct resource *res = &pdev->resource[bar];
+
+			if (resource_type(res) == IORESOURCE_MEM && res->start <= phys &&
+			    phys <= res->end)
+				return pdev;
+		}
+	}
+	return NULL;
+}
+
+/*
+ * May @peer reach @pin's pages, and how: *@mmio for BAR pages.  The caller
+ * is an in-flight user (the page table stays).
+ */
+static int gpupin_own_check(struct gpupin_region *pin, struct pci_dev *peer, bool *mmio)
+{
+	phys_addr_t phys = pin->pt->pages[0]->physical_address;
+	struct pci_dev *gpu;
+	int ret = 0;
+
+	*mmio = !pfn_valid(PHYS_PFN(phys));
+	if (!*mmio)
+		return 0;
+	gpu = gpupin_bar_owner(phys);
+	if (!gpu) {
+		pr_warn_ratelimited("GPU pages are neither memory nor in a PCI BAR\n");
+		return -EOPNOTSUPP;
+	}
+	if (IS_ENABLED(CONFIG_PCI_P2PDMA) && pci_p2pdma_distance(gpu, &peer->dev, false) < 0) {
+		gpupin_dbg("no peer-to-peer path from %s to %s\n", pci_name(peer), pci_name(gpu));
+		ret = -EOPNOTSUPP;
+	}
+	pci_dev_put(gpu);
+	return ret;
+}
+
+/* Unmap the first @n pages of an own mapping and free its address array. */
+static void gpupin_own_unmap_n(struct gpupin_map *map, u32 n)
+{
+	struct device *dev = &map->pdev->dev;
+	u32 i;
+
+	for (i = 0; i < n; i++) {
+		if (map->mmio)
+			dma_unmap_resource(dev, map->dma[i], GPU_BOUND_SIZE, DMA_BIDIRECTIONAL, 0);
+		else
+			dma_unmap_page(dev, map->dma[i], GPU_BOUND_SIZE, DMA_BIDIRECTIONAL);
+	}
+	kvfree(map->dma);
+	map->dma = NULL;
+}
+
+/*
+ * Unmap an own mapping that is off its pin's list.  The caller is an
+ * in-flight user of the pin, or its free callback, or releases the pages:
+ * no NVIDIA lock is needed or taken.
+ */
+void gpupin_own_unmap(struct gpupin_map *map)
+{
+	gpupin_own_unmap_n(map, map->entries);
+}
+
+/*
+ * Map every page of @pin (a non-persistent nv-p2p pin) for map->pdev and
+ * put the mapping on the pin's list under a new id (*@id).  -ENXIO once the
+ * memory is going: what was mapped is unmapped again first.
+ */
+int gpupin_own_map(struct gpupin_region *pin, struct gpupin_map *map, u32 *id)
+{
+	struct device *dev = &map->pdev->dev;
+	u32 i, done = 0;
+	int ret;
+
+	map->kind = GPUPIN_MAP_OWN;
+	map->entries = pin->entries;
+	map->dma = gpupin_kvmalloc_array(pin->entries, sizeof(u64), GFP_KERNEL);
+	if (!map->dma)
+		return -ENOMEM;
+	/* From here until the mapping is listed or undone, the free callback waits for us. */
+	ret = gpupin_pin_use(pin);
+	if (ret) {
+		kvfree(map->dma);
+		map->dma = NULL;
+		return ret;
+	}
+	ret = gpupin_own_check(pin, map->pdev, &map->mmio);
+	for (i = 0; !ret && i < pin->entries; i++) {
+		phys_addr_t phys = pin->pt->pages[i]->physical_address;
+		dma_addr_t addr;
+
+		if (map->mmio != !pfn_valid(PHYS_PFN(phys))) {
+			ret = -EPROTO;	/* BAR and memory pages in one table */
+			break;
+		}
+		if (map->mmio)
+			addr = dma_map_resource(dev, phys, GPU_BOUND_SIZE, DMA_BIDIRECTIONAL, 0);
+		else
+			addr = dma_map_page(dev, pfn_to_page(PHYS_PFN(phys)), offset_in_page(phys),
+					    GPU_BOUND_SIZE, DMA_BIDIRECTIONAL);
+		if (dma_mapping_error(dev, addr)) {
+			ret = -ENOMEM;
+			break;
+		}
+		map->dma[i] = addr;
+		done++;
+	}
+	if (!ret)
+		ret = gpupin_map_add(pin, map, id);
+	if (ret)
+		gpupin_own_unmap_n(map, done);
+	gpupin_pin_unuse(pin);
+	return ret;
+}
