@@ -1,18 +1,27 @@
 // SPDX-License-Identifier: (GPL-2.0 OR MIT)
 /*
- * gpupin: the dma-buf backend - PIN_DMABUF imports a dma-buf (the path NVIDIA
+ * gpupin: the dma-buf backend - PIN_DMABUF pins a dma-buf (the path NVIDIA
  * recommends after nv-p2p: cuMemGetHandleForAddressRange exports GPU memory
- * as one) and makes it a pin like any other, and DMA_MAP of such a pin is a
- * second attachment for the peer device.
+ * as one) as a pin like any other, and DMA_MAP of such a pin is an
+ * attachment of the buffer for the peer device.
  *
- * gpupin's own import uses the misc device (64-bit DMA mask) as importing
- * device, attaches dynamically (allow_peer2peer, move_notify), and pins and
- * maps under the reservation lock, which works the same on 6.1.y and 6.12.
- * A move_notify from the exporter revokes the pin exactly as the nv-p2p
- * free callback does (validity word, poll record, netlink event, driver
- * notifiers) and unmaps every attachment of the pin; detaching waits for
- * the release (unpin, close), since detach takes the reservation lock that
- * move_notify runs under.
+ * Every attachment is for a PCI device: NVIDIA's exporter treats the
+ * importing device as one (nv_dma_buf_attach: to_pci_dev(dev)->dma_mask),
+ * so gpupin never attaches with anything else.  PIN_DMABUF imports the
+ * buffer only for a device the caller names; without one the pin just
+ * holds the buffer.  Attachments are dynamic (allow_peer2peer, move_notify)
+ * and pinned and mapped under the reservation lock, which works the same on
+ * 6.1.y and 6.12.
+ *
+ * Exporters are of two kinds (dma_buf_is_dynamic()).  A static one (NVIDIA's:
+ * no pin/unpin, never move_notify) holds the memory as long as the buffer
+ * lives: the pin is never invalidated.  A dynamic one (amdgpu, vfio-pci) may
+ * revoke: its move_notify invalidates the pin exactly as the nv-p2p free
+ * callback does (validity word, poll record, netlink event, driver
+ * notifiers) and unmaps every attachment of the pin; detaching waits for the
+ * release (unpin, close), since detach takes the reservation lock that
+ * move_notify runs under.  gpupin hears a revocation only through an
+ * attachment, so a dynamic exporter's buffer needs an importing device.
  *
  * Lock order: the dma-buf reservation lock comes before pin->refs_lock and
  * pin->lock.  Nothing in gpupin takes it while an in-flight user
@@ -121,7 +130,7 @@ static int gpupin_att_attach(struct gpupin_dmabuf_att *att, struct dma_buf *dmab
 	return 0;
 }
 
-/* Release, no lock held: unmap, unpin, detach and let go of the buffer. */
+/* Release, no lock held: unmap, unpin, detach and let go of the buffer and device. */
 void gpupin_dmabuf_release(struct gpupin_region *pin)
 {
 	struct dma_buf *dmabuf = pin->dmabuf;
@@ -140,27 +149,44 @@ void gpupin_dmabuf_release(struct gpupin_region *pin)
 	pin->dmabuf_addrs = NULL;
 	pin->dmabuf = NULL;
 	dma_buf_put(dmabuf);
+	pci_dev_put(pin->dmabuf_pdev);
+	pin->dmabuf_pdev = NULL;
 }
 
-/* Import and map the buffer for gpupin's device; PINNING -> PINNED. */
+/*
+ * Import the buffer for the pin's device (pin->dmabuf_pdev), or for none;
+ * PINNING -> PINNED.
+ */
 static int gpupin_dmabuf_import(struct gpupin_file *f, struct gpupin_region *pin)
 {
 	struct dma_buf *dmabuf = pin->dmabuf;
+	bool dynamic = dma_buf_is_dynamic(dmabuf);
 	struct sg_table *sgt;
 	int ret;
 
+	if (dynamic)
+		pin->flags |= GPUPIN_PIN_REVOCABLE;
+	if (!pin->dmabuf_pdev) {
+		/* A revocation would go unheard without an attachment. */
+		if (dynamic)
+			return -EINVAL;
+		return gpupin_pin_mark_pinned(f, pin, NULL);
+	}
 	pin->dmabuf_addrs = gpupin_kvmalloc_array(pin->entries, sizeof(u64), GFP_KERNEL);
 	if (!pin->dmabuf_addrs)
 		return -ENOMEM;
-	ret = gpupin_att_attach(&pin->att, dmabuf, gpupin_dma_device(),
+	ret = gpupin_att_attach(&pin->att, dmabuf, &pin->dmabuf_pdev->dev,
 				&gpupin_dmabuf_pin_ops, pin);
 	if (ret)
 		return ret;
 	dma_resv_lock(dmabuf->resv, NULL);
-	ret = gpupin_provider_err(dma_buf_pin(pin->att.attach));
-	if (ret)
-		goto out_unlock;
-	pin->att.pinned = true;
+	/* A static exporter's memory stays as long as the buffer: nothing to pin. */
+	if (dynamic) {
+		ret = gpupin_provider_err(dma_buf_pin(pin->att.attach));
+		if (ret)
+			goto out_unlock;
+		pin->att.pinned = true;
+	}
 	sgt = dma_buf_map_attachment(pin->att.attach, DMA_BIDIRECTIONAL);
 	if (IS_ERR(sgt)) {
 		ret = gpupin_provider_err(PTR_ERR(sgt));
@@ -204,26 +230,33 @@ static int gpupin_pin_dmabuf_create(struct gpupin_file *f, const struct gpupin_p
 	struct dma_buf *dmabuf;
 	int ret;
 
-	dmabuf = dma_buf_get(req->fd);
-	if (IS_ERR(dmabuf))
-		return PTR_ERR(dmabuf);	/* -EBADF, or -EINVAL: not a dma-buf */
-	if (req->offset + req->size > dmabuf->size) {
-		dma_buf_put(dmabuf);
-		return -EINVAL;
+	struct pci_dev *pdev = NULL;
+
+	if (req->flags & GPUPIN_PIN_DMABUF_PCI_DEV) {
+		pdev = pci_get_domain_bus_and_slot(req->pci_domain, req->pci_bus, req->pci_devfn);
+		if (!pdev)
+			return -ENODEV;
 	}
+	dmabuf = dma_buf_get(req->fd);
+	if (IS_ERR(dmabuf)) {
+		pci_dev_put(pdev);
+		return PTR_ERR(dmabuf);	/* -EBADF, or -EINVAL: not a dma-buf */
+	}
+	ret = -EINVAL;
+	if (req->offset + req->size > dmabuf->size)
+		goto err_put;
+	ret = -ENOMEM;
 	pin = gpupin_pin_alloc(f, req->offset, req->size, req->offset, aligned_size, req->user_tag,
 			       PAGE_SHIFT);
-	if (!pin) {
-		dma_buf_put(dmabuf);
-		return -ENOMEM;
-	}
+	if (!pin)
+		goto err_put;
 	pin->flags = GPUPIN_PIN_DMABUF;
-	pin->dmabuf = dmabuf;	/* the pin's reference from here on */
 	ret = gpupin_pin_reserve(f, pin);
-	if (ret) {
-		dma_buf_put(dmabuf);
-		return ret;
-	}
+	if (ret)
+		goto err_put;
+	/* The pin's references from here on: gpupin_dmabuf_release() drops them. */
+	pin->dmabuf = dmabuf;
+	pin->dmabuf_pdev = pdev;
 	ret = gpupin_dmabuf_import(f, pin);
 	if (ret) {
 		gpupin_dbg("dma-buf import failed: %d\n", ret);
@@ -233,6 +266,11 @@ static int gpupin_pin_dmabuf_create(struct gpupin_file *f, const struct gpupin_p
 	}
 	*out = pin;
 	return 0;
+
+err_put:
+	dma_buf_put(dmabuf);
+	pci_dev_put(pdev);
+	return ret;
 }
 
 /* PIN_DMABUF: copy in, validate, import (gpupin_pin_dmabuf_create), copy out and publish. */

@@ -5,7 +5,6 @@
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
-#include <linux/dma-mapping.h>
 #include <linux/fs.h>
 #include <linux/miscdevice.h>
 #include <linux/mm.h>
@@ -289,22 +288,9 @@ static struct miscdevice gpupin_miscdev = {
 	.mode = 0660,
 };
 
-/* The device gpupin imports dma-bufs with (no IOMMU translation, 64-bit). */
-struct device *gpupin_dma_device(void)
-{
-	return gpupin_miscdev.this_device;
-}
-
 int gpupin_file_init(void)
 {
-	int ret = misc_register(&gpupin_miscdev);
-
-	if (ret)
-		return ret;
-	ret = dma_coerce_mask_and_coherent(gpupin_miscdev.this_device, DMA_BIT_MASK(64));
-	if (ret)
-		misc_deregister(&gpupin_miscdev);
-	return ret;
+	return misc_register(&gpupin_miscdev);
 }
 
 void gpupin_file_exit(void)

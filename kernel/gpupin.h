@@ -313,6 +313,5 @@ int gpupin_file_init(void);
 void gpupin_file_exit(void);
 void gpupin_queue_event(struct gpupin_file *f, struct gpupin_event_rec *rec);
 struct gpupin_file *gpupin_file_of(struct file *file);
-struct device *gpupin_dma_device(void);
 
 #endif /* _GPUPIN_INTERNAL_H */

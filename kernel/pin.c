@@ -605,7 +605,7 @@ u64 gpupin_pin_page_addr(const struct gpupin_region *pin, u32 idx)
 		return 0;
 	if (pin->pt)
 		return pin->pt->pages[idx]->physical_address;
-	return pin->dmabuf_addrs[idx];
+	return pin->dmabuf_addrs ? pin->dmabuf_addrs[idx] : 0;
 }
 
 static void gpupin_pin_fill(struct gpupin_pin *arg, const struct gpupin_region *pin)
@@ -672,7 +672,8 @@ static int gpupin_pin_create(struct gpupin_file *f, const struct gpupin_pin *req
 			       req->user_tag, GPU_BOUND_SHIFT);
 	if (!pin)
 		return -ENOMEM;
-	pin->flags = persistent ? GPUPIN_PIN_PERSISTENT : 0;
+	/* Non-persistent pages come with a free callback: NVIDIA revokes them. */
+	pin->flags = persistent ? GPUPIN_PIN_PERSISTENT : GPUPIN_PIN_REVOCABLE;
 	ret = gpupin_pin_reserve(f, pin);
 	if (ret)
 		return ret;
@@ -813,6 +814,11 @@ long gpupin_ioctl_get_pages(struct gpupin_file *f, struct gpupin_get_pages __use
 		goto out_put;
 	/* Copy under "use" only: the callback must never wait for a fault. */
 	ret = gpupin_pin_use(pin);
+	/* A dma-buf pin has addresses only for the device it was imported for. */
+	if (!ret && pin->dmabuf && !pin->dmabuf_addrs) {
+		gpupin_pin_unuse(pin);
+		ret = -EOPNOTSUPP;
+	}
 	if (!ret) {
 		for (i = 0; i < arg.count; i++)
 			addrs[i] = gpupin_pin_page_addr(pin, arg.first + i);

@@ -52,7 +52,8 @@ def _peer_and_dmabuf(dev: Device, mem: SimMemory) -> None:
         )
         mem.free(va)
         print(
-            f"   freed: nv-p2p pin valid {pin.is_valid()}, dma-buf pin valid {dpin.is_valid()}, "
+            f"   freed: nv-p2p pin valid {pin.is_valid()}, dma-buf pin valid {dpin.is_valid()} "
+            f"(NVIDIA's exporter keeps the memory while the pin holds the buffer), "
             f"records {[e.reason for e in dev.read_events()]}"
         )
     dev.unpin(pin)

@@ -398,7 +398,20 @@ class Device(Closable):
         c = ffi.new("struct gpupin_get_pages *")
         c.handle, c.first, c.count = _u64(h, "handle"), first, count
         c.addrs = int(ffi.cast("uintptr_t", out))
-        self._call(lib.GPUPIN_IOC_GET_PAGES, c, "GET_PAGES", f"handle={h}, first={first}, count={count}")
+        ret = lib.gpupin_call(self.fileno(), lib.GPUPIN_IOC_GET_PAGES, c)
+        desc = f"handle={h}, first={first}, count={count}"
+        if ret == -errno.EOPNOTSUPP:
+            raise from_errno(
+                errno.EOPNOTSUPP,
+                "GET_PAGES",
+                desc,
+                hint=(
+                    "this dma-buf pin was imported for no device: pin it with pin_dmabuf(..., pci=) "
+                    "or use dma_map() and dma_addrs() for each device"
+                ),
+            )
+        if ret < 0:
+            raise from_errno(-ret, "GET_PAGES", desc)
         return list(out)
 
     def dma_map(self, handle: int | Pin, pci: str) -> DmaMapping:

@@ -89,7 +89,13 @@ static int peer_copy_page(struct gpupin_ref *ref, u32 idx, u32 off, void *bounce
 	u64 phys = gpupin_ref_page_phys(ref, idx);
 	u32 done = 0;
 
-	/* The CPU "engine" needs bus == physical, and RAM behind it. */
+	/*
+	 * The CPU "engine" needs bus == physical, and RAM behind it.  A dma-buf
+	 * pin imported for no device has no physical address to compare: the
+	 * bus address stands for it (no IOMMU here).
+	 */
+	if (!phys)
+		phys = bus;
 	if (!bus || bus != phys) {
 		pr_warn_ratelimited("page %u: bus address is not the physical address\n", idx);
 		return -EOPNOTSUPP;
