@@ -231,17 +231,61 @@ static bool gpupin_pin_settled(struct gpupin_region *pin)
 	return settled;
 }
 
-/* Put the pages of a pin whose release the caller claimed. */
-static void gpupin_put_pages(struct gpupin_region *pin)
+/*
+ * Hold what a DETACHED pin needs until its free callback: the pin, its file
+ * and the module (the callback drops them).  Caller holds pin->lock and has
+ * just moved the pin to DETACHED.
+ */
+static void gpupin_pin_hold_detached(struct gpupin_region *pin)
 {
+	lockdep_assert_held(&pin->lock);
+	kref_get(&pin->ref);
+	kref_get(&pin->file->ref);
+	__module_get(THIS_MODULE);
+	atomic_inc(&gpupin_nr_detached);
+}
+
+/*
+ * Put the pages of a pin whose release the caller claimed (state @claimed),
+ * unless the free callback took the pin meanwhile: NVIDIA has then freed the
+ * table, and since it finds mappings by the table's address, a put of that
+ * address could release another pin of this process that got it.  (The
+ * callback can still come between this check and NVIDIA taking its lock in
+ * put_pages: a window only NVIDIA's lock could close, and the callback may
+ * not wait for us.)  Returns false when put_pages failed for a pin whose
+ * callback may still be armed: the pin is then DETACHED, kept for it.
+ */
+static bool gpupin_put_pages(struct gpupin_region *pin, enum gpupin_pin_state claimed)
+{
+	bool persistent = pin->flags & GPUPIN_PIN_PERSISTENT;
+	bool detach = false;
 	int ret;
 
-	if (pin->flags & GPUPIN_PIN_PERSISTENT)
+	spin_lock(&pin->lock);
+	ret = pin->state == claimed ? 0 : -ENXIO;
+	spin_unlock(&pin->lock);
+	if (ret)
+		return true;	/* the callback released them */
+	if (persistent)
 		ret = nvidia_p2p_put_pages_persistent(pin->aligned_va, pin->pt, 0);
 	else
 		ret = nvidia_p2p_put_pages(0, 0, pin->aligned_va, pin->pt);
-	if (ret)
-		pr_warn_ratelimited("put_pages failed: %d\n", ret);
+	if (!ret)
+		return true;
+	pr_warn_ratelimited("put_pages failed: %d\n", ret);
+	if (persistent)
+		return true;	/* no callback will come: nothing more to do */
+	spin_lock(&pin->lock);
+	if (pin->state == claimed) {
+		pin->state = GPUPIN_PIN_DETACHED;
+		gpupin_pin_hold_detached(pin);
+		detach = true;
+	}
+	spin_unlock(&pin->lock);
+	if (detach)
+		gpupin_dbg("pin %llu detached: put_pages failed, its pages wait for the callback\n",
+			   pin->handle);
+	return !detach;
 }
 
 /*
@@ -251,7 +295,8 @@ static void gpupin_put_pages(struct gpupin_region *pin)
  * Where the pages cannot be put from here (see gpupin_pin_put_here()) the
  * pin is DETACHED instead: its mappings go, its pages stay until the free
  * callback, which then holds a reference to the pin, its file and the
- * module.  Returns false in that case (the pin's pages are not released).
+ * module; so is a pin whose put_pages failed.  Returns false in those cases
+ * (the pin's pages are not released, and stay counted until the callback).
  */
 bool gpupin_pin_release_pages(struct gpupin_region *pin, enum gpupin_pin_state from)
 {
@@ -272,12 +317,8 @@ bool gpupin_pin_release_pages(struct gpupin_region *pin, enum gpupin_pin_state f
 	ours = pin->state == from;
 	if (ours) {
 		pin->state = claimed;
-		if (detach) {	/* the free callback drops these (no waiting on us first) */
-			kref_get(&pin->ref);
-			kref_get(&pin->file->ref);
-			__module_get(THIS_MODULE);
-			atomic_inc(&gpupin_nr_detached);
-		}
+		if (detach)	/* the free callback drops these (no waiting on us first) */
+			gpupin_pin_hold_detached(pin);
 	}
 	spin_unlock(&pin->lock);
 
@@ -307,8 +348,8 @@ bool gpupin_pin_release_pages(struct gpupin_region *pin, enum gpupin_pin_state f
 				   pin->handle);
 			return false;
 		}
-		if (pin->pt)
-			gpupin_put_pages(pin);
+		if (pin->pt && !gpupin_put_pages(pin, claimed))
+			return false;
 		if (from == GPUPIN_PIN_PINNED)
 			atomic64_sub(pin->aligned_size, &gpupin_pinned_bytes);
 	}
@@ -695,7 +736,9 @@ static int gpupin_pin_create(struct gpupin_file *f, const struct gpupin_pin *req
 	/* -ENXIO: the memory was freed while we pinned it. */
 	ret = gpupin_pin_mark_pinned(f, pin, gpupin_take_table);
 	if (ret) {
-		gpupin_pin_release_pages(pin, GPUPIN_PIN_PINNING);
+		/* Detached (put_pages failed): its callback gives the bytes back, not unreserve. */
+		if (!gpupin_pin_release_pages(pin, GPUPIN_PIN_PINNING))
+			atomic64_add(pin->aligned_size, &gpupin_pinned_bytes);
 		goto err_unreserve;
 	}
 	*out = pin;
