@@ -17,12 +17,26 @@
 
 #include <linux/atomic.h>
 #include <linux/debugfs.h>
+#include <linux/delay.h>
 #include <linux/err.h>
 #include <linux/fault-inject.h>
 #include <linux/module.h>
 #include <linux/moduleparam.h>
 #include "compat.h"
 #include "gpupin.h"
+
+static unsigned int gpupin_callback_tail_delay_ms;
+module_param_named(callback_tail_delay_ms, gpupin_callback_tail_delay_ms, uint, 0644);
+MODULE_PARM_DESC(callback_tail_delay_ms, "Testing: the free callback pauses this long after it let go of its pin and module reference (widens the window of an unload racing it)");
+
+/* The free callback's tail, after its pin and module reference went. */
+void gpupin_fault_callback_tail(void)
+{
+	unsigned int ms = READ_ONCE(gpupin_callback_tail_delay_ms);
+
+	if (ms)
+		msleep(ms);
+}
 
 #if IS_ENABLED(CONFIG_FAULT_INJECTION_DEBUG_FS)
 

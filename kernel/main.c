@@ -10,8 +10,10 @@
 
 #include <linux/module.h>
 #include <linux/moduleparam.h>
+#include <linux/rcupdate.h>
 #include <linux/string.h>
 #include <linux/uaccess.h>
+#include <linux/wait_bit.h>
 #include "gpupin.h"
 
 unsigned long gpupin_max_pinned_bytes;
@@ -130,6 +132,9 @@ err_fault:
 
 static void __exit gpupin_exit(void)
 {
+	/* No pin is left, but a free callback may still be on its way out of our code. */
+	wait_var_event(&gpupin_callbacks_running, !atomic_read(&gpupin_callbacks_running));
+	synchronize_rcu_tasks();
 	gpupin_file_exit();
 	gpupin_nl_exit();
 	gpupin_fault_exit();

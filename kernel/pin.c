@@ -27,6 +27,7 @@
 #include <linux/sched.h>
 #include <linux/slab.h>
 #include <linux/uaccess.h>
+#include <linux/wait_bit.h>
 #include "gpupin.h"
 #include "../include/uapi/gpupin_netlink.h"
 
@@ -133,9 +134,11 @@ static void gpupin_set_state(struct gpupin_region *pin, enum gpupin_pin_state st
  * must free the page table whatever the state) it runs from any state;
  * otherwise only for a pin that is PINNING or PINNED.  Runs with the
  * provider's locks held: takes only pin->lock, refs_lock and the file's
- * ev_lock, and waits only for in-flight users.
+ * ev_lock, and waits only for in-flight users.  Returns true when it let go
+ * of a DETACHED pin: the caller then owes the module the reference that pin
+ * held, dropped as the very last thing before returning to the provider.
  */
-static void gpupin_pin_invalidate(struct gpupin_region *pin, bool always,
+static bool gpupin_pin_invalidate(struct gpupin_region *pin, bool always,
 				  void (*teardown)(struct gpupin_region *pin))
 {
 	struct gpupin_file *f = pin->file;
@@ -147,7 +150,7 @@ static void gpupin_pin_invalidate(struct gpupin_region *pin, bool always,
 	prev = pin->state;
 	if (!always && prev != GPUPIN_PIN_PINNED && prev != GPUPIN_PIN_PINNING) {
 		spin_unlock(&pin->lock);
-		return;
+		return false;
 	}
 	pin->state = GPUPIN_PIN_INVALIDATING;
 	/* User space stops trusting the pin before anything goes. */
@@ -173,9 +176,7 @@ static void gpupin_pin_invalidate(struct gpupin_region *pin, bool always,
 		gpupin_pin_put(pin);
 		gpupin_file_put(f);
 		atomic_dec(&gpupin_nr_detached);
-		/* Last: the module may go as soon as this returns to the driver. */
-		module_put(THIS_MODULE);
-		return;
+		return true;
 	}
 
 	/* Unpin (RELEASING) and a failed PIN (PINNING) account for themselves. */
@@ -197,6 +198,7 @@ static void gpupin_pin_invalidate(struct gpupin_region *pin, bool always,
 	gpupin_stat_max(&gpupin_stats.callback_max_ns, ktime_get_ns() - start);
 	/* Last touch: a waiting unpin may free the pin as soon as it sees this. */
 	gpupin_set_state(pin, GPUPIN_PIN_INVALIDATED);
+	return false;
 }
 
 /* The provider tore the mappings down: free their descriptors and the table. */
@@ -207,12 +209,31 @@ static void gpupin_nvp2p_teardown(struct gpupin_region *pin)
 }
 
 /*
+ * Free callbacks still running gpupin's code.  Once a callback has let go of
+ * its pin (and, for a detached pin, of the module reference), nothing holds
+ * the module but this count: gpupin_exit() waits for it to reach zero, then
+ * for every task to have left the few instructions after the decrement
+ * (synchronize_rcu_tasks(), as for code that module text frees under).
+ */
+atomic_t gpupin_callbacks_running = ATOMIC_INIT(0);
+
+/*
  * The nv-p2p free callback: the GPU memory under the pin is being freed.
- * Never calls put_pages or dma_unmap_pages.
+ * Never calls put_pages or dma_unmap_pages.  The module cannot go before
+ * the increment: the pin holds it (its open file, or the detached pin's own
+ * reference), and neither lets go before this callback moves the pin on.
  */
 static void gpupin_free_callback(void *data)
 {
-	gpupin_pin_invalidate(data, true, gpupin_nvp2p_teardown);
+	bool detached;
+
+	atomic_inc(&gpupin_callbacks_running);
+	detached = gpupin_pin_invalidate(data, true, gpupin_nvp2p_teardown);
+	if (detached)
+		module_put(THIS_MODULE);
+	gpupin_fault_callback_tail();
+	if (atomic_dec_and_test(&gpupin_callbacks_running))
+		wake_up_var(&gpupin_callbacks_running);
 }
 
 /* dma-buf move_notify (reservation lock held): the exporter revokes the buffer. */
