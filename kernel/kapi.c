@@ -23,7 +23,13 @@ struct gpupin_ref {
 	void (*notify)(void *priv);
 	void *priv;
 	bool notified;			/* under pin->refs_lock */
-	u32 map_id;			/* 0 = not mapped */
+	/*
+	 * Serialises gpupin_ref_dma_map() calls on this reference, so two of
+	 * them cannot both map and leave one share behind.  Taken with no gpupin
+	 * lock held; the notifier never takes it.
+	 */
+	struct mutex map_lock;
+	u32 map_id;			/* 0 = not mapped; set under map_lock */
 	struct gpupin_map *map;		/* valid inside access sections */
 };
 
@@ -71,6 +77,7 @@ struct gpupin_ref *gpupin_ref_get(int fd, u64 handle, void (*notify)(void *priv)
 	pin = gpupin_pin_lookup(f, handle);
 	if (!pin)
 		goto err_free;
+	mutex_init(&ref->map_lock);
 	ref->pin = pin;
 	ref->file = file;
 	ref->notify = notify;
@@ -121,6 +128,7 @@ void gpupin_ref_put(struct gpupin_ref *ref)
 		gpupin_pin_destroy_now(pin->file, pin, pin->orphan_reason);
 	gpupin_pin_put(pin);
 	fput(ref->file);
+	mutex_destroy(&ref->map_lock);
 	kfree(ref);
 }
 EXPORT_SYMBOL_GPL(gpupin_ref_put);
@@ -153,20 +161,24 @@ int gpupin_ref_dma_map(struct gpupin_ref *ref, struct pci_dev *pdev)
 
 	if (!pdev)
 		return -EINVAL;
+	mutex_lock(&ref->map_lock);
 	if (ref->map_id) {
-		if (gpupin_pin_use(pin))
-			return -ENODEV;
-		ret = ref->map->pdev == pdev ? 0 : -EBUSY;
-		gpupin_pin_unuse(pin);
-		return ret;
+		ret = -ENODEV;
+		if (!gpupin_pin_use(pin)) {
+			ret = ref->map->pdev == pdev ? 0 : -EBUSY;
+			gpupin_pin_unuse(pin);
+		}
+		goto out;
 	}
 	ret = gpupin_map_for_driver(pin, pdev, &map, &id);
 	if (ret == -ENXIO)
-		return -ENODEV;
+		ret = -ENODEV;
 	if (!ret) {
 		ref->map = map;
 		ref->map_id = id;
 	}
+out:
+	mutex_unlock(&ref->map_lock);
 	return ret;
 }
 EXPORT_SYMBOL_GPL(gpupin_ref_dma_map);

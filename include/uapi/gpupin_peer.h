@@ -35,6 +35,13 @@ struct gpupin_peer_xfer {
 };
 
 /*
+ * gpupin_peer_hold.flags: map the reference from a work item and from the
+ * calling thread at once (a driver whose threads race to map one region).
+ */
+#define GPUPIN_PEER_HOLD_MAP_RACE 0x1
+#define GPUPIN_PEER_HOLD_FLAGS_ALL GPUPIN_PEER_HOLD_MAP_RACE
+
+/*
  * Hold a reference to the pin (with its DMA mapping) until RELEASE or
  * close: stands for a driver that keeps a registered memory region.
  */

@@ -102,9 +102,12 @@ class Peer(Closable):
             raise InvalidArgument("peer write: no data (length must be > 0)")
         self._xfer(device, pin, offset, data, True)
 
-    def hold(self, device: Device, pin: Pin | int) -> int:
-        """Keep a driver reference (with a DMA mapping) to the pin; returns the hold id."""
+    def hold(self, device: Device, pin: Pin | int, *, map_race: bool = False) -> int:
+        """Keep a driver reference (with a DMA mapping) to the pin; returns the hold id.
+
+        ``map_race``: the driver maps the reference from two threads at once (tests gpupin)."""
         c = ffi.new("struct gpupin_peer_hold *")
+        c.flags = lib.GPUPIN_PEER_HOLD_MAP_RACE if map_race else 0
         c.gpupin_fd = device.fileno()
         c.handle = _handle(pin)
         ret = self._call(lib.GPUPIN_PEER_IOC_HOLD, c, "peer hold")

@@ -202,6 +202,35 @@ static long peer_ioctl_xfer(struct peer_file *pf, struct gpupin_peer_xfer __user
 	return ret;
 }
 
+struct peer_map_work {
+	struct work_struct work;
+	struct gpupin_ref *ref;
+	int ret;
+};
+
+static void peer_map_fn(struct work_struct *work)
+{
+	struct peer_map_work *w = container_of(work, struct peer_map_work, work);
+
+	w->ret = gpupin_ref_dma_map(w->ref, peer_pdev);
+}
+
+/* Map @ref for the peer; with @race, from a work item and from here at the same time. */
+static int peer_map(struct gpupin_ref *ref, bool race)
+{
+	struct peer_map_work w = { .ref = ref };
+	int ret;
+
+	if (!race)
+		return gpupin_ref_dma_map(ref, peer_pdev);
+	INIT_WORK_ONSTACK(&w.work, peer_map_fn);
+	schedule_work(&w.work);
+	ret = gpupin_ref_dma_map(ref, peer_pdev);
+	flush_work(&w.work);
+	destroy_work_on_stack(&w.work);
+	return ret ? ret : w.ret;
+}
+
 static long peer_ioctl_hold(struct peer_file *pf, struct gpupin_peer_hold __user *uarg)
 {
 	struct gpupin_peer_hold arg;
@@ -211,7 +240,8 @@ static long peer_ioctl_hold(struct peer_file *pf, struct gpupin_peer_hold __user
 
 	if (copy_from_user(&arg, uarg, sizeof(arg)))
 		return -EFAULT;
-	if (arg.flags || arg.hold_id || arg.pad || arg.reserved[0] || arg.reserved[1])
+	if ((arg.flags & ~GPUPIN_PEER_HOLD_FLAGS_ALL) || arg.hold_id || arg.pad ||
+	    arg.reserved[0] || arg.reserved[1])
 		return -EINVAL;
 	h = kzalloc(sizeof(*h), GFP_KERNEL);
 	if (!h)
@@ -222,7 +252,7 @@ static long peer_ioctl_hold(struct peer_file *pf, struct gpupin_peer_hold __user
 		ret = PTR_ERR(h->ref);
 		goto err_free;
 	}
-	ret = gpupin_ref_dma_map(h->ref, peer_pdev);
+	ret = peer_map(h->ref, arg.flags & GPUPIN_PEER_HOLD_MAP_RACE);
 	if (ret)
 		goto err_put;
 	mutex_lock(&pf->lock);
