@@ -130,7 +130,6 @@ static void sim_pin_retire_locked(struct sim_pin *pin, struct list_head *evicted
 	}
 	list_del_init(&pin->node);
 	pin->state = SIM_PIN_FREED;
-	pin->freed_at = jiffies;
 	sim_stats.pinned_pages -= pin->pt->entries;
 	sim_stats.bar_bytes -= pin->len;
 	sim_stats.page_tables--;
@@ -540,29 +539,18 @@ int nvidia_p2p_free_page_table(struct nvidia_p2p_page_table *page_table)
 EXPORT_SYMBOL_GPL(nvidia_p2p_free_page_table);
 
 /*
- * dma_map_pages' first read of @pt.  A table a free callback freed moments
- * ago (race_window_ms) is NVIDIA's window again, seen from the client's side:
- * the client checked the memory alive, the callback ran and returned before
- * the call got in.  The client cannot close that gap - its callback must not
- * wait for a mapper, which may be blocked on the API lock the callback's
- * caller holds - so it is counted with the other dma_map_races.  Any other
- * freed table is the client's use after free.
+ * dma_map_pages' first read of @pt (NVIDIA's container_of and gpu_uuid read,
+ * without a lock).  A freed table, however recently freed, is a use after
+ * free: no grace window.
  */
 static struct sim_pin *sim_pin_get_live(struct nvidia_p2p_page_table *pt, const char *fn)
 {
-	unsigned long window = msecs_to_jiffies(READ_ONCE(sim_race_window_ms));
 	struct sim_pin *pin;
 
 	spin_lock(&sim_lock);
 	pin = sim_pin_lookup_locked(pt);
 	if (pin && pin->state == SIM_PIN_FREED) {
-		if (!pin->freed_by_put && time_before(jiffies, pin->freed_at + window)) {
-			sim_stats.dma_map_races++;
-			pr_warn_ratelimited("%s: table freed by a callback just before the call\n",
-					    fn);
-		} else {
-			sim_count_uaf(fn, "page table");
-		}
+		sim_count_uaf(fn, "page table");
 		pin = NULL;
 	} else if (pin) {
 		refcount_inc(&pin->refs);
@@ -598,12 +586,14 @@ int nvidia_p2p_dma_map_pages(struct pci_dev *peer,
 		sim_count_uaf(__func__, "page table (put by the client during the call)");
 	} else if (pin->state == SIM_PIN_FREED) {
 		/*
-		 * Freed by a callback while we waited for the lock: NVIDIA's own
-		 * window (its dma_map_pages goes on with freed memory).  Counted
-		 * apart.
+		 * Freed by a callback while we waited for the lock: NVIDIA's
+		 * dma_map_pages goes on with the freed table, maps released BAR
+		 * pages and links the mapping into the freed mem_info (heap
+		 * corruption).  Only a client that cannot race the free may call
+		 * it; refused here and counted.
 		 */
-		sim_stats.dma_map_races++;
-		pr_warn_ratelimited("dma_map_pages: the table was freed while it waited for the API lock\n");
+		sim_count_misuse(&sim_stats.dma_map_races,
+				 "dma_map_pages: the table was freed while it waited for the API lock (heap corruption in NVIDIA's driver)");
 	} else if (pin->state == SIM_PIN_LIVE) {
 		err = sim_injected_error_locked(&sim_fail_dma_map_nth);
 	}

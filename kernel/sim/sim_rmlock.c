@@ -21,6 +21,7 @@
 #include <linux/jiffies.h>
 #include <linux/lockdep.h>
 #include <linux/mutex.h>
+#include <linux/ratelimit.h>
 #include <linux/workqueue.h>
 #include "sim.h"
 
@@ -100,14 +101,49 @@ void sim_watchdog_disarm(void)
 }
 
 /*
+ * Count one strict misuse in @counter (a field of sim_stats) and report
+ * @what.  A misuse is a kernel WARNING, which fails a test run, unless a
+ * test announced it in expect_misuse (then it is logged and the budget goes
+ * down by one).  Caller holds sim_lock.
+ */
+void sim_count_misuse(u64 *counter, const char *what)
+{
+	static DEFINE_RATELIMIT_STATE(rs, DEFAULT_RATELIMIT_INTERVAL, DEFAULT_RATELIMIT_BURST);
+	int expected = READ_ONCE(sim_expect_misuse);
+
+	lockdep_assert_held(&sim_lock);
+	(*counter)++;
+	if (expected > 0) {
+		WRITE_ONCE(sim_expect_misuse, expected - 1);
+		pr_warn_ratelimited("expected misuse (expect_misuse): %s\n", what);
+		return;
+	}
+	if (__ratelimit(&rs))
+		WARN(1, "nvp2p_sim: %s\n", what);
+}
+
+/*
  * A client passed @what (a page table or DMA mapping) to @fn after NVIDIA's
  * driver would have freed it.  Caller holds sim_lock.
  */
 void sim_count_uaf(const char *fn, const char *what)
 {
 	lockdep_assert_held(&sim_lock);
-	sim_stats.use_after_free_calls++;
-	WARN_ONCE(1, "nvp2p_sim: %s called with a %s that NVIDIA's driver has freed (use after free)\n",
-		  fn, what);
-	pr_err_ratelimited("%s called with a freed %s\n", fn, what);
+	pr_err_ratelimited("%s called with a %s that NVIDIA's driver has freed (use after free)\n",
+			   fn, what);
+	sim_count_misuse(&sim_stats.use_after_free_calls, "call with what NVIDIA's driver has freed");
+}
+
+/* NVP2P_SIM_IOC_RESET_MISUSE: zero the counters of strict misuse. */
+void sim_reset_misuse(void)
+{
+	spin_lock(&sim_lock);
+	sim_stats.use_after_free_calls = 0;
+	sim_stats.puts_not_found = 0;
+	sim_stats.lock_timeouts = 0;
+	sim_stats.callback_overruns = 0;
+	sim_stats.dma_map_races = 0;
+	sim_stats.dmabuf_nonpci_attaches = 0;
+	sim_stats.stale_table_puts = 0;
+	spin_unlock(&sim_lock);
 }
