@@ -51,10 +51,18 @@ struct nvp2p_sim_rw {
 	__u32 pad;
 };
 
+/* nvp2p_sim_export.flags */
+#define NVP2P_SIM_EXPORT_REVOCABLE 0x1
+
 /*
- * Export the allocation holding va as a dma-buf (a dynamic exporter: it
- * revokes the buffer through move_notify when the allocation is freed).
- * fd (out) is O_CLOEXEC; base and size (out) say what it covers.
+ * Export the allocation holding va as a dma-buf.  By default the exporter
+ * behaves like NVIDIA's (nv-dmabuf.c): static (no pin/unpin, never
+ * move_notify), the export holds the memory until the last reference to the
+ * buffer drops (freeing the allocation frees nothing meanwhile), and only PCI
+ * devices may attach.  With NVP2P_SIM_EXPORT_REVOCABLE it is a dynamic
+ * exporter that revokes the buffer through move_notify when the allocation
+ * is freed (as amdgpu or vfio-pci do).  fd (out) is O_CLOEXEC; base and size
+ * (out) say what it covers.
  */
 struct nvp2p_sim_export {
 	__u64 va;

@@ -173,14 +173,18 @@ class SimMemory(ProviderBase):
         self._call(lib.NVP2P_SIM_IOC_RW, c, "sim read", f"{ptr:#x}, {size} bytes")
         return bytes(out)
 
-    def export_dmabuf(self, ptr: int) -> int:
+    def export_dmabuf(self, ptr: int, revocable: bool = False) -> int:
         """Export the allocation holding ``ptr`` as a dma-buf; returns the fd (caller closes it).
 
-        The buffer covers the whole allocation (``range_of(ptr)``); freeing the allocation
-        revokes it.
+        The buffer covers the whole allocation (``range_of(ptr)``).  By default the exporter
+        is NVIDIA's kind: static (never revokes), only PCI devices may attach, and the
+        buffer holds the memory: freeing the allocation frees nothing until the last
+        reference to the buffer goes.  ``revocable=True`` gives a dynamic exporter that
+        revokes the buffer (move_notify) when the allocation is freed, as amdgpu does.
         """
         c = ffi.new("struct nvp2p_sim_export *")
         c.va = ptr
+        c.flags = lib.NVP2P_SIM_EXPORT_REVOCABLE if revocable else 0
         ret = lib.gpupin_call(self._fd, lib.NVP2P_SIM_IOC_EXPORT, c)
         if ret == -errno.ENOENT:
             raise NotGpuMemory(f"sim export({ptr:#x}): not simulated device memory of this context", errno.ENOENT)
