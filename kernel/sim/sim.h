@@ -104,7 +104,7 @@ enum sim_pin_state {
 /* One get_pages and the page table handed to the client. */
 struct sim_pin {
 	struct nvidia_p2p_page_table *pt;	/* owned; freed with the pin */
-	size_t pt_size;			/* by the version's layout */
+	size_t pt_size;			/* SIM_TABLE_ALLOC: table, then its list head */
 	struct nvidia_p2p_page *page_array;
 	struct nvidia_p2p_page **pages;
 	struct hlist_node hnode;	/* registry by pt, under sim_lock */

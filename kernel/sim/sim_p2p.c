@@ -19,8 +19,9 @@
  *   that a later call passing them is caught (use_after_free_calls).  A
  *   later non-persistent put_pages is harmless (looked up, not found), as in
  *   NVIDIA's driver.
- * Misuse inside the callback (put_pages or dma_unmap_pages there, a table
- * not freed) is detected and counted too.
+ * Inside the callback, the calls that take the API lock fail with -EIO and a
+ * WARN (it is not re-entrant), dma_unmap_pages works; a table the callback
+ * did not free is counted.
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
@@ -274,18 +275,38 @@ int sim_injected_error_locked(int *nth_param)
 }
 
 /*
- * The table as the driver of @version allocates it: 1.2 (R535..R575) ends
- * after gpu_uuid, older ones after entries, so a client that reads `flags`
- * (or gpu_uuid) from a table without it reads past the allocation (KASAN
- * reports it) as it would on such a host.
+ * NVIDIA embeds the page table in struct nv_p2p_mem_info (nv-p2p.c), where
+ * the table's DMA-mapping list head follows it.  Every table is allocated
+ * that way here, whatever its version: a client that reads a member its
+ * version lacks (`flags` of a 1.2 table, `gpu_uuid` of a 1.0 one) reads that
+ * list head - in bounds, but no value of that member - as it would on such
+ * a host.
  */
-static size_t sim_table_size(u32 version)
+#define SIM_TABLE_ALLOC (sizeof(struct nvidia_p2p_page_table) + sizeof(struct list_head))
+
+/* Where the table of @version ends, so where the list head goes. */
+static size_t sim_table_end(u32 version)
 {
 	if (NVIDIA_P2P_MAJOR_VERSION(version) >= 2)
 		return sizeof(struct nvidia_p2p_page_table);
 	if (NVIDIA_P2P_MAJOR_VERSION(version) == 1 && NVIDIA_P2P_MINOR_VERSION(version) >= 2)
 		return offsetofend(struct nvidia_p2p_page_table, gpu_uuid);
-	return offsetofend(struct nvidia_p2p_page_table, entries);
+	return ALIGN(offsetofend(struct nvidia_p2p_page_table, entries), sizeof(void *));
+}
+
+/* Fill the table of @pin for @version (it is zeroed, SIM_TABLE_ALLOC bytes). */
+static void sim_table_fill(struct sim_pin *pin, u32 version, u32 entries)
+{
+	size_t end = sim_table_end(version);
+	struct list_head *head = (void *)pin->pt + end;
+
+	pin->pt->version = version;
+	pin->pt->page_size = READ_ONCE(sim_page_size_type);
+	pin->pt->pages = pin->pages;
+	pin->pt->entries = entries;
+	if (end > offsetof(struct nvidia_p2p_page_table, gpu_uuid))
+		pin->pt->gpu_uuid = sim_gpu_uuid;
+	INIT_LIST_HEAD(head);	/* an empty mapping list, as NVIDIA's */
 }
 
 static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_table,
@@ -310,7 +331,7 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 	pin = kzalloc(sizeof(*pin), GFP_KERNEL);
 	if (!pin)
 		return -ENOMEM;
-	pin->pt_size = sim_table_size(version);
+	pin->pt_size = SIM_TABLE_ALLOC;
 	pin->pt = kzalloc(pin->pt_size, GFP_KERNEL);
 	pin->page_array = kvcalloc(entries, sizeof(*pin->page_array), GFP_KERNEL);
 	pin->pages = kvcalloc(entries, sizeof(*pin->pages), GFP_KERNEL);
@@ -331,12 +352,7 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 	pin->free_callback = free_callback;
 	pin->data = data;
 	pin->owner = get_pid(task_tgid(current));
-	pin->pt->version = version;
-	pin->pt->page_size = READ_ONCE(sim_page_size_type);
-	pin->pt->pages = pin->pages;
-	pin->pt->entries = entries;
-	if (pin->pt_size > offsetof(struct nvidia_p2p_page_table, gpu_uuid))
-		pin->pt->gpu_uuid = sim_gpu_uuid;
+	sim_table_fill(pin, version, entries);
 
 	err = sim_api_lock(__func__);
 	if (err)
@@ -438,8 +454,9 @@ static int sim_put_pages(u64 va, struct nvidia_p2p_page_table *pt, bool persiste
 	struct sim_pin *pin;
 	int ret;
 
+	/* nvidia_p2p_put_pages{,_persistent}: a NULL table is nothing to put. */
 	if (!pt)
-		return -EINVAL;
+		return 0;
 	ret = sim_api_lock(fn);
 	if (ret)
 		return ret;
@@ -458,11 +475,6 @@ static int sim_put_pages(u64 va, struct nvidia_p2p_page_table *pt, bool persiste
 	if (!sim_put_finds_locked(pin, persistent)) {
 		sim_stats.puts_not_found++;
 		ret = persistent ? -EINVAL : 0;
-		goto out_unlock;
-	}
-	if (WARN_ONCE(pin->cb_task == current,
-		      "nvidia_p2p_put_pages called from inside the free callback\n")) {
-		ret = -EINVAL;
 		goto out_unlock;
 	}
 	if (pin->state == SIM_PIN_LIVE && !persistent && READ_ONCE(sim_race_put_pages)) {
@@ -673,6 +685,7 @@ int nvidia_p2p_dma_unmap_pages(struct pci_dev *peer,
 {
 	struct sim_map *map = NULL;
 	struct sim_pin *pin;
+	int ret = -EINVAL;
 
 	if (!peer || !page_table || !dma_mapping)
 		return -EINVAL;
@@ -683,19 +696,22 @@ int nvidia_p2p_dma_unmap_pages(struct pci_dev *peer,
 	if (pin && pin->state == SIM_PIN_FREED) {
 		sim_count_uaf(__func__, "page table");
 	} else if (pin) {
+		/*
+		 * Also inside the free callback: NVIDIA takes only the table's
+		 * mapping semaphore here (nv_p2p_remove_dma_mapping).  A mapping
+		 * no longer on the table's list (already unmapped) is found by
+		 * pointer value or not at all: 0, nothing done.
+		 */
 		map = sim_map_find_locked(pin, dma_mapping, __func__);
-		if (map && pin->cb_task == current) {
-			WARN_ONCE(1, "%s called from inside the free callback\n", __func__);
-			map = NULL;
-		}
 		if (map) {
 			list_del(&map->node);
 			sim_stats.dma_mappings--;
 		}
+		ret = 0;
 	}
 	spin_unlock(&sim_lock);
 	if (!map)
-		return -EINVAL;
+		return ret;
 	sim_map_unmap(map);
 	sim_map_free(map);
 	return 0;

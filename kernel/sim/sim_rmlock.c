@@ -35,16 +35,31 @@ static struct lockdep_map sim_api_map = STATIC_LOCKDEP_MAP_INIT("nvidia_rm_api_l
 #define sim_api_release() do { } while (0)
 #endif
 
+/* The thread holding the API lock (rmapiLockIsOwner); written under it. */
+static struct task_struct *sim_api_owner;
+
 /*
  * Take the API lock for @who (an nv-p2p entry point or the free path).
- * Returns 0, or -EDEADLK after lock_timeout_ms (with a WARN): a real driver
- * would hang there for good.
+ * Returns 0, -EIO (with a WARN) when the caller holds it already, or
+ * -EDEADLK after lock_timeout_ms (with a WARN): a real driver would hang
+ * there for good.
  */
 int sim_api_lock(const char *who)
 {
 	unsigned int ms = READ_ONCE(sim_lock_timeout_ms);
 	unsigned long deadline = jiffies + msecs_to_jiffies(ms);
 
+	/*
+	 * The lock is not re-entrant: rmapiLockAcquire starts with
+	 * NV_ASSERT_OR_RETURN(!rmapiLockIsOwner(), NV_ERR_INVALID_LOCK_STATE),
+	 * which nvidia_p2p_map_status turns into -EIO.  So put_pages (or
+	 * get_pages, dma_map_pages) inside a free callback fails at once.
+	 */
+	if (READ_ONCE(sim_api_owner) == current) {
+		WARN(1, "nvp2p_sim: %s called with the RM API lock held (inside a free callback): NVIDIA's driver asserts and fails it with -EIO\n",
+		     who);
+		return -EIO;
+	}
 	sim_api_acquire();
 	while (!mutex_trylock(&sim_big_lock)) {
 		if (ms && time_after(jiffies, deadline)) {
@@ -58,11 +73,13 @@ int sim_api_lock(const char *who)
 		}
 		usleep_range(200, 1000);
 	}
+	WRITE_ONCE(sim_api_owner, current);
 	return 0;
 }
 
 void sim_api_unlock(void)
 {
+	WRITE_ONCE(sim_api_owner, NULL);
 	mutex_unlock(&sim_big_lock);
 	sim_api_release();
 }
