@@ -67,6 +67,7 @@ extern int sim_fail_dma_map_nth;
 extern int sim_fail_attach_nth;
 extern int sim_fail_dmabuf_map_nth;
 extern int sim_expect_misuse;
+extern bool sim_reuse_freed_tables;
 extern u8 sim_gpu_uuid[NVIDIA_P2P_GPU_UUID_LEN];
 
 /* Counters, under sim_lock. */
@@ -117,6 +118,7 @@ struct sim_pin {
 	bool table_freed;		/* client called free_page_table */
 	bool cb_unloaded;		/* the callback's module is gone; under sim_lock */
 	bool freed_by_put;		/* FREED by put_pages, not a callback; sim_lock */
+	bool table_reused;		/* pt is a freed table's address (reuse_freed_tables) */
 	enum sim_pin_state state;	/* under sim_lock */
 	void (*free_callback)(void *data);
 	void *data;

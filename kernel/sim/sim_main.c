@@ -95,6 +95,10 @@ int sim_expect_misuse;
 module_param_named(expect_misuse, sim_expect_misuse, int, 0644);
 MODULE_PARM_DESC(expect_misuse, "Strict misuses a test provokes on purpose: each is counted and logged without a kernel WARNING while this is above 0, and takes one off (default 0: every misuse WARNs)");
 
+bool sim_reuse_freed_tables;
+module_param_named(reuse_freed_tables, sim_reuse_freed_tables, bool, 0644);
+MODULE_PARM_DESC(reuse_freed_tables, "Hand a freed page table's address to the next get_pages of the same process, so that a stale put_pages hits that newer pin, as on NVIDIA's driver (counted in stale_table_puts; default off)");
+
 /*
  * gpupin looks this up with symbol_get() to tell the simulator from the real
  * driver; it is not part of the nv-p2p API.

@@ -309,11 +309,41 @@ static void sim_table_fill(struct sim_pin *pin, u32 version, u32 entries)
 	INIT_LIST_HEAD(head);	/* an empty mapping list, as NVIDIA's */
 }
 
+/*
+ * reuse_freed_tables: give @pin the address of the most recently freed
+ * non-persistent table of the same process (one for another range), as
+ * NVIDIA's allocator may hand freed memory out again; its mappings are
+ * found by pointer value, so a stale put_pages of the old table then hits
+ * @pin.  Only a table that nobody but the graveyard holds is taken.  Returns
+ * the dead pin, which now owns @pin's unused table; the caller puts it after
+ * unlocking sim_lock.
+ */
+static struct sim_pin *sim_reuse_table_locked(struct sim_pin *pin, u32 version, u32 entries)
+{
+	struct sim_pin *old;
+
+	lockdep_assert_held(&sim_lock);
+	list_for_each_entry_reverse(old, &sim_graveyard, node) {
+		if (old->persistent || old->owner != pin->owner || old->va == pin->va ||
+		    refcount_read(&old->refs) != 1)
+			continue;
+		list_del_init(&old->node);
+		hash_del(&old->hnode);
+		sim_nr_dead--;
+		swap(pin->pt, old->pt);
+		memset(pin->pt, 0, pin->pt_size);
+		sim_table_fill(pin, version, entries);
+		pin->table_reused = true;
+		return old;
+	}
+	return NULL;
+}
+
 static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_table,
 			 void (*free_callback)(void *data), void *data, bool persistent)
 {
+	struct sim_pin *pin, *dead = NULL;
 	struct sim_alloc *alloc;
-	struct sim_pin *pin;
 	bool race = false;
 	u32 entries, version, i;
 	int err;
@@ -376,6 +406,8 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 	if (!persistent) {
 		list_add_tail(&pin->node, &alloc->pins);
 		sim_stats.live_callbacks++;
+		if (READ_ONCE(sim_reuse_freed_tables))
+			dead = sim_reuse_table_locked(pin, version, entries);
 	}
 	hash_add(sim_pins, &pin->hnode, (unsigned long)pin->pt);
 	pin->state = SIM_PIN_LIVE;
@@ -393,6 +425,8 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 	}
 	spin_unlock(&sim_lock);
 	sim_api_unlock();
+	if (dead)
+		sim_pin_put(dead);
 	if (race) {
 		/* Return only once the callback ran: the worst case for the client. */
 		wait_for_completion(&pin->cb_done);
@@ -477,6 +511,14 @@ static int sim_put_pages(u64 va, struct nvidia_p2p_page_table *pt, bool persiste
 		ret = persistent ? -EINVAL : 0;
 		goto out_unlock;
 	}
+	/*
+	 * A freed table's address that a newer pin of this process got
+	 * (reuse_freed_tables), put for the old range: NVIDIA finds the newer
+	 * pin by the pointer and releases it.  So does this, and counts it.
+	 */
+	if (pin->table_reused && pin->va != va)
+		sim_count_misuse(&sim_stats.stale_table_puts,
+				 "put_pages of a freed page table released a newer pin at the same address");
 	if (pin->state == SIM_PIN_LIVE && !persistent && READ_ONCE(sim_race_put_pages)) {
 		/* Free the memory "now", on another CPU, as put_pages runs. */
 		pin->state = SIM_PIN_CALLBACK;

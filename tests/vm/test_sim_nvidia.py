@@ -17,7 +17,7 @@ import pytest
 
 import gpupin
 from conftest import GPU_PAGE, MiB, raw
-from gpupin import SimMemory, kmod, sim_stats
+from gpupin import Device, SimMemory, kmod, sim_stats
 from gpupin._native import lib
 
 pytestmark = [pytest.mark.vm, pytest.mark.simonly]
@@ -160,3 +160,28 @@ def test_revocable_export_fault_knobs(sim: SimMemory, vgem: int, sim_params: Cal
     vgem_close(vgem, vgem_import(vgem, fd))  # one failure only
     os.close(fd)
     sim.free(va)
+
+
+# -- freed page tables: address reuse ----------------------------------------------------------
+
+
+def test_reused_table_addresses_release_the_right_pins(
+    device: Device, sim: SimMemory, sim_params: Callable[..., None]
+) -> None:
+    """With reuse_freed_tables, a new pin of the same process may get a freed table's address
+    (as NVIDIA's allocator may hand it out); a client that never passes a stale table puts
+    each pin once, and nothing counts as a stale put."""
+    sim_params(reuse_freed_tables=True)
+    vas = [sim.alloc(GPU_PAGE) for _ in range(4)]
+    first = device.pin(vas[0], GPU_PAGE)
+    device.unpin(first)  # its table is freed
+    pins = [device.pin(v, GPU_PAGE) for v in vas[1:]]
+    sim.free(vas[1])  # a callback frees another
+    pins.append(device.pin(vas[0], GPU_PAGE))
+    for p in pins[1:]:
+        device.unpin(p)
+    device.unpin(pins[0])  # invalidated: its table is gone
+    s = sim_stats()
+    assert s.stale_table_puts == 0 and s.page_tables == 0 and s.live_callbacks == 0, s
+    for v in (vas[0], vas[2], vas[3]):
+        sim.free(v)
