@@ -399,7 +399,7 @@ static struct miscdevice sim_miscdev = {
 	.minor = MISC_DYNAMIC_MINOR,
 	.name = "nvp2p_sim",
 	.fops = &sim_fops,
-	.mode = 0666,
+	.mode = 0600,	/* a test device: root only */
 };
 
 int sim_chardev_init(void)

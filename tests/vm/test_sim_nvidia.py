@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 import gpupin
-from conftest import GPU_PAGE, MiB, raw
+from conftest import GPU_PAGE, MiB, in_child, raw
 from gpupin import Device, SimMemory, kmod, sim_stats
 from gpupin._native import lib
 
@@ -160,6 +160,26 @@ def test_revocable_export_fault_knobs(sim: SimMemory, vgem: int, sim_params: Cal
     vgem_close(vgem, vgem_import(vgem, fd))  # one failure only
     os.close(fd)
     sim.free(va)
+
+
+# -- the device node ---------------------------------------------------------------------------------
+
+
+def test_device_is_root_only(gpupin_loaded: None) -> None:
+    assert os.stat("/dev/nvp2p_sim").st_mode & 0o777 == 0o600
+
+    def child() -> int:
+        os.setgid(65534)
+        os.setuid(65534)
+        try:
+            SimMemory().close()
+        except gpupin.GpupinError as exc:
+            return 0 if exc.errno == errno.EACCES else 2
+        except PermissionError:
+            return 0
+        return 1
+
+    assert in_child(child) == 0
 
 
 # -- freed page tables: address reuse ----------------------------------------------------------
