@@ -51,10 +51,18 @@ struct nvp2p_sim_rw {
 	__u32 pad;
 };
 
+/* nvp2p_sim_export.flags */
+#define NVP2P_SIM_EXPORT_REVOCABLE 0x1
+
 /*
- * Export the allocation holding va as a dma-buf (a dynamic exporter: it
- * revokes the buffer through move_notify when the allocation is freed).
- * fd (out) is O_CLOEXEC; base and size (out) say what it covers.
+ * Export the allocation holding va as a dma-buf.  By default the exporter
+ * behaves like NVIDIA's (nv-dmabuf.c): static (no pin/unpin, never
+ * move_notify), the export holds the memory until the last reference to the
+ * buffer drops (freeing the allocation frees nothing meanwhile), and only PCI
+ * devices may attach.  With NVP2P_SIM_EXPORT_REVOCABLE it is a dynamic
+ * exporter that revokes the buffer through move_notify when the allocation
+ * is freed (as amdgpu or vfio-pci do).  fd (out) is O_CLOEXEC; base and size
+ * (out) say what it covers.
  */
 struct nvp2p_sim_export {
 	__u64 va;
@@ -85,9 +93,11 @@ struct nvp2p_sim_stats {
 	__u64 puts_not_found;		/* put_pages from another process: 0, nothing released */
 	__u64 lock_timeouts;		/* API lock waits given up: a real-driver deadlock */
 	__u64 callback_overruns;	/* free callbacks that ran past callback_timeout_ms */
-	__u64 dma_map_races;		/* freed by a callback in dma_map_pages' window */
+	__u64 dma_map_races;		/* dma_map_pages on a table freed while it waited */
 	__u64 dmabuf_attachments;	/* importers attached to the exported dma-bufs */
 	__u64 dmabuf_pins;		/* their pins (dynamic importers' dma_buf_pin) */
+	__u64 dmabuf_nonpci_attaches;	/* attaches by a non-PCI device to an NVIDIA-like export */
+	__u64 stale_table_puts;		/* put_pages of a freed table that hit a newer pin */
 	__u64 reserved[1];
 };
 
@@ -97,5 +107,12 @@ struct nvp2p_sim_stats {
 #define NVP2P_SIM_IOC_RW _IOW(NVP2P_SIM_IOC_MAGIC, 0x03, struct nvp2p_sim_rw)
 #define NVP2P_SIM_IOC_STATS _IOR(NVP2P_SIM_IOC_MAGIC, 0x04, struct nvp2p_sim_stats)
 #define NVP2P_SIM_IOC_EXPORT _IOWR(NVP2P_SIM_IOC_MAGIC, 0x05, struct nvp2p_sim_export)
+/*
+ * Zero the counters of strict misuse (use_after_free_calls, puts_not_found,
+ * lock_timeouts, callback_overruns, dma_map_races, dmabuf_nonpci_attaches,
+ * stale_table_puts): for a test that provoked them on purpose and checked
+ * them.  The other counters are left alone.
+ */
+#define NVP2P_SIM_IOC_RESET_MISUSE _IO(NVP2P_SIM_IOC_MAGIC, 0x06)
 
 #endif /* _UAPI_NVP2P_SIM_H */

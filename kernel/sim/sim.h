@@ -14,8 +14,8 @@
  *                           within seconds here instead of hanging it.
  *   ctx->lock (mutex)     - one context's allocation list (alloc/free/rw).
  *   sim_exports_lock (mutex) - the allocations' export lists (sim_dmabuf.c).
- *   dma-buf reservation locks - of the simulator's exports; held while
- *                           importers' move_notify run (revocation).
+ *   dma-buf reservation locks - of the simulator's revocable exports; held
+ *                           while importers' move_notify run (revocation).
  *   sim_quarantine_lock (mutex) - the poisoned quarantine of freed chunks
  *                           (sim_poison.c); taken with no other sim lock held.
  *   sim_lock (spinlock)   - the context list, the pin registry, every pin's
@@ -58,7 +58,6 @@ extern unsigned int sim_dma_map_latency_us;
 extern unsigned int sim_unmap_latency_us;
 extern unsigned int sim_lock_timeout_ms;
 extern unsigned int sim_callback_timeout_ms;
-extern unsigned int sim_race_window_ms;
 extern unsigned int sim_dead_tables_max;
 extern unsigned long sim_mem_limit;
 extern unsigned int sim_page_table_version;
@@ -67,6 +66,8 @@ extern unsigned int sim_dma_mapping_version;
 extern int sim_fail_dma_map_nth;
 extern int sim_fail_attach_nth;
 extern int sim_fail_dmabuf_map_nth;
+extern int sim_expect_misuse;
+extern bool sim_reuse_freed_tables;
 extern u8 sim_gpu_uuid[NVIDIA_P2P_GPU_UUID_LEN];
 
 /* Counters, under sim_lock. */
@@ -104,7 +105,7 @@ enum sim_pin_state {
 /* One get_pages and the page table handed to the client. */
 struct sim_pin {
 	struct nvidia_p2p_page_table *pt;	/* owned; freed with the pin */
-	size_t pt_size;			/* by the version's layout */
+	size_t pt_size;			/* SIM_TABLE_ALLOC: table, then its list head */
 	struct nvidia_p2p_page *page_array;
 	struct nvidia_p2p_page **pages;
 	struct hlist_node hnode;	/* registry by pt, under sim_lock */
@@ -117,7 +118,7 @@ struct sim_pin {
 	bool table_freed;		/* client called free_page_table */
 	bool cb_unloaded;		/* the callback's module is gone; under sim_lock */
 	bool freed_by_put;		/* FREED by put_pages, not a callback; sim_lock */
-	unsigned long freed_at;		/* jiffies when FREED; under sim_lock */
+	bool table_reused;		/* pt is a freed table's address (reuse_freed_tables) */
 	enum sim_pin_state state;	/* under sim_lock */
 	void (*free_callback)(void *data);
 	void *data;
@@ -151,6 +152,8 @@ void sim_api_unlock(void);
 void sim_watchdog_arm(void (*fn)(void *data));
 void sim_watchdog_disarm(void);
 void sim_count_uaf(const char *fn, const char *what);
+void sim_count_misuse(u64 *counter, const char *what);
+void sim_reset_misuse(void);
 
 /* sim_dmabuf.c */
 long sim_ioctl_export(struct sim_ctx *ctx, struct nvp2p_sim_export __user *uarg);

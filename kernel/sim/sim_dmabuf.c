@@ -2,12 +2,26 @@
 /*
  * nvp2p_sim: simulated GPU memory exported as a dma-buf, the way
  * cuMemGetHandleForAddressRange(CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD) exports
- * real GPU memory.  The exporter is dynamic (pin/unpin, mappings made under
- * the reservation lock), and revokes the buffer when the allocation is
- * freed: every importer gets move_notify, later pins and mappings fail with
- * -ENODEV.  The memory itself stays until the last reference to the buffer
- * goes (the export holds the allocation), then is poisoned as any freed
- * allocation is.
+ * real GPU memory.  Two exporters, chosen per export:
+ *
+ * - NVIDIA's (the default; kernel-open/nvidia/nv-dmabuf.c, nv_dma_buf_ops):
+ *   static - no pin/unpin, nothing ever calls move_notify - and the export
+ *   holds the memory (nv_dma_buf_create duplicates the handles with
+ *   rm_dma_buf_dup_mem_handle): freeing the allocation frees nothing while a
+ *   reference to the buffer exists.  nv_dma_buf_attach takes the importing
+ *   device for a PCI device (to_pci_dev(attachment->dev)->dma_mask), so an
+ *   attach by any other device is a strict misuse here (it reads out of
+ *   bounds there): counted in dmabuf_nonpci_attaches, WARNed and refused
+ *   with -EINVAL.  A dynamic importer without peer2peer is refused with
+ *   -ENOTSUPP, as NVIDIA refuses it for GPU memory without struct pages.
+ * - A revoking one (NVP2P_SIM_EXPORT_REVOCABLE), as upstream amdgpu or
+ *   vfio-pci export: dynamic (pin/unpin, mappings made under the reservation
+ *   lock), it revokes the buffer when the allocation is freed: every importer
+ *   gets move_notify, later pins and mappings fail with -ENODEV.
+ *
+ * In both the memory stays until the last reference to the buffer goes (the
+ * export holds the allocation, counted in alloc_bytes against mem_limit),
+ * then is poisoned as any freed allocation is.
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
@@ -18,6 +32,7 @@
 #include <linux/fcntl.h>
 #include <linux/fs.h>
 #include <linux/module.h>
+#include <linux/pci.h>
 #include <linux/scatterlist.h>
 #include <linux/slab.h>
 #include <linux/uaccess.h>
@@ -38,20 +53,32 @@ struct sim_export {
 	struct list_head node;		/* alloc->exports, under sim_exports_lock */
 	struct sim_alloc *alloc;	/* holds a reference */
 	struct dma_buf *dmabuf;
+	bool revocable;			/* NVP2P_SIM_EXPORT_REVOCABLE; set at export */
 	bool revoked;			/* under the dma-buf's reservation lock */
 	unsigned int pins;		/* under the dma-buf's reservation lock */
 };
 
 /*
- * An importer attaches (refused only when a test injects it: fail_attach_nth)
- * or detaches; counted, so that a test sees an importer that left one behind.
+ * An importer attaches (refused when a test injects it: fail_attach_nth) or
+ * detaches; counted, so that a test sees an importer that left one behind.
+ * NVIDIA's exporter (not revocable) also refuses a non-PCI device (a strict
+ * misuse) and a dynamic importer that cannot take peer-to-peer addresses.
  */
 static int sim_dmabuf_attach(struct dma_buf *dmabuf, struct dma_buf_attachment *attach)
 {
+	struct sim_export *exp = dmabuf->priv;
 	int err;
 
 	spin_lock(&sim_lock);
 	err = sim_injected_error_locked(&sim_fail_attach_nth);
+	if (!err && !exp->revocable && !dev_is_pci(attach->dev)) {
+		/* nv_dma_buf_attach: to_pci_dev(attachment->dev)->dma_mask */
+		sim_count_misuse(&sim_stats.dmabuf_nonpci_attaches,
+				 "dma-buf attach by a non-PCI device: NVIDIA's exporter reads it as a pci_dev");
+		err = -EINVAL;
+	}
+	if (!err && !exp->revocable && attach->importer_ops && !attach->peer2peer)
+		err = -ENOTSUPP;	/* GPU memory without struct pages */
 	if (!err)
 		sim_stats.dmabuf_attachments++;
 	spin_unlock(&sim_lock);
@@ -100,8 +127,10 @@ static struct sg_table *sim_dmabuf_map(struct dma_buf_attachment *attach,
 	struct sg_table *sgt;
 	int ret, i;
 
-	dma_resv_assert_held(attach->dmabuf->resv);
-	if (exp->revoked)
+	/* The dma-buf core maps a static exporter's buffers without the lock. */
+	if (exp->revocable)
+		dma_resv_assert_held(attach->dmabuf->resv);
+	if (exp->revocable && exp->revoked)
 		return ERR_PTR(-ENODEV);
 	spin_lock(&sim_lock);
 	ret = sim_injected_error_locked(&sim_fail_dmabuf_map_nth);
@@ -161,7 +190,17 @@ static void sim_dmabuf_release(struct dma_buf *dmabuf)
 	kfree(exp);
 }
 
-static const struct dma_buf_ops sim_dmabuf_ops = {
+/* NVIDIA's exporter: no pin/unpin, so the dma-buf core treats it as static. */
+static const struct dma_buf_ops sim_dmabuf_static_ops = {
+	.attach = sim_dmabuf_attach,
+	.detach = sim_dmabuf_detach,
+	.map_dma_buf = sim_dmabuf_map,
+	.unmap_dma_buf = sim_dmabuf_unmap,
+	.release = sim_dmabuf_release,
+};
+
+/* The revoking exporter (NVP2P_SIM_EXPORT_REVOCABLE). */
+static const struct dma_buf_ops sim_dmabuf_revocable_ops = {
 	.attach = sim_dmabuf_attach,
 	.detach = sim_dmabuf_detach,
 	.pin = sim_dmabuf_pin,
@@ -182,11 +221,13 @@ long sim_ioctl_export(struct sim_ctx *ctx, struct nvp2p_sim_export __user *uarg)
 
 	if (copy_from_user(&arg, uarg, sizeof(arg)))
 		return -EFAULT;
-	if (arg.flags || arg.fd || arg.base || arg.size || arg.reserved[0] || arg.reserved[1])
+	if ((arg.flags & ~NVP2P_SIM_EXPORT_REVOCABLE) || arg.fd || arg.base || arg.size ||
+	    arg.reserved[0] || arg.reserved[1])
 		return -EINVAL;
 	exp = kzalloc(sizeof(*exp), GFP_KERNEL);
 	if (!exp)
 		return -ENOMEM;
+	exp->revocable = arg.flags & NVP2P_SIM_EXPORT_REVOCABLE;
 	mutex_lock(&ctx->lock);
 	alloc = sim_ctx_find(ctx, arg.va);
 	if (!alloc) {
@@ -196,7 +237,7 @@ long sim_ioctl_export(struct sim_ctx *ctx, struct nvp2p_sim_export __user *uarg)
 	}
 	kref_get(&alloc->ref);
 	exp->alloc = alloc;
-	info.ops = &sim_dmabuf_ops;
+	info.ops = exp->revocable ? &sim_dmabuf_revocable_ops : &sim_dmabuf_static_ops;
 	info.size = alloc->size;
 	info.flags = O_RDWR;
 	info.priv = exp;
@@ -230,7 +271,8 @@ long sim_ioctl_export(struct sim_ctx *ctx, struct nvp2p_sim_export __user *uarg)
 
 /*
  * The allocation is being freed (sim_big_lock and its context's lock held,
- * nv-p2p callbacks done): revoke every export of it.
+ * nv-p2p callbacks done): revoke every revocable export of it.  NVIDIA's
+ * exports hold the memory and are left alone.
  */
 void sim_revoke_exports(struct sim_alloc *alloc)
 {
@@ -239,6 +281,8 @@ void sim_revoke_exports(struct sim_alloc *alloc)
 	/* A listed buffer stays: its release op waits for this lock to unlist it. */
 	mutex_lock(&sim_exports_lock);
 	list_for_each_entry(exp, &alloc->exports, node) {
+		if (!exp->revocable)
+			continue;
 		dma_resv_lock(exp->dmabuf->resv, NULL);
 		exp->revoked = true;
 		gpupin_dma_buf_move_notify(exp->dmabuf);

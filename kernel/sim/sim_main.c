@@ -55,10 +55,6 @@ unsigned int sim_lock_timeout_ms = 5000;
 module_param_named(lock_timeout_ms, sim_lock_timeout_ms, uint, 0644);
 MODULE_PARM_DESC(lock_timeout_ms, "Give up (WARN, -EDEADLK) after waiting this long for the RM API lock: a deadlock on real hardware (default 5000, 0 = wait forever)");
 
-unsigned int sim_race_window_ms = 1000;
-module_param_named(race_window_ms, sim_race_window_ms, uint, 0644);
-MODULE_PARM_DESC(race_window_ms, "A dma_map_pages call this soon after a free callback freed its table is counted in dma_map_races (NVIDIA's window), later ones as use after free (default 1000)");
-
 unsigned int sim_callback_timeout_ms = 5000;
 module_param_named(callback_timeout_ms, sim_callback_timeout_ms, uint, 0644);
 MODULE_PARM_DESC(callback_timeout_ms, "WARN when a free callback runs longer than this, in milliseconds (default 5000, 0 = never)");
@@ -94,6 +90,14 @@ MODULE_PARM_DESC(fail_attach_nth, "Fail the Nth attach to an exported dma-buf fr
 int sim_fail_dmabuf_map_nth;
 module_param_named(fail_dmabuf_map_nth, sim_fail_dmabuf_map_nth, int, 0644);
 MODULE_PARM_DESC(fail_dmabuf_map_nth, "Fail the Nth mapping of an exported dma-buf from now with -fail_errno, then reset to 0 (0 = off)");
+
+int sim_expect_misuse;
+module_param_named(expect_misuse, sim_expect_misuse, int, 0644);
+MODULE_PARM_DESC(expect_misuse, "Strict misuses a test provokes on purpose: each is counted and logged without a kernel WARNING while this is above 0, and takes one off (default 0: every misuse WARNs)");
+
+bool sim_reuse_freed_tables;
+module_param_named(reuse_freed_tables, sim_reuse_freed_tables, bool, 0644);
+MODULE_PARM_DESC(reuse_freed_tables, "Hand a freed page table's address to the next get_pages of the same process, so that a stale put_pages hits that newer pin, as on NVIDIA's driver (counted in stale_table_puts; default off)");
 
 /*
  * gpupin looks this up with symbol_get() to tell the simulator from the real

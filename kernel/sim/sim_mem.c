@@ -327,6 +327,9 @@ static long sim_ioctl(struct file *file, unsigned int cmd, unsigned long arg)
 		return sim_ioctl_export(ctx, uarg);
 	case NVP2P_SIM_IOC_STATS:
 		return sim_ioctl_stats(uarg);
+	case NVP2P_SIM_IOC_RESET_MISUSE:
+		sim_reset_misuse();
+		return 0;
 	default:
 		return -ENOTTY;
 	}
@@ -396,7 +399,7 @@ static struct miscdevice sim_miscdev = {
 	.minor = MISC_DYNAMIC_MINOR,
 	.name = "nvp2p_sim",
 	.fops = &sim_fops,
-	.mode = 0666,
+	.mode = 0600,	/* a test device: root only */
 };
 
 int sim_chardev_init(void)

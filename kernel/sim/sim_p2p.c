@@ -19,8 +19,9 @@
  *   that a later call passing them is caught (use_after_free_calls).  A
  *   later non-persistent put_pages is harmless (looked up, not found), as in
  *   NVIDIA's driver.
- * Misuse inside the callback (put_pages or dma_unmap_pages there, a table
- * not freed) is detected and counted too.
+ * Inside the callback, the calls that take the API lock fail with -EIO and a
+ * WARN (it is not re-entrant), dma_unmap_pages works; a table the callback
+ * did not free is counted.
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
@@ -130,7 +131,6 @@ static void sim_pin_retire_locked(struct sim_pin *pin, struct list_head *evicted
 	}
 	list_del_init(&pin->node);
 	pin->state = SIM_PIN_FREED;
-	pin->freed_at = jiffies;
 	sim_stats.pinned_pages -= pin->pt->entries;
 	sim_stats.bar_bytes -= pin->len;
 	sim_stats.page_tables--;
@@ -275,25 +275,75 @@ int sim_injected_error_locked(int *nth_param)
 }
 
 /*
- * The table as the driver of @version allocates it: 1.2 (R535..R575) ends
- * after gpu_uuid, older ones after entries, so a client that reads `flags`
- * (or gpu_uuid) from a table without it reads past the allocation (KASAN
- * reports it) as it would on such a host.
+ * NVIDIA embeds the page table in struct nv_p2p_mem_info (nv-p2p.c), where
+ * the table's DMA-mapping list head follows it.  Every table is allocated
+ * that way here, whatever its version: a client that reads a member its
+ * version lacks (`flags` of a 1.2 table, `gpu_uuid` of a 1.0 one) reads that
+ * list head - in bounds, but no value of that member - as it would on such
+ * a host.
  */
-static size_t sim_table_size(u32 version)
+#define SIM_TABLE_ALLOC (sizeof(struct nvidia_p2p_page_table) + sizeof(struct list_head))
+
+/* Where the table of @version ends, so where the list head goes. */
+static size_t sim_table_end(u32 version)
 {
 	if (NVIDIA_P2P_MAJOR_VERSION(version) >= 2)
 		return sizeof(struct nvidia_p2p_page_table);
 	if (NVIDIA_P2P_MAJOR_VERSION(version) == 1 && NVIDIA_P2P_MINOR_VERSION(version) >= 2)
 		return offsetofend(struct nvidia_p2p_page_table, gpu_uuid);
-	return offsetofend(struct nvidia_p2p_page_table, entries);
+	return ALIGN(offsetofend(struct nvidia_p2p_page_table, entries), sizeof(void *));
+}
+
+/* Fill the table of @pin for @version (it is zeroed, SIM_TABLE_ALLOC bytes). */
+static void sim_table_fill(struct sim_pin *pin, u32 version, u32 entries)
+{
+	size_t end = sim_table_end(version);
+	struct list_head *head = (void *)pin->pt + end;
+
+	pin->pt->version = version;
+	pin->pt->page_size = READ_ONCE(sim_page_size_type);
+	pin->pt->pages = pin->pages;
+	pin->pt->entries = entries;
+	if (end > offsetof(struct nvidia_p2p_page_table, gpu_uuid))
+		pin->pt->gpu_uuid = sim_gpu_uuid;
+	INIT_LIST_HEAD(head);	/* an empty mapping list, as NVIDIA's */
+}
+
+/*
+ * reuse_freed_tables: give @pin the address of the most recently freed
+ * non-persistent table of the same process (one for another range), as
+ * NVIDIA's allocator may hand freed memory out again; its mappings are
+ * found by pointer value, so a stale put_pages of the old table then hits
+ * @pin.  Only a table that nobody but the graveyard holds is taken.  Returns
+ * the dead pin, which now owns @pin's unused table; the caller puts it after
+ * unlocking sim_lock.
+ */
+static struct sim_pin *sim_reuse_table_locked(struct sim_pin *pin, u32 version, u32 entries)
+{
+	struct sim_pin *old;
+
+	lockdep_assert_held(&sim_lock);
+	list_for_each_entry_reverse(old, &sim_graveyard, node) {
+		if (old->persistent || old->owner != pin->owner || old->va == pin->va ||
+		    refcount_read(&old->refs) != 1)
+			continue;
+		list_del_init(&old->node);
+		hash_del(&old->hnode);
+		sim_nr_dead--;
+		swap(pin->pt, old->pt);
+		memset(pin->pt, 0, pin->pt_size);
+		sim_table_fill(pin, version, entries);
+		pin->table_reused = true;
+		return old;
+	}
+	return NULL;
 }
 
 static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_table,
 			 void (*free_callback)(void *data), void *data, bool persistent)
 {
+	struct sim_pin *pin, *dead = NULL;
 	struct sim_alloc *alloc;
-	struct sim_pin *pin;
 	bool race = false;
 	u32 entries, version, i;
 	int err;
@@ -311,7 +361,7 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 	pin = kzalloc(sizeof(*pin), GFP_KERNEL);
 	if (!pin)
 		return -ENOMEM;
-	pin->pt_size = sim_table_size(version);
+	pin->pt_size = SIM_TABLE_ALLOC;
 	pin->pt = kzalloc(pin->pt_size, GFP_KERNEL);
 	pin->page_array = kvcalloc(entries, sizeof(*pin->page_array), GFP_KERNEL);
 	pin->pages = kvcalloc(entries, sizeof(*pin->pages), GFP_KERNEL);
@@ -332,12 +382,7 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 	pin->free_callback = free_callback;
 	pin->data = data;
 	pin->owner = get_pid(task_tgid(current));
-	pin->pt->version = version;
-	pin->pt->page_size = READ_ONCE(sim_page_size_type);
-	pin->pt->pages = pin->pages;
-	pin->pt->entries = entries;
-	if (pin->pt_size > offsetof(struct nvidia_p2p_page_table, gpu_uuid))
-		pin->pt->gpu_uuid = sim_gpu_uuid;
+	sim_table_fill(pin, version, entries);
 
 	err = sim_api_lock(__func__);
 	if (err)
@@ -361,6 +406,8 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 	if (!persistent) {
 		list_add_tail(&pin->node, &alloc->pins);
 		sim_stats.live_callbacks++;
+		if (READ_ONCE(sim_reuse_freed_tables))
+			dead = sim_reuse_table_locked(pin, version, entries);
 	}
 	hash_add(sim_pins, &pin->hnode, (unsigned long)pin->pt);
 	pin->state = SIM_PIN_LIVE;
@@ -378,6 +425,8 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 	}
 	spin_unlock(&sim_lock);
 	sim_api_unlock();
+	if (dead)
+		sim_pin_put(dead);
 	if (race) {
 		/* Return only once the callback ran: the worst case for the client. */
 		wait_for_completion(&pin->cb_done);
@@ -439,8 +488,9 @@ static int sim_put_pages(u64 va, struct nvidia_p2p_page_table *pt, bool persiste
 	struct sim_pin *pin;
 	int ret;
 
+	/* nvidia_p2p_put_pages{,_persistent}: a NULL table is nothing to put. */
 	if (!pt)
-		return -EINVAL;
+		return 0;
 	ret = sim_api_lock(fn);
 	if (ret)
 		return ret;
@@ -461,11 +511,14 @@ static int sim_put_pages(u64 va, struct nvidia_p2p_page_table *pt, bool persiste
 		ret = persistent ? -EINVAL : 0;
 		goto out_unlock;
 	}
-	if (WARN_ONCE(pin->cb_task == current,
-		      "nvidia_p2p_put_pages called from inside the free callback\n")) {
-		ret = -EINVAL;
-		goto out_unlock;
-	}
+	/*
+	 * A freed table's address that a newer pin of this process got
+	 * (reuse_freed_tables), put for the old range: NVIDIA finds the newer
+	 * pin by the pointer and releases it.  So does this, and counts it.
+	 */
+	if (pin->table_reused && pin->va != va)
+		sim_count_misuse(&sim_stats.stale_table_puts,
+				 "put_pages of a freed page table released a newer pin at the same address");
 	if (pin->state == SIM_PIN_LIVE && !persistent && READ_ONCE(sim_race_put_pages)) {
 		/* Free the memory "now", on another CPU, as put_pages runs. */
 		pin->state = SIM_PIN_CALLBACK;
@@ -540,29 +593,18 @@ int nvidia_p2p_free_page_table(struct nvidia_p2p_page_table *page_table)
 EXPORT_SYMBOL_GPL(nvidia_p2p_free_page_table);
 
 /*
- * dma_map_pages' first read of @pt.  A table a free callback freed moments
- * ago (race_window_ms) is NVIDIA's window again, seen from the client's side:
- * the client checked the memory alive, the callback ran and returned before
- * the call got in.  The client cannot close that gap - its callback must not
- * wait for a mapper, which may be blocked on the API lock the callback's
- * caller holds - so it is counted with the other dma_map_races.  Any other
- * freed table is the client's use after free.
+ * dma_map_pages' first read of @pt (NVIDIA's container_of and gpu_uuid read,
+ * without a lock).  A freed table, however recently freed, is a use after
+ * free: no grace window.
  */
 static struct sim_pin *sim_pin_get_live(struct nvidia_p2p_page_table *pt, const char *fn)
 {
-	unsigned long window = msecs_to_jiffies(READ_ONCE(sim_race_window_ms));
 	struct sim_pin *pin;
 
 	spin_lock(&sim_lock);
 	pin = sim_pin_lookup_locked(pt);
 	if (pin && pin->state == SIM_PIN_FREED) {
-		if (!pin->freed_by_put && time_before(jiffies, pin->freed_at + window)) {
-			sim_stats.dma_map_races++;
-			pr_warn_ratelimited("%s: table freed by a callback just before the call\n",
-					    fn);
-		} else {
-			sim_count_uaf(fn, "page table");
-		}
+		sim_count_uaf(fn, "page table");
 		pin = NULL;
 	} else if (pin) {
 		refcount_inc(&pin->refs);
@@ -598,12 +640,14 @@ int nvidia_p2p_dma_map_pages(struct pci_dev *peer,
 		sim_count_uaf(__func__, "page table (put by the client during the call)");
 	} else if (pin->state == SIM_PIN_FREED) {
 		/*
-		 * Freed by a callback while we waited for the lock: NVIDIA's own
-		 * window (its dma_map_pages goes on with freed memory).  Counted
-		 * apart.
+		 * Freed by a callback while we waited for the lock: NVIDIA's
+		 * dma_map_pages goes on with the freed table, maps released BAR
+		 * pages and links the mapping into the freed mem_info (heap
+		 * corruption).  Only a client that cannot race the free may call
+		 * it; refused here and counted.
 		 */
-		sim_stats.dma_map_races++;
-		pr_warn_ratelimited("dma_map_pages: the table was freed while it waited for the API lock\n");
+		sim_count_misuse(&sim_stats.dma_map_races,
+				 "dma_map_pages: the table was freed while it waited for the API lock (heap corruption in NVIDIA's driver)");
 	} else if (pin->state == SIM_PIN_LIVE) {
 		err = sim_injected_error_locked(&sim_fail_dma_map_nth);
 	}
@@ -683,6 +727,7 @@ int nvidia_p2p_dma_unmap_pages(struct pci_dev *peer,
 {
 	struct sim_map *map = NULL;
 	struct sim_pin *pin;
+	int ret = -EINVAL;
 
 	if (!peer || !page_table || !dma_mapping)
 		return -EINVAL;
@@ -693,19 +738,22 @@ int nvidia_p2p_dma_unmap_pages(struct pci_dev *peer,
 	if (pin && pin->state == SIM_PIN_FREED) {
 		sim_count_uaf(__func__, "page table");
 	} else if (pin) {
+		/*
+		 * Also inside the free callback: NVIDIA takes only the table's
+		 * mapping semaphore here (nv_p2p_remove_dma_mapping).  A mapping
+		 * no longer on the table's list (already unmapped) is found by
+		 * pointer value or not at all: 0, nothing done.
+		 */
 		map = sim_map_find_locked(pin, dma_mapping, __func__);
-		if (map && pin->cb_task == current) {
-			WARN_ONCE(1, "%s called from inside the free callback\n", __func__);
-			map = NULL;
-		}
 		if (map) {
 			list_del(&map->node);
 			sim_stats.dma_mappings--;
 		}
+		ret = 0;
 	}
 	spin_unlock(&sim_lock);
 	if (!map)
-		return -EINVAL;
+		return ret;
 	sim_map_unmap(map);
 	sim_map_free(map);
 	return 0;

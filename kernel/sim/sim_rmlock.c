@@ -21,6 +21,7 @@
 #include <linux/jiffies.h>
 #include <linux/lockdep.h>
 #include <linux/mutex.h>
+#include <linux/ratelimit.h>
 #include <linux/workqueue.h>
 #include "sim.h"
 
@@ -34,16 +35,31 @@ static struct lockdep_map sim_api_map = STATIC_LOCKDEP_MAP_INIT("nvidia_rm_api_l
 #define sim_api_release() do { } while (0)
 #endif
 
+/* The thread holding the API lock (rmapiLockIsOwner); written under it. */
+static struct task_struct *sim_api_owner;
+
 /*
  * Take the API lock for @who (an nv-p2p entry point or the free path).
- * Returns 0, or -EDEADLK after lock_timeout_ms (with a WARN): a real driver
- * would hang there for good.
+ * Returns 0, -EIO (with a WARN) when the caller holds it already, or
+ * -EDEADLK after lock_timeout_ms (with a WARN): a real driver would hang
+ * there for good.
  */
 int sim_api_lock(const char *who)
 {
 	unsigned int ms = READ_ONCE(sim_lock_timeout_ms);
 	unsigned long deadline = jiffies + msecs_to_jiffies(ms);
 
+	/*
+	 * The lock is not re-entrant: rmapiLockAcquire starts with
+	 * NV_ASSERT_OR_RETURN(!rmapiLockIsOwner(), NV_ERR_INVALID_LOCK_STATE),
+	 * which nvidia_p2p_map_status turns into -EIO.  So put_pages (or
+	 * get_pages, dma_map_pages) inside a free callback fails at once.
+	 */
+	if (READ_ONCE(sim_api_owner) == current) {
+		WARN(1, "nvp2p_sim: %s called with the RM API lock held (inside a free callback): NVIDIA's driver asserts and fails it with -EIO\n",
+		     who);
+		return -EIO;
+	}
 	sim_api_acquire();
 	while (!mutex_trylock(&sim_big_lock)) {
 		if (ms && time_after(jiffies, deadline)) {
@@ -57,11 +73,13 @@ int sim_api_lock(const char *who)
 		}
 		usleep_range(200, 1000);
 	}
+	WRITE_ONCE(sim_api_owner, current);
 	return 0;
 }
 
 void sim_api_unlock(void)
 {
+	WRITE_ONCE(sim_api_owner, NULL);
 	mutex_unlock(&sim_big_lock);
 	sim_api_release();
 }
@@ -100,14 +118,49 @@ void sim_watchdog_disarm(void)
 }
 
 /*
+ * Count one strict misuse in @counter (a field of sim_stats) and report
+ * @what.  A misuse is a kernel WARNING, which fails a test run, unless a
+ * test announced it in expect_misuse (then it is logged and the budget goes
+ * down by one).  Caller holds sim_lock.
+ */
+void sim_count_misuse(u64 *counter, const char *what)
+{
+	static DEFINE_RATELIMIT_STATE(rs, DEFAULT_RATELIMIT_INTERVAL, DEFAULT_RATELIMIT_BURST);
+	int expected = READ_ONCE(sim_expect_misuse);
+
+	lockdep_assert_held(&sim_lock);
+	(*counter)++;
+	if (expected > 0) {
+		WRITE_ONCE(sim_expect_misuse, expected - 1);
+		pr_warn_ratelimited("expected misuse (expect_misuse): %s\n", what);
+		return;
+	}
+	if (__ratelimit(&rs))
+		WARN(1, "nvp2p_sim: %s\n", what);
+}
+
+/*
  * A client passed @what (a page table or DMA mapping) to @fn after NVIDIA's
  * driver would have freed it.  Caller holds sim_lock.
  */
 void sim_count_uaf(const char *fn, const char *what)
 {
 	lockdep_assert_held(&sim_lock);
-	sim_stats.use_after_free_calls++;
-	WARN_ONCE(1, "nvp2p_sim: %s called with a %s that NVIDIA's driver has freed (use after free)\n",
-		  fn, what);
-	pr_err_ratelimited("%s called with a freed %s\n", fn, what);
+	pr_err_ratelimited("%s called with a %s that NVIDIA's driver has freed (use after free)\n",
+			   fn, what);
+	sim_count_misuse(&sim_stats.use_after_free_calls, "call with what NVIDIA's driver has freed");
+}
+
+/* NVP2P_SIM_IOC_RESET_MISUSE: zero the counters of strict misuse. */
+void sim_reset_misuse(void)
+{
+	spin_lock(&sim_lock);
+	sim_stats.use_after_free_calls = 0;
+	sim_stats.puts_not_found = 0;
+	sim_stats.lock_timeouts = 0;
+	sim_stats.callback_overruns = 0;
+	sim_stats.dma_map_races = 0;
+	sim_stats.dmabuf_nonpci_attaches = 0;
+	sim_stats.stale_table_puts = 0;
+	spin_unlock(&sim_lock);
 }

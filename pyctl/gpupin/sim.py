@@ -17,6 +17,18 @@ from .memory import AllocationRange, ProviderBase
 SIM_PATH = "/dev/nvp2p_sim"
 
 
+# The counters of strict misuse: each a report of what would crash or hang NVIDIA's driver.
+MISUSE = (
+    "use_after_free_calls",
+    "puts_not_found",
+    "lock_timeouts",
+    "callback_overruns",
+    "dma_map_races",
+    "dmabuf_nonpci_attaches",
+    "stale_table_puts",
+)
+
+
 @dataclass(frozen=True)
 class SimStats:
     """The simulator's counters: all zero when nothing is pinned or allocated."""
@@ -43,15 +55,20 @@ class SimStats:
     dma_map_races: int
     dmabuf_attachments: int
     dmabuf_pins: int
+    dmabuf_nonpci_attaches: int
+    stale_table_puts: int
 
     def leaks(self) -> dict[str, int]:
         """Counters that must be 0 once everything is released, and are not.
 
         Besides leaks, these are the strict simulator's reports of what would
-        crash or hang NVIDIA's real driver: calls with freed tables or mappings,
-        put_pages from a process that did not pin (released nothing), API-lock
-        waits given up (deadlock) and callbacks that overran.  ``dma_map_races``
-        is not among them: it counts NVIDIA's own window in dma_map_pages.
+        crash or hang NVIDIA's real driver (``MISUSE``): calls with freed tables or
+        mappings, dma_map_pages on a table freed while it waited for the API lock
+        (``dma_map_races``: heap corruption inside NVIDIA's driver), put_pages from a
+        process that did not pin (released nothing), a stale put_pages that released
+        a newer pin (``stale_table_puts``), a dma-buf attach by a non-PCI device
+        (``dmabuf_nonpci_attaches``), API-lock waits given up (deadlock) and
+        callbacks that overran.
         """
         keys = (
             "pinned_pages",
@@ -66,10 +83,7 @@ class SimStats:
             "dmabuf_mappings",
             "dmabuf_attachments",
             "dmabuf_pins",
-            "use_after_free_calls",
-            "puts_not_found",
-            "lock_timeouts",
-            "callback_overruns",
+            *MISUSE,
         )
         return {k: getattr(self, k) for k in keys if getattr(self, k)}
 
@@ -159,14 +173,18 @@ class SimMemory(ProviderBase):
         self._call(lib.NVP2P_SIM_IOC_RW, c, "sim read", f"{ptr:#x}, {size} bytes")
         return bytes(out)
 
-    def export_dmabuf(self, ptr: int) -> int:
+    def export_dmabuf(self, ptr: int, revocable: bool = False) -> int:
         """Export the allocation holding ``ptr`` as a dma-buf; returns the fd (caller closes it).
 
-        The buffer covers the whole allocation (``range_of(ptr)``); freeing the allocation
-        revokes it.
+        The buffer covers the whole allocation (``range_of(ptr)``).  By default the exporter
+        is NVIDIA's kind: static (never revokes), only PCI devices may attach, and the
+        buffer holds the memory: freeing the allocation frees nothing until the last
+        reference to the buffer goes.  ``revocable=True`` gives a dynamic exporter that
+        revokes the buffer (move_notify) when the allocation is freed, as amdgpu does.
         """
         c = ffi.new("struct nvp2p_sim_export *")
         c.va = ptr
+        c.flags = lib.NVP2P_SIM_EXPORT_REVOCABLE if revocable else 0
         ret = lib.gpupin_call(self._fd, lib.NVP2P_SIM_IOC_EXPORT, c)
         if ret == -errno.ENOENT:
             raise NotGpuMemory(f"sim export({ptr:#x}): not simulated device memory of this context", errno.ENOENT)
@@ -195,6 +213,18 @@ def sim_stats(fd: int | None = None) -> SimStats:
     finally:
         if own:
             os.close(fd)
+
+
+def reset_misuse() -> None:
+    """Zero the simulator's counters of strict misuse (``MISUSE``), for a test that
+    provoked them on purpose and checked them; needs root."""
+    fd = os.open(SIM_PATH, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        ret = lib.gpupin_call(fd, lib.NVP2P_SIM_IOC_RESET_MISUSE, ffi.NULL)
+        if ret < 0:
+            raise from_errno(-ret, "sim reset_misuse")
+    finally:
+        os.close(fd)
 
 
 def _param_path(module: str, name: str) -> str:

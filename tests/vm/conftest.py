@@ -6,12 +6,13 @@ import ctypes
 import errno
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 from gpupin._native import ffi, lib
+from gpupin.sim import MISUSE, get_sim_param, reset_misuse, set_sim_param, sim_stats
 
 MiB = 1 << 20
 # libc for what Python's os module lacks (mprotect; read into a raw address), errno kept.
@@ -70,3 +71,31 @@ def pci() -> str:
 
 
 EINVAL = -errno.EINVAL
+
+
+@pytest.fixture
+def sim_misuse(leakcheck: None) -> Iterator[Callable[..., None]]:
+    """``sim_misuse(counter=n, ...)``: the test provokes ``n`` strict misuses of each named
+    counter (``gpupin.sim.MISUSE``) on purpose.  The simulator logs those without a kernel
+    WARNING (its ``expect_misuse`` budget); at the end each named counter must have grown by
+    exactly ``n``, every other misuse counter not at all, and the budget must be spent.  The
+    counters are then zeroed, so the leakcheck after the test (which requires 0) holds."""
+    before = sim_stats()
+    expected: dict[str, int] = {}
+
+    def expect(**counts: int) -> None:
+        for name, n in counts.items():
+            assert name in MISUSE, f"{name} is not a misuse counter"
+            expected[name] = expected.get(name, 0) + n
+        set_sim_param("expect_misuse", int(get_sim_param("expect_misuse")) + sum(counts.values()))
+
+    try:
+        yield expect
+    finally:
+        left = int(get_sim_param("expect_misuse"))
+        set_sim_param("expect_misuse", 0)
+        after = sim_stats()
+        reset_misuse()
+    grown = {k: getattr(after, k) - getattr(before, k) for k in MISUSE if getattr(after, k) != getattr(before, k)}
+    assert grown == expected, f"misuse counted {grown}, the test expected {expected}"
+    assert left == 0, f"{left} expected misuse(s) never happened"
