@@ -200,7 +200,7 @@ struct gpupin_region {
 	struct nvidia_p2p_page_table *pt;	/* nv-p2p pins */
 	u8 gpu_uuid[16];		/* copied from the page table while PINNING */
 	struct dma_buf *dmabuf;		/* dma-buf pins: a reference */
-	struct pci_dev *dmabuf_pdev;	/* dma-buf pins: the importing device (a reference), or NULL */
+	struct pci_dev *dmabuf_pdev;	/* dma-buf pins: importing device (a reference) or NULL */
 	struct gpupin_dmabuf_att att;	/* dma-buf pins: the import for dmabuf_pdev */
 	u64 *dmabuf_addrs;		/* dma-buf pins: per page, dmabuf_pdev's address, or NULL */
 
