@@ -50,6 +50,12 @@ class PermissionDenied(GpupinError):
     """EPERM/EACCES: the call needs CAP_SYS_ADMIN, or the file belongs to another process."""
 
 
+class ForkedDevice(PermissionDenied):
+    """A process other than the Device's opener (a fork child) tried to pin, unpin, map or
+    read records: the kernel refuses that (EACCES), and the pins belong to the opener.
+    Open a Device in this process.  ``errno`` is EACCES."""
+
+
 class DriverNotLoaded(GpupinError):
     """The kernel module (or the CUDA driver) is not loaded."""
 
