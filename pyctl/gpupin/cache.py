@@ -25,7 +25,15 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from ._native import ffi, gpc_bind, lib
-from .errors import BarExhausted, BudgetExceeded, GpupinError, InvalidArgument, NotGpuMemory, UnknownHandle
+from .errors import (
+    BarExhausted,
+    BudgetExceeded,
+    GpupinError,
+    InvalidArgument,
+    NotGpuMemory,
+    NotRevocable,
+    UnknownHandle,
+)
 from .memory import MemoryProvider
 
 GPU_PAGE = 1 << 16
@@ -156,7 +164,11 @@ def _forget_in_child(ref: weakref.ref[RegistrationCache]) -> Callable[[], None]:
 
 
 class RegistrationCache:
-    """Pin-down cache.  Thread safe; empty in a forked child (pins belong to the parent's file)."""
+    """Pin-down cache.  Thread safe; empty in a forked child (pins belong to the parent's file).
+
+    With ``validate="kernel"`` every pin must be revocable (the kernel invalidates it when the
+    memory goes); any other pin raises NotRevocable at its insertion.
+    """
 
     def __init__(
         self,
@@ -358,6 +370,8 @@ class RegistrationCache:
             self._invalidate(old, "tag")
         self._make_room(need)
         pin = self._pin(start, need, r.base)
+        if self.validate == "kernel" and not getattr(pin, "revocable", False):
+            self._refuse_unrevocable(pin, r.base, r.size)
         e = _Entry(self._new_id(), start, stop, r.buffer_id, pin)
         self._ents[e.id] = e
         if (
@@ -378,6 +392,24 @@ class RegistrationCache:
         st.bytes_pinned += need
         st.peak_bytes = max(st.peak_bytes, st.bytes_pinned)
         return e
+
+    def _refuse_unrevocable(self, pin: Any, base: int, size: int) -> None:
+        """validate='kernel' and a pin the kernel never invalidates: unpin it and say so."""
+        try:
+            self.device.unpin(pin.handle)
+        except GpupinError:
+            pass  # gone already: nothing of it is left either way
+        if getattr(pin, "dmabuf", False):
+            kind = "a dma-buf pin whose exporter holds the memory and never revokes it (NVIDIA's exporter)"
+        elif getattr(pin, "persistent", False):
+            kind = "a persistent pin"
+        else:
+            kind = "a pin the kernel did not mark revocable (is gpupin.ko older than this package?)"
+        raise NotRevocable(
+            f"acquire: the allocation [{base:#x}, {base + size:#x}) got {kind}: its validity word never "
+            "changes, so validate='kernel' would hand out a pin of the old memory after a free and a "
+            "new allocation at the same address; use buffer-id validation, validate='tag' or 'both'"
+        )
 
     def _make_room(self, need: int) -> None:
         st = self._st

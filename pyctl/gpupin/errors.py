@@ -38,6 +38,12 @@ class PinInvalidated(GpupinError):
     """The GPU memory under the pin was freed; unpin it and pin again (ENXIO)."""
 
 
+class NotRevocable(InvalidArgument):
+    """The cache was asked to trust the validity word alone (validate='kernel') for a pin
+    the kernel never invalidates (persistent, or a dma-buf from a static exporter such as
+    NVIDIA's): use buffer-id validation, validate='tag' or 'both'."""
+
+
 class BarExhausted(GpupinError):
     """The GPU's BAR space is full (ENOMEM from the provider): unpin something."""
 
