@@ -25,7 +25,16 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from ._native import ffi, gpc_bind, lib
-from .errors import BarExhausted, BudgetExceeded, GpupinError, InvalidArgument, NotGpuMemory, UnknownHandle
+from .errors import (
+    BarExhausted,
+    BudgetExceeded,
+    ForkedDevice,
+    GpupinError,
+    InvalidArgument,
+    NotGpuMemory,
+    NotRevocable,
+    UnknownHandle,
+)
 from .memory import MemoryProvider
 
 GPU_PAGE = 1 << 16
@@ -134,7 +143,10 @@ class Registration:
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self._cache.release_token(self._entry.id)
+            ents = self._cache._ents
+            e = self._entry
+            if e.id < len(ents) and ents[e.id] is e:  # else the parent's, in a fork child
+                self._cache.release_token(e.id)
 
     def __enter__(self) -> Registration:
         return self
@@ -156,7 +168,13 @@ def _forget_in_child(ref: weakref.ref[RegistrationCache]) -> Callable[[], None]:
 
 
 class RegistrationCache:
-    """Pin-down cache.  Thread safe; empty in a forked child (pins belong to the parent's file)."""
+    """Pin-down cache.  Thread safe.
+
+    In a forked child the cache starts empty (the parent's pins stay the parent's: nothing is
+    unpinned) and opens its own device at its first pin (``device.reopen()``), which it then
+    owns and closes.  With ``validate="kernel"`` every pin must be revocable (the kernel
+    invalidates it when the memory goes); any other pin raises NotRevocable at its insertion.
+    """
 
     def __init__(
         self,
@@ -208,6 +226,8 @@ class RegistrationCache:
         self._py_tag_stale = 0
         self._relookups = 0  # lookups repeated under the lock: not acquires of their own
         self._pid = os.getpid()
+        self._reopen = False  # a fork child: open a device of its own before the next pin
+        self._owned: Any = None  # the device opened in a fork child, closed with the cache
         self._closed = False
         os.register_at_fork(after_in_child=_forget_in_child(weakref.ref(self)))
         register = getattr(device, "register_child", None)
@@ -291,6 +311,9 @@ class RegistrationCache:
             if self._pid != os.getpid():
                 self._forget()
                 r = int(lib.GPC_MISS)  # r came from the parent's core
+            if self._reopen:
+                self._reopen_device()
+                r = int(lib.GPC_MISS)
             # Look again under the lock: another thread may have pinned this allocation
             # since the lock-free lookup missed (inserts happen only under the lock).  Without
             # this, _insert would take that thread's live entry for a stale one.
@@ -358,6 +381,8 @@ class RegistrationCache:
             self._invalidate(old, "tag")
         self._make_room(need)
         pin = self._pin(start, need, r.base)
+        if self.validate == "kernel" and not getattr(pin, "revocable", False):
+            self._refuse_unrevocable(pin, r.base, r.size)
         e = _Entry(self._new_id(), start, stop, r.buffer_id, pin)
         self._ents[e.id] = e
         if (
@@ -378,6 +403,24 @@ class RegistrationCache:
         st.bytes_pinned += need
         st.peak_bytes = max(st.peak_bytes, st.bytes_pinned)
         return e
+
+    def _refuse_unrevocable(self, pin: Any, base: int, size: int) -> None:
+        """validate='kernel' and a pin the kernel never invalidates: unpin it and say so."""
+        try:
+            self.device.unpin(pin.handle)
+        except GpupinError:
+            pass  # gone already: nothing of it is left either way
+        if getattr(pin, "dmabuf", False):
+            kind = "a dma-buf pin whose exporter holds the memory and never revokes it (NVIDIA's exporter)"
+        elif getattr(pin, "persistent", False):
+            kind = "a persistent pin"
+        else:
+            kind = "a pin the kernel did not mark revocable (is gpupin.ko older than this package?)"
+        raise NotRevocable(
+            f"acquire: the allocation [{base:#x}, {base + size:#x}) got {kind}: its validity word never "
+            "changes, so validate='kernel' would hand out a pin of the old memory after a free and a "
+            "new allocation at the same address; use buffer-id validation, validate='tag' or 'both'"
+        )
 
     def _make_room(self, need: int) -> None:
         st = self._st
@@ -483,6 +526,8 @@ class RegistrationCache:
 
     # -- invalidation records ------------------------------------------------------
     def _drain_locked(self) -> int:
+        if self._reopen:
+            return 0  # a fork child that has not pinned yet: nothing of its own to drain
         n = 0
         for ev in self.device.read_events():
             e = self._by_handle.get(int(ev.handle))
@@ -526,28 +571,73 @@ class RegistrationCache:
             return n
 
     def _forget(self) -> None:
-        """In a forked child: the pins belong to the parent's file; start empty."""
+        """In a forked child: the pins belong to the parent's file; start empty, unpinning nothing.
+
+        Runs from the fork hook, before the child has other threads.  The C core is reset in
+        place, so fast paths bound before the fork see an empty cache, never the parent's pins.
+        """
         self._pid = os.getpid()
         self._lock = threading.RLock()
-        check_kernel = self._map_buf is not None
-        c_tag = self.validate in ("both", "tag") and not self._py_tag
-        words = self._map_buf if check_kernel else ffi.NULL
-        nwords = len(self._map_buf) if check_kernel else 0
-        self._c = ffi.gc(lib.gpc_new(words, nwords, int(check_kernel), int(c_tag)), lib.gpc_free)
-        self._set_fast_path()
-        self._ents, self._free_ids = [], []
+        lib.gpc_reset_in_child(self._c)
+        if self._map_buf is not None:
+            ffi.release(self._map_buf)  # the parent's validity map (zeros in the child)
+            self._map_buf = None
+        # Ids the parent used are not handed out again here: a parent's token released in
+        # the child is then refused ("not a held token") instead of dropping a child's reference.
+        self._ents, self._free_ids = [None] * len(self._ents), []
         self._by_handle.clear()
         self._indexed.clear()
         self._st = CacheStats()
         self._py_tag_stale = 0
         self._relookups = 0
+        self._owned = None  # a device the parent opened in its own fork child: not this one's
+        self._reopen = not self._closed
+
+    def _reopen_device(self) -> None:
+        """In a fork child, at the first pin: a device (and validity map) of this process."""
+        old = self.device
+        reopen = getattr(old, "reopen", None)
+        if reopen is None:
+            raise ForkedDevice(
+                f"this RegistrationCache was made in process {self._parent} and is used in its fork child "
+                f"{os.getpid()}, and its device ({type(old).__name__}) cannot be reopened here: make the "
+                "cache (and its device) in the child"
+            )
+        dev = reopen()
+        try:
+            if self.validate in ("both", "kernel"):
+                buf = ffi.from_buffer("uint64_t[]", dev.validity_map())
+                if lib.gpc_set_words(self._c, buf, len(buf)) != 0:
+                    ffi.release(buf)
+                    raise InvalidArgument("this RegistrationCache is closed")
+                self._map_buf = buf
+        except BaseException:
+            dev.close()
+            raise
+        unregister = getattr(old, "unregister_child", None)
+        if unregister is not None:
+            unregister(self)
+        self.device = dev
+        self._owned = dev
+        self._reopen = False
+        register = getattr(dev, "register_child", None)
+        if register is not None:
+            register(self)
+
+    @property
+    def _parent(self) -> str:
+        pid = getattr(self.device, "_pid", None)
+        return str(pid) if pid is not None else "the parent"
 
     def close(self) -> None:
         """Unpin everything and let go of the device's validity map; the cache is unusable after."""
+        if self._pid != os.getpid():
+            self._forget()  # a fork child without the hook: drop the parent's pins unreleased
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            self._reopen = False
             for e in list(self._indexed.values()):
                 lib.gpc_remove(self._c, e.id)
                 self._unindex(e)
@@ -565,6 +655,9 @@ class RegistrationCache:
             if self._map_buf is not None:
                 ffi.release(self._map_buf)
                 self._map_buf = None
+            owned, self._owned = self._owned, None
+        if owned is not None:
+            owned.close()  # the device this cache opened in a fork child
 
     def __enter__(self) -> RegistrationCache:
         return self

@@ -17,6 +17,7 @@ from ._native import ffi, lib
 from .errors import (
     AbiMismatch,
     DriverNotLoaded,
+    ForkedDevice,
     GpupinError,
     InvalidArgument,
     NotGpuMemory,
@@ -183,6 +184,7 @@ class Device(Closable):
 
     def __init__(self, path: str = DEFAULT_PATH) -> None:
         self.path = path
+        self._pid = os.getpid()  # the opener: the kernel refuses this file to other processes
         try:
             self._fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -219,6 +221,22 @@ class Device(Closable):
             raise GpupinError(f"{self.path} is closed")
         return self._fd
 
+    def _forked(self, what: str) -> ForkedDevice | None:
+        """The error for EACCES in a process other than the opener (a fork child), else None."""
+        if self._pid == os.getpid():
+            return None
+        return ForkedDevice(
+            f"{what} failed: {self.path} was opened by process {self._pid}, and this is process "
+            f"{os.getpid()} (a fork child): the kernel refuses pins, mappings and records of another "
+            "process's file (EACCES); open a Device in this process (Device.reopen(); a "
+            "RegistrationCache does that by itself)",
+            errno.EACCES,
+        )
+
+    def reopen(self) -> Device:
+        """A new Device on the same path, owned by the calling process (e.g. a fork child)."""
+        return Device(self.path)
+
     @property
     def closed(self) -> bool:
         return self._fd < 0
@@ -226,6 +244,9 @@ class Device(Closable):
     def register_child(self, obj: Any) -> None:
         """Something (a RegistrationCache) to close before this device closes."""
         self._children.add(obj)
+
+    def unregister_child(self, obj: Any) -> None:
+        self._children.discard(obj)
 
     def close(self) -> None:
         """Close the file (and the caches built on it): the kernel releases every pin it holds."""
@@ -247,7 +268,15 @@ class Device(Closable):
     def _call(self, cmd: int, arg: Any, name: str, desc: str = "", **kw: Any) -> None:
         ret = lib.gpupin_call(self.fileno(), cmd, arg)
         if ret < 0:
-            raise from_errno(-ret, name, desc, **kw)
+            raise self._error(ret, name, desc, **kw)
+
+    def _error(self, ret: int, name: str, desc: str = "", **kw: Any) -> GpupinError:
+        """The exception for a failed ioctl: ``ret`` is -errno."""
+        if ret == -errno.EACCES:
+            forked = self._forked(f"{name}({desc})" if desc else name)
+            if forked is not None:
+                return forked
+        return from_errno(-ret, name, desc, **kw)
 
     def validity_map(self) -> mmap.mmap:
         """The read-only validity map (one u64 per pin slot), mapped on first use."""
@@ -265,7 +294,10 @@ class Device(Closable):
         with self._lock:
             if self._words is None:
                 size = self.info().map_size
-                self._map = mmap.mmap(self.fileno(), size, mmap.MAP_SHARED, mmap.PROT_READ)
+                try:
+                    self._map = mmap.mmap(self.fileno(), size, mmap.MAP_SHARED, mmap.PROT_READ)
+                except PermissionError:
+                    raise self._forked("mmap of the validity map") or from_errno(errno.EACCES, "mmap") from None
                 self._words = memoryview(self._map).cast("Q")
             return self._words
 
@@ -307,7 +339,7 @@ class Device(Closable):
                 hint=("the range is not GPU memory allocated by this process (or spans allocations)"),
             )
         if ret < 0:
-            raise from_errno(-ret, "PIN", desc)
+            raise self._error(ret, "PIN", desc)
         if self._words is None:
             self._map_words()
         return Pin(self, c, va, size, user_tag)
@@ -355,7 +387,7 @@ class Device(Closable):
                 errno.EBADF, "PIN_DMABUF", desc, cls=InvalidArgument, hint="fd is not an open file descriptor"
             )
         if ret < 0:
-            raise from_errno(-ret, "PIN_DMABUF", desc)
+            raise self._error(ret, "PIN_DMABUF", desc)
         if self._words is None:
             self._map_words()
         return Pin(self, c, offset, size, user_tag)
@@ -453,6 +485,8 @@ class Device(Closable):
                     data = os.read(self.fileno(), size * 64)
                 except BlockingIOError:
                     break
+                except PermissionError:
+                    raise self._forked("read of invalidation records") or from_errno(errno.EACCES, "read") from None
                 buf = ffi.from_buffer("struct gpupin_event[]", data)
                 for i in range(len(data) // size):
                     e = buf[i]

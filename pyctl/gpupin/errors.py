@@ -38,6 +38,12 @@ class PinInvalidated(GpupinError):
     """The GPU memory under the pin was freed; unpin it and pin again (ENXIO)."""
 
 
+class NotRevocable(InvalidArgument):
+    """The cache was asked to trust the validity word alone (validate='kernel') for a pin
+    the kernel never invalidates (persistent, or a dma-buf from a static exporter such as
+    NVIDIA's): use buffer-id validation, validate='tag' or 'both'."""
+
+
 class BarExhausted(GpupinError):
     """The GPU's BAR space is full (ENOMEM from the provider): unpin something."""
 
@@ -48,6 +54,12 @@ class BudgetExceeded(GpupinError):
 
 class PermissionDenied(GpupinError):
     """EPERM/EACCES: the call needs CAP_SYS_ADMIN, or the file belongs to another process."""
+
+
+class ForkedDevice(PermissionDenied):
+    """A process other than the Device's opener (a fork child) tried to pin, unpin, map or
+    read records: the kernel refuses that (EACCES), and the pins belong to the opener.
+    Open a Device in this process.  ``errno`` is EACCES."""
 
 
 class DriverNotLoaded(GpupinError):

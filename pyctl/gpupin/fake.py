@@ -5,6 +5,15 @@ same way as the kernel's page, so a cache hit costs what it costs against
 gpupin.ko; ``FakeMemory`` hands out addresses first-fit (a freed address comes
 back) with a new buffer id per allocation, and invalidates the fake pins on
 free like the nv-p2p free callback.  Nothing here touches a kernel.
+
+What the kernel says of a pin's future is modelled too: a non-persistent pin
+is ``revocable`` (invalidated when its memory is freed); a persistent pin is
+not, nor is a dma-buf pin from a static exporter (NVIDIA's, the default:
+``dmabuf_revocable=False``), whose memory stays held, and its validity word
+valid, until the pin goes.  Like the kernel, a FakeDevice refuses pins,
+mappings and records to a process other than the one that made it
+(ForkedDevice), and a child reads its validity words as 0; ``reopen()``
+gives the calling process one of its own.
 """
 
 from __future__ import annotations
@@ -13,12 +22,13 @@ import bisect
 import errno
 import itertools
 import mmap
+import os
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import BarExhausted, InvalidArgument, NotGpuMemory, PinInvalidated, UnknownHandle
+from .errors import BarExhausted, ForkedDevice, InvalidArgument, NotGpuMemory, PinInvalidated, UnknownHandle
 from .memory import AllocationRange
 
 GPU_PAGE = 1 << 16
@@ -53,9 +63,26 @@ class FakePin:
         "valid_word",
         "user_tag",
         "persistent",
+        "dmabuf",
+        "revocable",
+        "base",
+        "end",
     )
 
-    def __init__(self, device: FakeDevice, handle: int, va: int, size: int, slot: int, tag: int) -> None:
+    def __init__(
+        self,
+        device: FakeDevice,
+        handle: int,
+        va: int,
+        size: int,
+        slot: int,
+        tag: int,
+        *,
+        alloc: AllocationRange,
+        persistent: bool = False,
+        dmabuf: bool = False,
+        revocable: bool = True,
+    ) -> None:
         self.device = device
         self.handle = handle
         self.va = va
@@ -66,22 +93,44 @@ class FakePin:
         self.slot = slot
         self.valid_word = handle
         self.user_tag = tag
-        self.persistent = False
+        self.persistent = persistent
+        self.dmabuf = dmabuf
+        self.revocable = revocable
+        self.base = alloc.base  # the allocation whose free invalidates (or not) this pin
+        self.end = alloc.base + alloc.size
 
     def is_valid(self) -> bool:
-        return self.device._words[self.slot] == self.valid_word
+        return self.device._word(self.slot) == self.valid_word
+
+
+@dataclass(frozen=True)
+class FakeInfo:
+    dmabuf: bool = True
 
 
 class FakeDevice:
     """Pins against a provider (FakeMemory, or CudaMemory on a GPU host without gpupin.ko);
-    ``bar_size`` bytes of fake BAR, ``pin_latency`` seconds per pin."""
+    ``bar_size`` bytes of fake BAR, ``pin_latency`` seconds per pin; ``dmabuf_revocable``:
+    the exporter of FakeMemory's dma-bufs revokes them on free (amdgpu, vfio-pci) instead of
+    holding the memory (NVIDIA's static exporter)."""
 
-    def __init__(self, memory: Any, *, bar_size: int = 0, pin_latency: float = 0.0, slots: int = 1 << 18) -> None:
+    def __init__(
+        self,
+        memory: Any,
+        *,
+        bar_size: int = 0,
+        pin_latency: float = 0.0,
+        slots: int = 1 << 18,
+        dmabuf_revocable: bool = False,
+    ) -> None:
         self.memory = memory
         if isinstance(memory, FakeMemory):
             memory.devices.append(self)
         self.bar_size = bar_size
         self.pin_latency = pin_latency
+        self.slots = slots
+        self.dmabuf_revocable = dmabuf_revocable
+        self._pid = os.getpid()
         self._map = mmap.mmap(-1, slots * 8, mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
         self._words = memoryview(self._map).cast("Q")
         self._free_slots = list(range(slots - 1, -1, -1))
@@ -94,7 +143,37 @@ class FakeDevice:
         self.unpin_calls = 0
         self._lock = threading.Lock()
 
+    def _check_pid(self, call: str) -> None:
+        if self._pid != os.getpid():
+            raise ForkedDevice(
+                f"{call}: this FakeDevice was made by process {self._pid}, not this one ({os.getpid()}): "
+                "use reopen() in the child",
+                errno.EACCES,
+            )
+
+    def reopen(self) -> FakeDevice:
+        """A FakeDevice of the calling process on the same memory (what Device.reopen() is)."""
+        return FakeDevice(
+            self.memory,
+            bar_size=self.bar_size,
+            pin_latency=self.pin_latency,
+            slots=self.slots,
+            dmabuf_revocable=self.dmabuf_revocable,
+        )
+
+    def close(self) -> None:
+        """Nothing to release (the kernel's close would release the pins; tests count them)."""
+
+    def info(self) -> FakeInfo:
+        return FakeInfo(dmabuf=True)  # reading state is allowed from any process
+
+    def _word(self, slot: int) -> int:
+        if self._pid != os.getpid():
+            return 0  # the kernel's map is not inherited: a child reads the zero cover
+        return int(self._words[slot])
+
     def pin(self, va: int, size: int, *, persistent: bool = False, user_tag: int = 0) -> FakePin:
+        self._check_pid("PIN")
         if size <= 0:
             raise InvalidArgument(f"PIN(va={va:#x}, size={size}): size must be > 0", errno.EINVAL)
         if self.pin_latency:
@@ -109,18 +188,59 @@ class FakeDevice:
                 r = None
             if r is None or va + size > r.base + r.size:
                 raise NotGpuMemory(f"PIN(va={va:#x}, size={size}): not fake device memory", errno.EINVAL)
-            p = FakePin(self, next(self._handles), va, size, self._free_slots.pop(), user_tag)
-            if self.bar_size and self.bar_used + p.aligned_size > self.bar_size:
-                self._free_slots.append(p.slot)
-                raise BarExhausted(f"PIN(va={va:#x}, size={size}): fake BAR exhausted", errno.ENOMEM)
-            self.bar_used += p.aligned_size
-            self._words[p.slot] = p.handle
-            self.pins[p.handle] = p
-            self._live[p.handle] = True
-            return p
+            p = FakePin(
+                self,
+                next(self._handles),
+                va,
+                size,
+                self._free_slots.pop(),
+                user_tag,
+                alloc=r,
+                persistent=persistent,
+                revocable=not persistent,
+            )
+            return self._add(p, f"PIN(va={va:#x}, size={size})")
+
+    def _add(self, p: FakePin, what: str) -> FakePin:
+        if self.bar_size and self.bar_used + p.aligned_size > self.bar_size:
+            self._free_slots.append(p.slot)
+            raise BarExhausted(f"{what}: fake BAR exhausted", errno.ENOMEM)
+        self.bar_used += p.aligned_size
+        self._words[p.slot] = p.handle
+        self.pins[p.handle] = p
+        self._live[p.handle] = True
+        return p
+
+    def pin_dmabuf(
+        self, fd: int, size: int | None = None, *, offset: int = 0, user_tag: int = 0, pci: str | None = None
+    ) -> FakePin:
+        """Pin a dma-buf that FakeMemory.export_dmabuf made (its memory, not its pages)."""
+        self._check_pid("PIN_DMABUF")
+        with self._lock:
+            self.pin_calls += 1
+            r = self.memory.exported(fd) if isinstance(self.memory, FakeMemory) else None
+            if r is None:
+                raise InvalidArgument(f"PIN_DMABUF(fd={fd}): not a dma-buf of this FakeMemory", errno.EINVAL)
+            if size is None:
+                size = r.size - offset
+            if size <= 0 or offset < 0 or offset + size > r.size:
+                raise InvalidArgument(f"PIN_DMABUF(fd={fd}, offset={offset}, size={size}): outside the buffer")
+            p = FakePin(
+                self,
+                next(self._handles),
+                offset,
+                size,
+                self._free_slots.pop(),
+                user_tag,
+                alloc=r,
+                dmabuf=True,
+                revocable=self.dmabuf_revocable,
+            )
+            return self._add(p, f"PIN_DMABUF(fd={fd}, size={size})")
 
     def unpin(self, handle: int | FakePin) -> None:
         h = handle.handle if isinstance(handle, FakePin) else handle
+        self._check_pid("UNPIN")
         with self._lock:
             p = self.pins.pop(h, None)
             if p is None:
@@ -132,24 +252,28 @@ class FakeDevice:
             self._free_slots.append(p.slot)
 
     def _invalidate_range(self, base: int, end: int) -> None:
+        """The memory [base, end) was freed: revoke its revocable pins (the others hold it)."""
         with self._lock:
             for p in self.pins.values():
-                if self._live.get(p.handle) and p.aligned_va < end and base < p.aligned_va + p.aligned_size:
+                if self._live.get(p.handle) and p.revocable and p.base < end and base < p.end:
                     self._live[p.handle] = False
                     self.bar_used -= p.aligned_size
                     self._words[p.slot] = 0
                     self.events.append(FakeEvent(p.handle, p.user_tag, "freed", p.slot))
 
     def validity_map(self) -> mmap.mmap:
+        self._check_pid("mmap")
         return self._map
 
     def read_events(self) -> list[FakeEvent]:
+        self._check_pid("read")
         with self._lock:
             out, self.events = self.events, []
         return out
 
     def dma_map(self, handle: int | FakePin, pci: str) -> FakeMapping:
         h = handle.handle if isinstance(handle, FakePin) else handle
+        self._check_pid("DMA_MAP")
         p = self.pins.get(h)
         if p is None:
             raise UnknownHandle(f"DMA_MAP(handle={h}): no such pin", errno.ENOENT)
@@ -186,6 +310,8 @@ class FakeMemory:
         self._top = self.BASE  # end of the highest allocation
         self._holes = False  # a free() may have left a gap below _top
         self._lock = threading.Lock()
+        self._exports: dict[tuple[int, int], AllocationRange] = {}  # (st_dev, st_ino) -> allocation
+        self.exports = 0
 
     def alloc(self, size: int, *, at: int | None = None) -> int:
         if size <= 0:
@@ -247,6 +373,26 @@ class FakeMemory:
 
     def buffer_id(self, ptr: int) -> int:
         return self.range_of(ptr).buffer_id
+
+    def export_dmabuf(self, ptr: int) -> int:
+        """A stand-in dma-buf fd of the allocation holding ``ptr`` (a memfd of its size; caller closes)."""
+        r = self.range_of(ptr)
+        fd = os.memfd_create("fake-dmabuf", os.MFD_CLOEXEC)
+        os.ftruncate(fd, r.size)
+        st = os.fstat(fd)
+        with self._lock:
+            self._exports[(st.st_dev, st.st_ino)] = r
+            self.exports += 1
+        return fd
+
+    def exported(self, fd: int) -> AllocationRange | None:
+        """The allocation that ``fd`` (from export_dmabuf) is a buffer of, or None."""
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            return None
+        with self._lock:
+            return self._exports.get((st.st_dev, st.st_ino))
 
     def is_device_memory(self, ptr: int) -> bool:
         return self._range(ptr) is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -98,3 +99,56 @@ def test_device_close_closes_its_caches(gpupin_loaded: None, leakcheck: None) ->
         with pytest.raises(gpupin.InvalidArgument, match="closed"):
             cache.acquire(va, 10)
         sim.free(va)
+
+
+# -- pins the kernel never invalidates (issue 26): the cache must not trust their word ----------
+
+
+def test_pins_say_whether_the_kernel_invalidates_them(device: Device, sim: SimMemory) -> None:
+    """The contract validate='kernel' relies on (GPUPIN_PIN_REVOCABLE): a non-persistent nv-p2p
+    pin is invalidated when its memory goes, a persistent one never is."""
+    va = sim.alloc(MiB)
+    pin = device.pin(va, MiB)
+    assert pin.revocable and device.query(pin).revocable, "gpupin.ko must set GPUPIN_PIN_REVOCABLE here"
+    device.unpin(pin)
+    if device.info().persistent:
+        p = device.pin(va, MiB, persistent=True)
+        assert not p.revocable and not device.query(p).revocable
+        device.unpin(p)
+    sim.free(va)
+
+
+def test_kernel_validation_follows_the_dmabuf_exporter(device: Device, sim: SimMemory) -> None:
+    """validate='kernel' over dma-buf pins works for an exporter that revokes and is refused,
+    with nothing left pinned, for one that holds the memory (NVIDIA's kind)."""
+    va = sim.alloc(MiB)
+    fd = sim.export_dmabuf(va)
+    try:
+        probe = device.pin_dmabuf(fd, user_tag=va)
+    finally:
+        os.close(fd)
+    revocable = probe.revocable
+    device.unpin(probe)
+    cache = RegistrationCache(device, sim, validate="kernel", backend="dmabuf")
+    if revocable:
+        with cache.acquire(va, 10) as r:
+            h1 = r.handle
+            assert device.query(h1).revocable
+        sim.free(va)
+        va2 = sim.alloc(MiB)
+        with cache.acquire(va2, 10) as r:
+            assert r.handle != h1 and r.valid
+        assert cache.stats().invalidations_kernel + cache.stats().invalidations_tag == 1
+        cache.close()
+        sim.free(va2)
+    else:
+        with pytest.raises(gpupin.NotRevocable, match="validate='tag' or 'both'"):
+            cache.acquire(va, 10)
+        assert device.info().file_pins == 0 and len(cache) == 0
+        tagged = RegistrationCache(device, sim, validate="both", backend="dmabuf")
+        with tagged.acquire(va, 10) as r:
+            assert r.valid
+        tagged.close()
+        cache.close()
+        sim.free(va)
+    assert device.info().file_pins == 0 and sim_stats().dmabuf_exports == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import multiprocessing
 import os
 import re
 import signal
@@ -18,6 +19,7 @@ import pytest
 import gpupin
 from conftest import GPU_PAGE, MiB, in_child
 from gpupin import Device, SimMemory, sim_stats
+from gpupin.cache import RegistrationCache
 
 pytestmark = [pytest.mark.vm, pytest.mark.simonly]
 NOBODY = 65534
@@ -44,6 +46,149 @@ def test_forked_child_cannot_pin_or_unpin(device: Device, sim: SimMemory, pci: s
     assert device.query(pin).state == "pinned" and device.info().file_pins == 1
     device.unpin(pin)
     sim.free(va)
+
+
+def test_forked_child_is_told_to_open_its_own_device(device: Device, sim: SimMemory) -> None:
+    """The refused calls raise ForkedDevice naming the fork and the fix, never a bare OSError."""
+    va = sim.alloc(GPU_PAGE)
+    pin = device.pin(va, GPU_PAGE)
+    parent = os.getpid()
+
+    def child() -> int:
+        calls: list[Callable[[], object]] = [
+            lambda: device.pin(va, GPU_PAGE),
+            lambda: device.unpin(pin),
+            device.read_events,  # a bare PermissionError(13) before
+        ]
+        for i, call in enumerate(calls):
+            try:
+                call()
+                return 10 + i
+            except gpupin.ForkedDevice as exc:
+                msg = str(exc)
+                if exc.errno != errno.EACCES or str(parent) not in msg or "Device.reopen()" not in msg:
+                    return 20 + i
+        return 0
+
+    assert in_child(child) == 0
+    assert device.query(pin).state == "pinned" and device.info().file_pins == 1
+    device.unpin(pin)
+    sim.free(va)
+
+
+class PerProcessSim:
+    """A memory provider with a simulator context per process (as CUDA needs one per process):
+    a fork child allocates in a context of its own, the parent's stays the parent's."""
+
+    name = "nvp2p_sim"
+
+    def __init__(self) -> None:
+        self._pid = -1
+        self._sim: SimMemory | None = None
+
+    @property
+    def sim(self) -> SimMemory:
+        if self._sim is None or self._pid != os.getpid():
+            self._sim = SimMemory()
+            self._pid = os.getpid()
+        return self._sim
+
+    def alloc(self, size: int) -> int:
+        return self.sim.alloc(size)
+
+    def free(self, ptr: int) -> None:
+        self.sim.free(ptr)
+
+    def range_of(self, ptr: int) -> gpupin.AllocationRange:
+        return self.sim.range_of(ptr)
+
+    def buffer_id(self, ptr: int) -> int:
+        return self.sim.buffer_id(ptr)
+
+    def enable_sync_memops(self, ptr: int) -> None:
+        self.sim.enable_sync_memops(ptr)
+
+    def close(self) -> None:
+        if self._sim is not None:
+            self._sim.close()
+
+
+# A module-level cache, as a user's worker module would have.
+MEM: PerProcessSim | None = None
+DEV: Device | None = None
+CACHE: RegistrationCache | None = None
+
+
+def _pool_worker(i: int) -> tuple[int, int, int, bool, int, int]:
+    """In a fork-pool worker: pid, handle, pins of the cache's device, whether that is the
+    parent's Device, hits, and the parent's file's pins as seen from here."""
+    assert MEM is not None and DEV is not None and CACHE is not None
+    va = MEM.alloc((i + 1) * GPU_PAGE)
+    with CACHE.acquire(va, 4096) as r:
+        handle = r.handle
+        assert r.valid
+    with CACHE.acquire(va + 1, 10) as r:
+        assert r.handle == handle
+    mine = CACHE.device
+    assert isinstance(mine, Device)
+    return os.getpid(), handle, mine.info().file_pins, mine is DEV, CACHE.stats().hits, DEV.info().file_pins
+
+
+def test_pool_worker_with_a_module_level_cache(gpupin_loaded: None, leakcheck: None) -> None:
+    """Issue 26: a fork-based Pool worker using the parent's cache pins in a file of its own."""
+    global MEM, DEV, CACHE
+    MEM, DEV = PerProcessSim(), Device()
+    CACHE = RegistrationCache(DEV, MEM, validate="both")
+    try:
+        va = MEM.alloc(MiB)
+        with CACHE.acquire(va, 1) as r:
+            parent_handle = r.handle
+        with multiprocessing.get_context("fork").Pool(2) as pool:
+            results = pool.map(_pool_worker, range(4), chunksize=1)
+        assert len(results) == 4
+        for pid, _handle, pins, is_parents, hits, parent_pins in results:
+            assert pid != os.getpid() and not is_parents
+            assert pins >= 1 and hits >= 1 and parent_pins == 1  # the parent's pin untouched
+        assert DEV.info().file_pins == 1 and DEV.query(parent_handle).state == "pinned"
+        with CACHE.acquire(va, 1) as r:
+            assert r.handle == parent_handle and r.valid
+        CACHE.purge()
+        MEM.free(va)
+    finally:
+        CACHE.close()
+        DEV.close()
+        MEM.close()
+        MEM = DEV = CACHE = None
+
+
+def test_cache_in_a_forked_child_with_the_parents_device(gpupin_loaded: None, leakcheck: None) -> None:
+    """Straight os.fork: the child's cache reopens /dev/gpupin, pins, and closing it there leaves
+    the parent's pins alone."""
+    mem = PerProcessSim()
+    with Device() as dev:
+        cache = RegistrationCache(dev, mem, validate="both")
+        va = mem.alloc(MiB)
+        held = cache.acquire(va, 1)
+
+        def child() -> int:
+            mine = mem.alloc(MiB)
+            with cache.acquire(mine, 1) as r:
+                own = cache.device
+                if own is dev or own.info().file_pins != 1 or own.query(r.handle).state != "pinned":  # type: ignore[attr-defined]
+                    return 2
+            held.release()  # the parent's registration: nothing happens here
+            cache.close()
+            if not own.closed or dev.info().file_pins != 1:  # type: ignore[attr-defined]
+                return 3
+            mem.free(mine)
+            return 0
+
+        assert in_child(child) == 0
+        assert dev.info().file_pins == 1 and held.valid
+        held.release()
+        cache.close()
+        mem.free(va)
+    mem.close()
 
 
 def test_fd_passed_over_socket_is_refused(gpupin_loaded: None, leakcheck: None) -> None:

@@ -294,6 +294,47 @@ void gpc_close(struct gpc *c)
 	pthread_mutex_unlock(&c->lock);
 }
 
+/*
+ * In a forked child, before it runs any other thread: forget every entry
+ * (they are the parent's pins: nothing is released) and stop reading the
+ * parent's validity map.  The mutex is made anew, since a thread of the
+ * parent may have held it at the fork.  Bound fast paths keep working: the
+ * struct stays where it is.
+ */
+void gpc_reset_in_child(struct gpc *c)
+{
+	pthread_mutex_init(&c->lock, NULL);
+	free(c->ents);
+	free(c->starts);
+	free(c->ids);
+	gpc_ht_free(c->ht, c->ht_cap);
+	c->ents = NULL;
+	c->starts = NULL;
+	c->ids = NULL;
+	c->ht = NULL;
+	c->nents = c->n = c->cap = 0;
+	c->ht_cap = c->ht_used = c->ht_live = 0;
+	c->unhashed = 0;
+	c->tick = c->acquires = c->hits = 0;
+	c->words = NULL;
+	c->nwords = 0;
+}
+
+/* The validity map to read from now on; -1 unless the index is empty (or closed). */
+int gpc_set_words(struct gpc *c, const uint64_t *words, uint64_t nwords)
+{
+	int ret = -1;
+
+	pthread_mutex_lock(&c->lock);
+	if (!c->closed && !c->n) {
+		c->words = words;
+		c->nwords = nwords;
+		ret = 0;
+	}
+	pthread_mutex_unlock(&c->lock);
+	return ret;
+}
+
 void gpc_free(struct gpc *c)
 {
 	if (!c)

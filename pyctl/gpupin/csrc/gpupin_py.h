@@ -26,6 +26,8 @@ struct gpc;
 struct gpc *gpc_new(const uint64_t *words, uint64_t nwords, int check_kernel, int check_tag_cuda);
 void gpc_free(struct gpc *c);
 void gpc_close(struct gpc *c);
+void gpc_reset_in_child(struct gpc *c);
+int gpc_set_words(struct gpc *c, const uint64_t *words, uint64_t nwords);
 int gpc_install(void);
 int64_t gpc_lookup(struct gpc *c, uint64_t ptr, uint64_t size);
 int gpc_release(struct gpc *c, int64_t id);
