@@ -74,7 +74,7 @@ def scenario_dmabuf(peer: Peer, pci: str, log: list[str]) -> None:
             dev = Device()
             log.append("open")
             try:
-                pin = dev.pin_dmabuf(fd)  # pin + its record + the import's address array
+                pin = dev.pin_dmabuf(fd, pci=pci)  # pin + its record + the import's address array
                 log.append("pin")
                 m = dev.dma_map(pin, pci)  # mapping + its address array
                 log.append("dma_map")

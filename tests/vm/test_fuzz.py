@@ -186,7 +186,7 @@ class Walk:
         rc = int(lib.gpupin_call(self.dev.fileno(), lib.GPUPIN_IOC_PIN_DMABUF, c))
         if fd >= 0:
             os.close(fd)
-        self.check("pin_dmabuf", rc, -E.EINVAL if c.flags or size == 0 else None)
+        self.check("pin_dmabuf", rc, -E.EINVAL if (c.flags & ~lib.GPUPIN_PIN_DMABUF_PCI_DEV) or size == 0 else None)
         if rc == 0:
             assert c.handle not in self.pins and c.handle not in self.stale, "handle reused"
             self.pins[int(c.handle)] = (base, int(size))

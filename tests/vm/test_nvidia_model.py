@@ -1,0 +1,277 @@
+"""gpupin against what NVIDIA's driver really does (issue 26): its static dma-buf exporter,
+DMA mappings that a free cannot race, put_pages only while the pin is ours, and an unload
+that waits for a free callback still leaving gpupin's code."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+
+import pytest
+
+import gpupin
+from conftest import GPU_PAGE, MiB, first_pci_device
+from gpupin import Device, SimMemory, kmod, sim_stats
+from gpupin.peer import Peer
+from gpupin.testing import ensure_loaded
+
+pytestmark = [pytest.mark.vm, pytest.mark.simonly]
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+# -- dma-buf: the importing device is a PCI device the caller names, or none ---------------------
+
+
+def test_static_export_without_device_holds_memory(device: Device, sim: SimMemory) -> None:
+    """NVIDIA's exporter: nothing is attached, the free frees nothing, the pin is never
+    invalidated, and UNPIN gives the memory back."""
+    va = sim.alloc(2 * GPU_PAGE)
+    fd = sim.export_dmabuf(va)
+    pin = device.pin_dmabuf(fd)
+    os.close(fd)
+    assert pin.dmabuf and not pin.revocable and not device.query(pin).revocable
+    assert sim_stats().dmabuf_attachments == 0, "no device named: nothing attached"
+    with pytest.raises(gpupin.GpupinError) as exc:
+        device.get_pages(pin)
+    assert exc.value.errno == errno.EOPNOTSUPP
+    sim.free(va)  # cuMemFree: NVIDIA keeps the memory while the buffer lives
+    s = sim_stats()
+    assert s.allocations == 1 and s.dmabuf_exports == 1, s
+    assert pin.is_valid() and device.read_events() == []
+    m = device.dma_map(pin, first_pci_device())  # addresses per device still come
+    assert len(device.dma_addrs(m)) == pin.entries
+    device.dma_unmap(m)
+    device.unpin(pin)
+    s = sim_stats()
+    assert s.allocations == 0 and s.dmabuf_exports == 0 and s.dmabuf_attachments == 0, s
+
+
+def test_static_export_for_a_named_device(device: Device, sim: SimMemory) -> None:
+    va = sim.alloc(2 * GPU_PAGE)
+    fd = sim.export_dmabuf(va)
+    pci = first_pci_device()
+    pin = device.pin_dmabuf(fd, pci=pci)
+    os.close(fd)
+    assert not pin.revocable
+    assert sim_stats().dmabuf_attachments == 1
+    m = device.dma_map(pin, pci)
+    assert device.get_pages(pin) == device.dma_addrs(m), "both: the same device's addresses"
+    device.dma_unmap(m)
+    device.unpin(pin)
+    sim.free(va)
+
+
+def test_named_device_must_exist(device: Device, sim: SimMemory) -> None:
+    va = sim.alloc(GPU_PAGE)
+    fd = sim.export_dmabuf(va)
+    try:
+        with pytest.raises(gpupin.GpupinError, match="no PCI device") as exc:
+            device.pin_dmabuf(fd, pci="0000:ff:1f.7")
+        assert exc.value.errno == errno.ENODEV
+    finally:
+        os.close(fd)
+    assert device.info().file_pins == 0 and sim_stats().dmabuf_attachments == 0
+    sim.free(va)
+
+
+def test_revocable_export_needs_a_device(device: Device, sim: SimMemory) -> None:
+    """An exporter that revokes is heard only through an attachment."""
+    va = sim.alloc(GPU_PAGE)
+    fd = sim.export_dmabuf(va, revocable=True)
+    try:
+        with pytest.raises(gpupin.InvalidArgument, match="importing device"):
+            device.pin_dmabuf(fd)
+        assert device.info().file_pins == 0 and sim_stats().dmabuf_attachments == 0
+        pin = device.pin_dmabuf(fd, pci=first_pci_device())
+    finally:
+        os.close(fd)
+    assert pin.revocable
+    sim.free(va)  # revoked: move_notify
+    assert not pin.is_valid()
+    assert [e.handle for e in device.read_events()] == [pin.handle]
+    device.unpin(pin)
+    assert sim_stats().dmabuf_exports == 0
+
+
+def test_nv_p2p_pins_say_whether_they_are_revocable(device: Device, sim: SimMemory) -> None:
+    va = sim.alloc(2 * GPU_PAGE)
+    a = device.pin(va, GPU_PAGE)
+    b = device.pin(va + GPU_PAGE, GPU_PAGE, persistent=True)
+    assert a.revocable and not b.revocable
+    assert device.query(a).revocable and not device.query(b).revocable
+    device.unpin(b)
+    sim.free(va)
+    assert not a.is_valid()
+    device.unpin(a)
+
+
+def test_dma_unmap_racing_unpin_of_a_dmabuf_pin(device: Device, sim: SimMemory) -> None:
+    """DMA_UNMAP decides how to destroy its mapping from the mapping itself, never from the
+    pin, whose buffer an UNPIN may let go of meanwhile; the mapping holds its own reference
+    to the buffer.  A race: repeated, and checked for leftovers each time."""
+    pci = first_pci_device()
+    va = sim.alloc(GPU_PAGE)
+    for _ in range(100):
+        fd = sim.export_dmabuf(va)
+        pin = device.pin_dmabuf(fd, pci=pci)
+        os.close(fd)
+        m = device.dma_map(pin, pci)
+        go = threading.Barrier(2)
+        errors: list[BaseException] = []
+
+        def unmap(m: gpupin.DmaMapping = m) -> None:
+            go.wait()
+            try:
+                device.dma_unmap(m)
+            except (gpupin.PinInvalidated, gpupin.GpupinError) as exc:  # the unpin won
+                errors.append(exc)
+
+        t = threading.Thread(target=unmap)
+        t.start()
+        go.wait()
+        device.unpin(pin)
+        t.join()
+        for exc in errors:
+            assert getattr(exc, "errno", None) in (errno.ENOENT, errno.ENXIO), exc
+        s = sim_stats()
+        assert s.dmabuf_attachments == 0 and s.dmabuf_mappings == 0 and s.dmabuf_exports == 0, s
+    sim.free(va)
+
+
+# -- DMA mappings: NVIDIA's call only where no free callback can race it -----------------------
+
+
+def test_non_persistent_pins_are_mapped_by_gpupin(device: Device, sim: SimMemory) -> None:
+    va = sim.alloc(4 * GPU_PAGE)
+    pin = device.pin(va, 4 * GPU_PAGE)
+    before = sim_stats()
+    m = device.dma_map(pin, first_pci_device())
+    s = sim_stats()
+    assert s.dma_mappings == before.dma_mappings == 0, "nvidia_p2p_dma_map_pages was called"
+    # No IOMMU in the VM: the bus addresses are the pages' physical addresses.
+    assert device.dma_addrs(m) == device.get_pages(pin)
+    assert device.query(pin).dma_mappings == 1
+    sim.free(va)  # the free callback unmaps gpupin's own mapping
+    assert device.query(pin).dma_mappings == 0 and not pin.is_valid()
+    with pytest.raises(gpupin.PinInvalidated):
+        device.dma_unmap(m)
+    device.unpin(pin)
+
+
+def test_persistent_pins_are_mapped_by_nvidia(device: Device, sim: SimMemory) -> None:
+    va = sim.alloc(2 * GPU_PAGE)
+    pin = device.pin(va, 2 * GPU_PAGE, persistent=True)
+    m = device.dma_map(pin, first_pci_device())
+    assert sim_stats().dma_mappings == 1
+    assert device.dma_addrs(m) == device.get_pages(pin)
+    device.unpin(pin)  # unmaps, then puts
+    assert sim_stats().dma_mappings == 0
+    sim.free(va)
+
+
+def test_dma_map_racing_the_free_is_safe(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
+    """The free callback waits for gpupin's own mapper and unmaps what it made.  Under the old
+    design NVIDIA's dma_map_pages waited (dma_map_latency_us) while the table was freed:
+    heap corruption on a real driver, dma_map_races in the simulator."""
+    sim_params(dma_map_latency_us=20_000)
+    pci = first_pci_device()
+    outcomes: dict[str, int] = {}
+    for i in range(30):
+        va = sim.alloc(8 * GPU_PAGE)
+        pin = device.pin(va, 8 * GPU_PAGE)
+        go = threading.Barrier(2)
+        got: list[str] = []
+
+        def mapper(pin: gpupin.Pin = pin) -> None:
+            go.wait()
+            try:
+                device.dma_map(pin, pci)
+                got.append("mapped")
+            except gpupin.PinInvalidated:
+                got.append("gone")
+
+        t = threading.Thread(target=mapper)
+        t.start()
+        go.wait()
+        if i % 2:
+            time.sleep(0.001)
+        sim.free(va)
+        t.join()
+        outcomes[got[0]] = outcomes.get(got[0], 0) + 1
+        assert device.query(pin).dma_mappings == 0, "the callback unmapped every own mapping"
+        device.unpin(pin)
+    s = sim_stats()
+    assert s.dma_map_races == 0 and s.use_after_free_calls == 0 and s.dma_mappings == 0, s
+    assert sum(outcomes.values()) == 30, outcomes
+
+
+# -- Unload: a free callback still on its way out of gpupin -------------------------------------
+
+
+def test_unload_waits_for_a_callback_leaving_gpupin(gpupin_loaded: None, leakcheck: None, sim_params) -> None:  # type: ignore[no-untyped-def]
+    """A detached pin's callback drops the module reference it held, then returns through
+    gpupin's code: an unload in that window must wait for it (callback_tail_delay_ms widens
+    the window; the kernel log would show the crash)."""
+    for m in ("gpupin_peer",):
+        if kmod.is_loaded(m):
+            kmod.unload(m)
+    try:
+        with SimMemory() as sim:
+            dev = Device()
+            va = sim.alloc(GPU_PAGE)
+            dev.pin(va, GPU_PAGE)
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                os.close(w)
+                os.read(r, 1)
+                os._exit(0)  # the last close of the gpupin file: the pin goes DETACHED
+            os.close(r)
+            dev.close()
+            os.write(w, b"x")
+            os.close(w)
+            os.waitpid(pid, 0)
+            deadline = time.monotonic() + 10
+            while gpupin.kmod.info("gpupin").refcount != 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert kmod.info("gpupin").refcount == 1, "only the detached pin holds the module"
+            sim_params("gpupin", callback_tail_delay_ms=1500)
+            freer = threading.Thread(target=sim.free, args=(va,))
+            freer.start()
+            time.sleep(0.5)  # the callback is in its tail now, its module reference dropped
+            start = time.monotonic()
+            kmod.unload("gpupin")
+            waited = time.monotonic() - start
+            freer.join()
+            assert not kmod.is_loaded("gpupin")
+            assert waited > 0.3, f"the unload did not wait for the callback ({waited:.3f} s)"
+            s = sim_stats()
+            assert s.page_tables == 0 and s.live_callbacks == 0 and s.use_after_free_calls == 0, s
+    finally:
+        ensure_loaded()
+
+
+def test_dma_map_of_a_large_pin_is_unmapped_by_the_callback(device: Device, sim: SimMemory) -> None:
+    va = sim.alloc(16 * MiB)
+    pin = device.pin(va, 16 * MiB)
+    maps = [device.dma_map(pin, first_pci_device()) for _ in range(3)]
+    assert device.query(pin).dma_mappings == 3 and all(m.entries == 256 for m in maps)
+    sim.free(va)
+    assert device.query(pin).dma_mappings == 0
+    device.unpin(pin)
+
+
+def test_driver_maps_one_reference_from_two_threads(device: Device, sim: SimMemory, peer: Peer) -> None:
+    """gpupin_ref_dma_map() calls on one reference are serialised: two racing calls share one
+    mapping, and the reference's put drops it (no share left behind on the pin)."""
+    va = sim.alloc(16 * MiB)
+    pin = device.pin(va, 16 * MiB)  # 256 pages: each map takes a while, so the calls overlap
+    for _ in range(20):
+        hold = peer.hold(device, pin, map_race=True)
+        assert device.query(pin).dma_mappings == 1
+        peer.release(hold)
+        assert device.query(pin).dma_mappings == 0, "a racing map left its share behind"
+    device.unpin(pin)
+    sim.free(va)
