@@ -187,10 +187,16 @@ class RegistrationCache:
         whole_allocation: bool = True,
         sync_memops: bool = True,
         backend: Backend = "nvp2p",
+        dmabuf_pci: str | None = None,
     ) -> None:
+        """``dmabuf_pci``: with the dma-buf backend, the PCI device each buffer is imported for
+        (``Device.pin_dmabuf(pci=)``); an exporter that can revoke its buffers needs one."""
         if validate not in ("both", "kernel", "tag"):
             raise InvalidArgument(f"validate={validate!r}: use 'both', 'kernel' or 'tag'")
         self.backend = _pick_backend(backend, device, memory)
+        if dmabuf_pci is not None and self.backend != "dmabuf":
+            raise InvalidArgument(f"dmabuf_pci={dmabuf_pci!r}: only for the dma-buf backend (backend={self.backend!r})")
+        self.dmabuf_pci = dmabuf_pci
         if max_bytes < 0 or max_regions < 0:
             raise InvalidArgument("max_bytes and max_regions must be >= 0 (0 = unlimited)")
         self.device = device
@@ -441,7 +447,9 @@ class RegistrationCache:
         # dma-buf: the whole allocation's buffer; the pin keeps it, so the fd can go.
         fd = self.memory.export_dmabuf(base)  # type: ignore[attr-defined]
         try:
-            return self.device.pin_dmabuf(fd, user_tag=base)  # type: ignore[attr-defined]
+            if self.dmabuf_pci is None:
+                return self.device.pin_dmabuf(fd, user_tag=base)  # type: ignore[attr-defined]
+            return self.device.pin_dmabuf(fd, user_tag=base, pci=self.dmabuf_pci)  # type: ignore[attr-defined]
         finally:
             os.close(fd)
 

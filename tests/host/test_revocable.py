@@ -155,3 +155,9 @@ def test_buffer_id_validation_catches_reuse_under_a_static_dmabuf(validate: str)
     assert (st.pins, st.unpins, st.invalidations_tag, st.invalidations_kernel) == (2, 1, 1, 0)
     cache.close()
     assert dev.pins == {} and dev.bar_used == 0
+
+
+def test_dmabuf_pci_is_only_for_the_dmabuf_backend() -> None:
+    with pytest.raises(gpupin.InvalidArgument, match="only for the dma-buf backend"):
+        mem = FakeMemory()
+        RegistrationCache(FakeDevice(mem), mem, dmabuf_pci="0000:00:03.0")

@@ -309,3 +309,44 @@ def test_budget_applies_to_dmabuf_pins(device: Device, sim: SimMemory, sim_param
     device.unpin(pin)
     assert sim_stats().dmabuf_exports == 0  # no reference left behind by the refusal
     sim.free(va)
+
+
+class _RevocableSim(SimMemory):
+    """Simulated memory whose exports revoke on free (as amdgpu's do), for the cache."""
+
+    def export_dmabuf(self, ptr: int, revocable: bool = True) -> int:
+        return super().export_dmabuf(ptr, revocable=revocable)
+
+
+def test_cache_over_a_revoking_exporter(device: Device, leakcheck: None) -> None:
+    """The cache imports for ``dmabuf_pci``; the kernel then invalidates its pins, so it may
+    trust the validity word alone.  Without a device such buffers cannot be pinned."""
+    with _RevocableSim() as mem:
+        va = mem.alloc(MiB)
+        with RegistrationCache(device, mem, backend="dmabuf", validate="both") as cache:
+            with pytest.raises(gpupin.InvalidArgument, match="importing device"):
+                cache.acquire(va, 100)
+        with RegistrationCache(
+            device, mem, backend="dmabuf", validate="kernel", dmabuf_pci=first_pci_device()
+        ) as cache:
+            with cache.acquire(va, 100) as reg:
+                assert device.query(reg.handle).revocable
+            mem.free(va)  # revoked: the cache sees it in the validity word
+            va2 = mem.alloc(MiB)
+            with cache.acquire(va2, 100) as reg:
+                assert reg.valid
+            assert cache.stats().pins == 2
+            cache.purge()
+            mem.free(va2)
+    assert sim_stats().dmabuf_exports == 0
+
+
+def test_cache_refuses_kernel_validation_of_nvidia_buffers(device: Device, sim: SimMemory) -> None:
+    """NVIDIA's exporter never revokes: validate="kernel" cannot tell a freed buffer."""
+    va = sim.alloc(MiB)
+    with RegistrationCache(device, sim, backend="dmabuf", validate="kernel") as cache:
+        with pytest.raises(gpupin.NotRevocable, match="validate='tag'"):
+            cache.acquire(va, 100)
+        assert device.info().file_pins == 0
+    sim.free(va)
+    assert sim_stats().dmabuf_exports == 0
