@@ -38,6 +38,19 @@ void gpupin_fault_callback_tail(void)
 		msleep(ms);
 }
 
+static unsigned int gpupin_release_delay_ms;
+module_param_named(release_delay_ms, gpupin_release_delay_ms, uint, 0644);
+MODULE_PARM_DESC(release_delay_ms, "Testing: an unpin pauses this long between claiming a pin and putting its pages (widens the window for a free callback racing it)");
+
+/* An unpin's pause after it claimed the pin and unmapped it, before put_pages. */
+void gpupin_fault_release_delay(void)
+{
+	unsigned int ms = READ_ONCE(gpupin_release_delay_ms);
+
+	if (ms)
+		msleep(ms);
+}
+
 #if IS_ENABLED(CONFIG_FAULT_INJECTION_DEBUG_FS)
 
 static DECLARE_FAULT_ATTR(gpupin_fail_alloc_attr);

@@ -62,10 +62,15 @@ extern bool gpupin_debug;
 #ifdef GPUPIN_FAULT_INJECTION
 bool gpupin_fail_alloc(void);
 void gpupin_fault_callback_tail(void);
+void gpupin_fault_release_delay(void);
 int gpupin_fault_init(void);
 void gpupin_fault_exit(void);
 #else
 static inline void gpupin_fault_callback_tail(void)
+{
+}
+
+static inline void gpupin_fault_release_delay(void)
 {
 }
 

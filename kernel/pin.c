@@ -369,6 +369,7 @@ bool gpupin_pin_release_pages(struct gpupin_region *pin, enum gpupin_pin_state f
 				   pin->handle);
 			return false;
 		}
+		gpupin_fault_release_delay();
 		if (pin->pt && !gpupin_put_pages(pin, claimed))
 			return false;
 		if (from == GPUPIN_PIN_PINNED)

@@ -275,3 +275,30 @@ def test_driver_maps_one_reference_from_two_threads(device: Device, sim: SimMemo
         assert device.query(pin).dma_mappings == 0, "a racing map left its share behind"
     device.unpin(pin)
     sim.free(va)
+
+
+# -- put_pages only while the pin is the unpin's --------------------------------------------------
+
+
+def test_unpin_racing_the_free_puts_no_stale_table(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
+    """The free callback takes a pin that an unpin claimed, NVIDIA frees its table, and this
+    process's next pin gets the same table address (reuse_freed_tables): a put_pages of the
+    old pointer would release the new pin (NVIDIA finds mappings by pointer).  The unpin
+    must see that the callback took the pin and put nothing (release_delay_ms holds it
+    between its claim and put_pages)."""
+    sim_params(reuse_freed_tables=1)
+    sim_params("gpupin", release_delay_ms=1000)
+    va = sim.alloc(GPU_PAGE)
+    pin = device.pin(va, GPU_PAGE)
+    t = threading.Thread(target=device.unpin, args=(pin,))
+    t.start()
+    time.sleep(0.3)  # the unpin claimed the pin and waits before put_pages
+    sim.free(va)  # the callback takes the pin; NVIDIA frees its table
+    vb = sim.alloc(GPU_PAGE)
+    other = device.pin(vb, GPU_PAGE)  # gets the freed table's address
+    t.join()
+    s = sim_stats()
+    assert s.stale_table_puts == 0 and s.use_after_free_calls == 0, s
+    assert other.is_valid() and s.page_tables == 1 and s.live_callbacks == 1, s
+    device.unpin(other)
+    sim.free(vb)
