@@ -58,6 +58,7 @@ extern unsigned long gpupin_max_pinned_bytes;
 extern unsigned int gpupin_max_pins_per_file;
 extern bool gpupin_default_persistent;
 extern bool gpupin_debug;
+extern bool gpupin_p2p_check;
 /* Fault injection (fault.c), in test builds only. */
 #ifdef GPUPIN_FAULT_INJECTION
 bool gpupin_fail_alloc(void);
@@ -238,6 +239,8 @@ struct gpupin_map {
 	enum gpupin_map_kind kind;
 	bool mmio;			/* own: dma_map_resource (BAR pages), else dma_map_page */
 	u32 entries;			/* own: pages mapped */
+	phys_addr_t bar_start;		/* own, mmio: the GPU's BAR holding the pages */
+	phys_addr_t bar_end;
 	u32 id;
 	bool user_owned;		/* made by DMA_MAP, not yet DMA_UNMAPped; under pin->lock */
 	unsigned int drv_users;		/* kernel-API references sharing it; under pin->lock */

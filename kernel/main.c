@@ -32,6 +32,10 @@ bool gpupin_debug;
 module_param_named(debug, gpupin_debug, bool, 0644);
 MODULE_PARM_DESC(debug, "Log pins, unpins and invalidations (rate-limited; default off)");
 
+bool gpupin_p2p_check;
+module_param_named(p2p_check, gpupin_p2p_check, bool, 0644);
+MODULE_PARM_DESC(p2p_check, "Refuse gpupin's own DMA mappings of BAR pages where the kernel's PCI peer-to-peer rules (CONFIG_PCI_P2PDMA) see no path; stricter than NVIDIA's own check (default off: logged only)");
+
 atomic64_t gpupin_pinned_bytes = ATOMIC64_INIT(0);
 struct gpupin_stats gpupin_stats;
 char gpupin_provider[GPUPIN_NAME_LEN] = "nvidia";

@@ -13,12 +13,14 @@
  * pin (gpupin_pin_use): that takes no NVIDIA lock, so the free callback
  * waits for the mapper, then unmaps every such mapping before it returns.
  *
- * - BAR pages of a discrete GPU are MMIO: dma_map_resource, as NVIDIA's own
- *   peer mappings do.  Where the kernel has CONFIG_PCI_P2PDMA, a peer that
- *   the PCI topology gives no peer-to-peer path to the GPU is refused
- *   (-EOPNOTSUPP), as NVIDIA's dma-buf exporter refuses it; without it the
- *   kernel cannot tell, and the mapping is made as nvidia_p2p_dma_map_pages
- *   would make it.
+ * - BAR pages of a discrete GPU (an address inside a PCI device's memory
+ *   BAR) are MMIO: dma_map_resource, as NVIDIA's own peer mappings do
+ *   (nv_dma_map_mmio).  NVIDIA checks the topology with its own rules
+ *   (nv_grdma_pci_topology_supported: allowed unless the chipset is known
+ *   not to work); the kernel's (pci_p2pdma_distance, CONFIG_PCI_P2PDMA) are
+ *   stricter (the host bridge must be on a short list, and every
+ *   pass-through VM fails them), so they only log, and refuse
+ *   (-EOPNOTSUPP) with the p2p_check parameter.
  * - GPU memory with struct pages (coherent systems such as GH200, and the
  *   simulator's host pages) is memory to the peer: dma_map_page.
  */
@@ -31,49 +33,74 @@
 #include <linux/slab.h>
 #include "gpupin.h"
 
-/* The PCI device one of whose memory BARs holds @phys, with a reference; NULL if none. */
-static struct pci_dev *gpupin_bar_owner(phys_addr_t phys)
+/*
+ * The PCI device one of whose memory BARs holds @phys, with a reference, and
+ * that BAR into @bar; NULL if none.
+ */
+static struct pci_dev *gpupin_bar_owner(phys_addr_t phys, struct resource **bar)
 {
 	struct pci_dev *pdev = NULL;
-	int bar;
+	int i;
 
 	/* for_each_pci_dev() holds a reference to the device it stopped at. */
 	for_each_pci_dev(pdev) {
-		for (bar = 0; bar < PCI_STD_NUM_BARS; bar++) {
-			struct resource *res = &pdev->resource[bar];
+		for (i = 0; i < PCI_STD_NUM_BARS; i++) {
+			struct resource *res = &pdev->resource[i];
 
 			if (resource_type(res) == IORESOURCE_MEM && res->start <= phys &&
-			    phys <= res->end)
+			    phys <= res->end) {
+				*bar = res;
 				return pdev;
+			}
 		}
 	}
 	return NULL;
 }
 
 /*
- * May @peer reach @pin's pages, and how: *@mmio for BAR pages.  The caller
- * is an in-flight user (the page table stays).
+ * May @peer reach @pin's pages, and how: BAR pages (map->mmio, the BAR into
+ * map->bar_start/bar_end) or memory.  The caller is an in-flight user (the
+ * page table stays).
  */
-static int gpupin_own_check(struct gpupin_region *pin, struct pci_dev *peer, bool *mmio)
+static int gpupin_own_check(struct gpupin_region *pin, struct gpupin_map *map)
 {
 	phys_addr_t phys = pin->pt->pages[0]->physical_address;
-	struct pci_dev *gpu;
+	struct pci_dev *peer = map->pdev, *gpu;
+	struct resource *bar;
 	int ret = 0;
 
-	*mmio = !pfn_valid(PHYS_PFN(phys));
-	if (!*mmio)
-		return 0;
-	gpu = gpupin_bar_owner(phys);
+	gpu = gpupin_bar_owner(phys, &bar);
+	map->mmio = gpu;
 	if (!gpu) {
+		if (pfn_valid(PHYS_PFN(phys)))
+			return 0;	/* memory with struct pages */
 		pr_warn_ratelimited("GPU pages are neither memory nor in a PCI BAR\n");
 		return -EOPNOTSUPP;
 	}
+	map->bar_start = bar->start;
+	map->bar_end = bar->end;
+	/*
+	 * The kernel's P2P rules are stricter than NVIDIA's own check
+	 * (nv_grdma_pci_topology_supported allows what it does not know to be
+	 * broken, and every pass-through VM): refuse only when asked to.
+	 */
 	if (IS_ENABLED(CONFIG_PCI_P2PDMA) && pci_p2pdma_distance(gpu, &peer->dev, false) < 0) {
-		gpupin_dbg("no peer-to-peer path from %s to %s\n", pci_name(peer), pci_name(gpu));
-		ret = -EOPNOTSUPP;
+		if (READ_ONCE(gpupin_p2p_check))
+			ret = -EOPNOTSUPP;
+		pr_info_ratelimited("%s: the kernel sees no peer-to-peer path to %s%s\n",
+				    pci_name(peer), pci_name(gpu),
+				    ret ? ": refused (p2p_check)" : "; mapping as NVIDIA would");
 	}
 	pci_dev_put(gpu);
 	return ret;
+}
+
+/* Is @phys of the same kind as the table's first page (and in the same BAR)? */
+static bool gpupin_own_same_kind(const struct gpupin_map *map, phys_addr_t phys)
+{
+	if (map->mmio)
+		return phys >= map->bar_start && phys + GPU_BOUND_SIZE - 1 <= map->bar_end;
+	return pfn_valid(PHYS_PFN(phys)) && pfn_valid(PHYS_PFN(phys + GPU_BOUND_SIZE - 1));
 }
 
 /* Unmap the first @n pages of an own mapping and free its address array. */
@@ -125,13 +152,13 @@ int gpupin_own_map(struct gpupin_region *pin, struct gpupin_map *map, u32 *id)
 		map->dma = NULL;
 		return ret;
 	}
-	ret = gpupin_own_check(pin, map->pdev, &map->mmio);
+	ret = gpupin_own_check(pin, map);
 	for (i = 0; !ret && i < pin->entries; i++) {
 		phys_addr_t phys = pin->pt->pages[i]->physical_address;
 		dma_addr_t addr;
 
-		if (map->mmio != !pfn_valid(PHYS_PFN(phys))) {
-			ret = -EPROTO;	/* BAR and memory pages in one table */
+		if (!gpupin_own_same_kind(map, phys)) {
+			ret = -EPROTO;	/* BAR and memory pages, or two BARs, in one table */
 			break;
 		}
 		if (map->mmio)

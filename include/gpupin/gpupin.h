@@ -120,8 +120,9 @@ int gpupin_ref_info(struct gpupin_ref *ref, struct gpupin_ref_info *info);
  * waits for the driver lock, and a free callback cannot wait for it.
  * gpupin's mapping takes no NVIDIA lock: a racing free waits for it and
  * then unmaps it, so this is safe at any time.  BAR pages are mapped with
- * dma_map_resource() (with CONFIG_PCI_P2PDMA, after the PCI topology check:
- * -EOPNOTSUPP where @pdev has no peer-to-peer path to the GPU); GPU memory
+ * dma_map_resource(), as inside NVIDIA's call (with the p2p_check parameter
+ * and CONFIG_PCI_P2PDMA, -EOPNOTSUPP where the kernel's PCI rules see no
+ * peer-to-peer path from @pdev to the GPU); GPU memory
  * with struct pages (coherent systems) with dma_map_page(), so @pdev reaches
  * it as system memory, never over NVIDIA's FORCE_PCIE path.  For a dma-buf
  * pin: a dynamic attachment of the buffer to @pdev.

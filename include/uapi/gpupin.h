@@ -142,10 +142,10 @@ struct gpupin_get_pages {
  *   into the table afterwards: a free racing the call corrupts NVIDIA's
  *   heap, and the callback cannot wait for the mapper (deadlock).  gpupin's
  *   own mapping takes no NVIDIA lock, so the free callback waits for it and
- *   unmaps it.  BAR pages (discrete GPUs) go through dma_map_resource; where
- *   the kernel has CONFIG_PCI_P2PDMA, a device the PCI topology gives no
- *   peer-to-peer path to the GPU is refused (EOPNOTSUPP), as NVIDIA's
- *   dma-buf exporter refuses it.  GPU memory with struct pages (coherent
+ *   unmaps it.  BAR pages (discrete GPUs) go through dma_map_resource, as
+ *   inside NVIDIA's call; the kernel's PCI peer-to-peer rules
+ *   (CONFIG_PCI_P2PDMA), stricter than NVIDIA's, refuse a device (EOPNOTSUPP)
+ *   only with gpupin's p2p_check parameter.  GPU memory with struct pages (coherent
  *   systems such as GH200) goes through dma_map_page: the device reaches it
  *   as system memory, never over FORCE_PCIE; use a persistent pin or a
  *   dma-buf for NVIDIA's own choice of path there.
