@@ -288,6 +288,9 @@ long gpupin_ioctl_pin_dmabuf(struct gpupin_file *f, struct gpupin_pin_dmabuf __u
 		return ret;
 	if (!gpupin_caller_owns(f))
 		return -EACCES;
+	/* An import for a device maps the memory for it, as DMA_MAP does. */
+	if ((arg.flags & GPUPIN_PIN_DMABUF_PCI_DEV) && !f->admin)
+		return -EPERM;
 	ret = gpupin_pin_dmabuf_create(f, &arg, aligned_size, &pin);
 	if (ret)
 		return ret;

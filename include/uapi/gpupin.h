@@ -207,7 +207,8 @@ struct gpupin_event {
  * The importing device: an exporter maps a buffer for a device, and
  * NVIDIA's treats it as a PCI device (nv_dma_buf_attach reads its DMA mask
  * through to_pci_dev).  With GPUPIN_PIN_DMABUF_PCI_DEV gpupin imports the
- * buffer for that PCI device (ENODEV if there is none): GET_PAGES then
+ * buffer for that PCI device (ENODEV if there is none; like DMA_MAP, only
+ * for a file opened with CAP_SYS_ADMIN, EPERM otherwise): GET_PAGES then
  * gives that device's bus addresses.  Without it (the PCI fields zero)
  * gpupin does not attach at all: the pin only holds the buffer, GET_PAGES
  * fails with EOPNOTSUPP, and DMA_MAP gives addresses for each device.

@@ -227,9 +227,11 @@ def ffi_pin(fd: int, va: int) -> int:
 
 
 def test_unprivileged_opener_cannot_read_addresses(gpupin_loaded: None, leakcheck: None) -> None:
-    """Privilege is the opener's: a file that nobody opened reads no addresses, maps nothing."""
-    st = os.stat("/dev/gpupin")
-    os.chmod("/dev/gpupin", 0o666)
+    """Privilege is the opener's: a file that nobody opened reads no addresses, maps nothing
+    (nor imports a dma-buf for a device, which maps it for that device)."""
+    modes = {node: os.stat(node).st_mode & 0o777 for node in ("/dev/gpupin", "/dev/nvp2p_sim")}
+    for node in modes:
+        os.chmod(node, 0o666)
     try:
 
         def child() -> int:
@@ -240,11 +242,16 @@ def test_unprivileged_opener_cannot_read_addresses(gpupin_loaded: None, leakchec
                 pin = dev.pin(va, GPU_PAGE)
                 a = errno_of(lambda: dev.get_pages(pin, 0, 1))
                 b = errno_of(lambda: dev.dma_map(pin, "0000:00:00.0"))
-                return 0 if a == b == errno.EPERM else 1
+                fd = sim.export_dmabuf(va)
+                c = errno_of(lambda: dev.pin_dmabuf(fd, pci="0000:00:00.0"))
+                dev.pin_dmabuf(fd)  # holding the buffer maps nothing: allowed
+                os.close(fd)
+                return 0 if a == b == c == errno.EPERM else 1
 
         assert in_child(child) == 0
     finally:
-        os.chmod("/dev/gpupin", st.st_mode & 0o777)
+        for node, mode in modes.items():
+            os.chmod(node, mode)
 
 
 def test_unprivileged_cannot_open_device(gpupin_loaded: None) -> None:
