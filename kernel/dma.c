@@ -228,7 +228,7 @@ int gpupin_map_create(struct gpupin_region *pin, struct pci_dev *pdev, bool user
 	map->drv_users = !user;
 	/* The id is fixed before the map is published (map->id is set under pin->lock). */
 	*id = 0;
-	if (pin->dmabuf)
+	if (pin->flags & GPUPIN_PIN_DMABUF)
 		ret = gpupin_dmabuf_map(pin, map, id);
 	else if (pin->flags & GPUPIN_PIN_PERSISTENT)
 		ret = gpupin_nvp2p_map(pin, map, id);
