@@ -6,6 +6,10 @@
  *   gpupin_files_lock (mutex) - the list of open files, for netlink dumps.
  *   gpupin_file.read_lock (mutex) - serialises readers of invalidation
  *       records, so a record leaves the queue only once it was copied out.
+ *   dma-buf reservation locks (ww_mutex) - of imported buffers: attach,
+ *       map and unmap of gpupin's and peers' attachments; the exporter holds
+ *       it while move_notify revokes a pin.  Never taken by an in-flight
+ *       user (a revocation waits for those under it).
  *   gpupin_file.lock (mutex) - the file's handle table (lookups take their
  *       pin reference under it) and handle counter.  Never held across an
  *       nv-p2p call, never taken by the free callback.

@@ -141,8 +141,10 @@ int gpupin_ref_dma_map(struct gpupin_ref *ref, struct pci_dev *pdev);
  * @ref: the reference
  *
  * Until gpupin_access_end() the pages and the DMA mapping stay: a free
- * callback waits for the access to end, so keep it short and never fault
- * on user memory inside it (copy through a kernel buffer).
+ * callback waits for the access to end - with NVIDIA's driver lock held -
+ * so keep it short, never fault on user memory inside it (copy through a
+ * kernel buffer), and call nothing that may wait for the GPU driver (no
+ * nv-p2p call, no CUDA-side work).
  * Return: 0, or -ENODEV when the memory is gone (or going).
  */
 int gpupin_access_begin(struct gpupin_ref *ref);
