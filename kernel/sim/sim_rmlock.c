@@ -148,7 +148,8 @@ void sim_count_uaf(const char *fn, const char *what)
 	lockdep_assert_held(&sim_lock);
 	pr_err_ratelimited("%s called with a %s that NVIDIA's driver has freed (use after free)\n",
 			   fn, what);
-	sim_count_misuse(&sim_stats.use_after_free_calls, "call with what NVIDIA's driver has freed");
+	sim_count_misuse(&sim_stats.use_after_free_calls,
+			 "a call with what NVIDIA's driver has freed");
 }
 
 /* NVP2P_SIM_IOC_RESET_MISUSE: zero the counters of strict misuse. */

@@ -13,6 +13,7 @@ import pytest
 
 from gpupin._native import ffi, lib
 from gpupin.sim import MISUSE, get_sim_param, reset_misuse, set_sim_param, sim_stats
+from gpupin.testing import NATIVE
 
 MiB = 1 << 20
 # libc for what Python's os module lacks (mprotect; read into a raw address), errno kept.
@@ -71,6 +72,20 @@ def pci() -> str:
 
 
 EINVAL = -errno.EINVAL
+
+
+@pytest.fixture
+def leakcheck(gpupin_loaded: None) -> Iterator[None]:
+    """gpupin.testing's leakcheck (every counter of ``SimStats.leaks()`` 0 after the test),
+    except that misuse counters found non-zero are zeroed once reported: the misuse fails the
+    test that caused it, not every test after it (the counters only ever grow otherwise)."""
+    yield
+    if NATIVE:
+        return
+    leaks = sim_stats().leaks()
+    if any(k in MISUSE for k in leaks):
+        reset_misuse()
+    assert not leaks, f"simulator counters not back to zero after the test: {leaks}"
 
 
 @pytest.fixture
