@@ -319,10 +319,11 @@ def test_group_member_may_pin_but_not_map_or_see_addresses(
         def child() -> int:
             from gpupin.netlink import Netlink
 
+            sim = SimMemory()  # the simulator's node is root's: opened before dropping root
             os.setgroups([GPUPIN_GID])
             os.setgid(NOBODY)
             os.setuid(NOBODY)
-            with SimMemory() as sim, Device() as dev:
+            with sim, Device() as dev:
                 va = sim.alloc(GPU_PAGE)
                 pin = dev.pin(va, GPU_PAGE)
                 if errno_of(lambda: dev.get_pages(pin)) != errno.EPERM:
