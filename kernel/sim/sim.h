@@ -63,6 +63,7 @@ extern unsigned long sim_mem_limit;
 extern unsigned int sim_page_table_version;
 extern unsigned int sim_page_size_type;
 extern unsigned int sim_dma_mapping_version;
+extern int sim_fail_put_nth;
 extern int sim_fail_dma_map_nth;
 extern int sim_fail_attach_nth;
 extern int sim_fail_dmabuf_map_nth;

@@ -79,6 +79,10 @@ unsigned int sim_dma_mapping_version = NVIDIA_P2P_DMA_MAPPING_VERSION;
 module_param_named(dma_mapping_version, sim_dma_mapping_version, uint, 0644);
 MODULE_PARM_DESC(dma_mapping_version, "DMA-mapping version handed out by dma_map_pages (default 0x00020003); others test clients' version checks");
 
+int sim_fail_put_nth;
+module_param_named(fail_put_nth, sim_fail_put_nth, int, 0644);
+MODULE_PARM_DESC(fail_put_nth, "Fail the Nth put_pages (either kind) of a live table from now with -fail_errno, leaving it pinned and its callback armed, then reset to 0 (0 = off)");
+
 int sim_fail_dma_map_nth;
 module_param_named(fail_dma_map_nth, sim_fail_dma_map_nth, int, 0644);
 MODULE_PARM_DESC(fail_dma_map_nth, "Fail the Nth dma_map_pages call from now with -fail_errno, then reset to 0 (0 = off)");

@@ -258,8 +258,8 @@ static void sim_race_work(struct work_struct *work)
 
 /*
  * Fault injection: should this call fail?  @nth_param is the countdown
- * (fail_nth for get_pages, fail_dma_map_nth, fail_attach_nth,
- * fail_dmabuf_map_nth); the error is fail_errno's.  Caller holds sim_lock.
+ * (fail_nth for get_pages, fail_put_nth, fail_dma_map_nth,
+ * fail_attach_nth, fail_dmabuf_map_nth); the error is fail_errno's.  Caller holds sim_lock.
  */
 int sim_injected_error_locked(int *nth_param)
 {
@@ -511,6 +511,14 @@ static int sim_put_pages(u64 va, struct nvidia_p2p_page_table *pt, bool persiste
 		ret = persistent ? -EINVAL : 0;
 		goto out_unlock;
 	}
+	/*
+	 * fail_put_nth: RM refused the put (rm_p2p_put_pages failing otherwise
+	 * than with NV_ERR_OBJECT_NOT_FOUND): nv_p2p_put_pages returns the
+	 * error, the pages stay pinned and the callback stays armed.
+	 */
+	ret = sim_injected_error_locked(&sim_fail_put_nth);
+	if (ret)
+		goto out_unlock;
 	/*
 	 * A freed table's address that a newer pin of this process got
 	 * (reuse_freed_tables), put for the old range: NVIDIA finds the newer

@@ -302,3 +302,21 @@ def test_unpin_racing_the_free_puts_no_stale_table(device: Device, sim: SimMemor
     assert other.is_valid() and s.page_tables == 1 and s.live_callbacks == 1, s
     device.unpin(other)
     sim.free(vb)
+
+
+def test_put_pages_failure_keeps_the_pin_for_its_callback(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
+    """NVIDIA's put_pages can fail and leave the callback armed with gpupin's pin as its data:
+    the pin must then wait for that callback (DETACHED), never be freed under it."""
+    va = sim.alloc(2 * GPU_PAGE)
+    pin = device.pin(va, 2 * GPU_PAGE)
+    refs = kmod.info("gpupin").refcount
+    sim_params(fail_errno=errno.EINVAL, fail_put_nth=1)
+    device.unpin(pin)  # put_pages fails: the pin is kept for its callback
+    s = sim_stats()
+    assert s.page_tables == 1 and s.live_callbacks == 1, s
+    assert device.info().file_pins == 0 and device.info().pinned_bytes == 2 * GPU_PAGE
+    assert kmod.info("gpupin").refcount == refs + 1, "the detached pin holds the module"
+    sim.free(va)  # the callback releases it now
+    s = sim_stats()
+    assert s.page_tables == 0 and s.live_callbacks == 0 and s.use_after_free_calls == 0, s
+    assert kmod.info("gpupin").refcount == refs and device.info().pinned_bytes == 0
