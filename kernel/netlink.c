@@ -20,6 +20,8 @@
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
 #include <linux/capability.h>
+#include <linux/delay.h>
+#include <linux/moduleparam.h>
 #include <linux/pci.h>
 #include <linux/pid_namespace.h>
 #include <linux/sched.h>
@@ -68,6 +70,13 @@ static const struct genl_multicast_group gpupin_nl_mcgrps[] = {
 static DEFINE_SPINLOCK(gpupin_nl_subs_lock);
 static u32 gpupin_nl_subs[GPUPIN_NL_MAX_SUBSCRIBERS];
 static unsigned int gpupin_nl_nsubs;
+
+#ifdef GPUPIN_FAULT_INJECTION
+/* Testing: hold the window between a port id's release and gpupin hearing of it open. */
+static unsigned int gpupin_nl_release_delay_ms;
+module_param_named(nl_release_delay_ms, gpupin_nl_release_delay_ms, uint, 0644);
+MODULE_PARM_DESC(nl_release_delay_ms, "Testing: sleep this long before forgetting a released subscriber (0 = off)");
+#endif
 #endif
 
 static struct genl_family gpupin_nl_family;
@@ -107,8 +116,13 @@ static int gpupin_nl_release_notify(struct notifier_block *nb, unsigned long eve
 {
 	struct netlink_notify *n = ptr;
 
-	if (event == NETLINK_URELEASE && n->protocol == NETLINK_GENERIC && n->net == &init_net)
-		gpupin_nl_unsubscribe(n->portid);
+	if (event != NETLINK_URELEASE || n->protocol != NETLINK_GENERIC || n->net != &init_net)
+		return NOTIFY_DONE;
+#ifdef GPUPIN_FAULT_INJECTION
+	if (READ_ONCE(gpupin_nl_release_delay_ms))
+		msleep(READ_ONCE(gpupin_nl_release_delay_ms));
+#endif
+	gpupin_nl_unsubscribe(n->portid);
 	return NOTIFY_DONE;
 }
 
