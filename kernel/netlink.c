@@ -14,8 +14,8 @@
  * them.  Where generic netlink can restrict a multicast group to that
  * capability (GENL_MCAST_CAP_NET_ADMIN), events go to the "events" group;
  * elsewhere (or with GPUPIN_NL_EVENTS_UNICAST) no group is registered and
- * events are unicast to sockets that subscribed with the admin-only
- * SUBSCRIBE command.
+ * events are queued to the sockets that subscribed with the admin-only
+ * SUBSCRIBE command (gpupin_nl_subs: held by socket, not by port id).
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
@@ -27,6 +27,7 @@
 #include <linux/sched.h>
 #include <net/genetlink.h>
 #include <net/netlink.h>
+#include <net/sock.h>
 #include <linux/netlink.h>
 #include <linux/notifier.h>
 #include "compat.h"
@@ -66,9 +67,21 @@ static const struct genl_multicast_group gpupin_nl_mcgrps[] = {
 #define GPUPIN_NL_MCAST 0
 #define GPUPIN_NL_MAX_SUBSCRIBERS 64
 
-/* Sockets that asked for events; under gpupin_nl_subs_lock (innermost). */
+/*
+ * Sockets that asked for events, each holding a reference (sock_hold()):
+ * keyed by the socket, never by its port id.  netlink_release() frees the
+ * port id (netlink_remove()) before it tells anyone (NETLINK_URELEASE), and
+ * another socket may bind that id in between; events go straight into the
+ * subscriber's own receive queue, so they cannot reach that socket.
+ *
+ * gpupin_nl_subs_lock (spinlock): the array and its count.  Taken by the
+ * event path (from the free callback too) and innermost of gpupin's locks:
+ * only a subscriber's own receive-queue and wait-queue locks nest inside
+ * it.  A subscriber is alive while it is in the array; its reference is
+ * dropped (sock_put()) only after it left the array and outside the lock.
+ */
 static DEFINE_SPINLOCK(gpupin_nl_subs_lock);
-static u32 gpupin_nl_subs[GPUPIN_NL_MAX_SUBSCRIBERS];
+static struct sock *gpupin_nl_subs[GPUPIN_NL_MAX_SUBSCRIBERS];
 static unsigned int gpupin_nl_nsubs;
 
 #ifdef GPUPIN_FAULT_INJECTION
@@ -91,30 +104,45 @@ static bool gpupin_nl_listening(void)
 }
 
 #if !GPUPIN_NL_MCAST
-/* Forget a subscriber whose socket is gone. */
-static void gpupin_nl_unsubscribe(u32 portid)
+/*
+ * Take the subscribers whose sockets were released out of the array and
+ * into @dead (at most GPUPIN_NL_MAX_SUBSCRIBERS), for the caller to put
+ * outside the lock.  netlink_release() marks a socket SOCK_DEAD
+ * (sock_orphan()) before it sends NETLINK_URELEASE, and a socket is never
+ * revived, so a live subscriber is never dropped here.  Returns how many.
+ */
+static unsigned int gpupin_nl_reap_locked(struct sock **dead)
 {
-	unsigned int i;
+	unsigned int i = 0, n = 0;
 
-	spin_lock(&gpupin_nl_subs_lock);
-	for (i = 0; i < gpupin_nl_nsubs; i++) {
-		if (gpupin_nl_subs[i] == portid) {
+	lockdep_assert_held(&gpupin_nl_subs_lock);
+	while (i < gpupin_nl_nsubs) {
+		if (sock_flag(gpupin_nl_subs[i], SOCK_DEAD)) {
+			dead[n++] = gpupin_nl_subs[i];
 			gpupin_nl_subs[i] = gpupin_nl_subs[--gpupin_nl_nsubs];
-			break;
+		} else {
+			i++;
 		}
 	}
-	spin_unlock(&gpupin_nl_subs_lock);
+	return n;
+}
+
+static void gpupin_nl_put_socks(struct sock **socks, unsigned int n)
+{
+	while (n)
+		sock_put(socks[--n]);
 }
 
 /*
- * A netlink socket was released: forget it as a subscriber, so that another
- * (maybe unprivileged) socket that binds its port id later receives none of
- * the events meant for it.  (The notifier runs just after the port id is
- * freed: a bind inside that instant is not covered.)
+ * A generic-netlink socket was released: drop the subscription of every
+ * released socket (that one among them).  Only dead sockets go, so a
+ * socket that bound the same port id meanwhile keeps its own subscription.
  */
 static int gpupin_nl_release_notify(struct notifier_block *nb, unsigned long event, void *ptr)
 {
+	struct sock *dead[GPUPIN_NL_MAX_SUBSCRIBERS];
 	struct netlink_notify *n = ptr;
+	unsigned int ndead;
 
 	if (event != NETLINK_URELEASE || n->protocol != NETLINK_GENERIC || n->net != &init_net)
 		return NOTIFY_DONE;
@@ -122,13 +150,27 @@ static int gpupin_nl_release_notify(struct notifier_block *nb, unsigned long eve
 	if (READ_ONCE(gpupin_nl_release_delay_ms))
 		msleep(READ_ONCE(gpupin_nl_release_delay_ms));
 #endif
-	gpupin_nl_unsubscribe(n->portid);
+	spin_lock(&gpupin_nl_subs_lock);
+	ndead = gpupin_nl_reap_locked(dead);
+	spin_unlock(&gpupin_nl_subs_lock);
+	gpupin_nl_put_socks(dead, ndead);
 	return NOTIFY_DONE;
 }
 
 static struct notifier_block gpupin_nl_notifier = {
 	.notifier_call = gpupin_nl_release_notify,
 };
+
+/*
+ * An event @sk will not get: make its next read fail with ENOBUFS, as
+ * netlink does for a full receive queue (NETLINK_NO_ENOBUFS, which gpupin
+ * cannot read, is not honoured).
+ */
+static void gpupin_nl_sock_lost(struct sock *sk)
+{
+	WRITE_ONCE(sk->sk_err, ENOBUFS);
+	sk_error_report(sk);
+}
 #endif
 
 /* Hand a finished event to its listeners; consumes @skb. */
@@ -137,19 +179,23 @@ static void gpupin_nl_send_event(struct sk_buff *skb, gfp_t gfp)
 #if GPUPIN_NL_MCAST
 	genlmsg_multicast(&gpupin_nl_family, skb, 0, GPUPIN_NL_MCGRP_EVENTS_IDX, gfp);
 #else
-	u32 subs[GPUPIN_NL_MAX_SUBSCRIBERS];
-	unsigned int i, n;
+	unsigned int i;
 
+	/* Atomic context: the subscribers stay alive while the lock is held. */
 	spin_lock(&gpupin_nl_subs_lock);
-	n = gpupin_nl_nsubs;
-	memcpy(subs, gpupin_nl_subs, n * sizeof(subs[0]));
-	spin_unlock(&gpupin_nl_subs_lock);
-	for (i = 0; i < n; i++) {
-		struct sk_buff *copy = skb_clone(skb, gfp);
+	for (i = 0; i < gpupin_nl_nsubs; i++) {
+		struct sock *sk = gpupin_nl_subs[i];
+		struct sk_buff *copy;
 
-		if (copy && genlmsg_unicast(&init_net, copy, subs[i]) == -ECONNREFUSED)
-			gpupin_nl_unsubscribe(subs[i]);
+		if (sock_flag(sk, SOCK_DEAD))
+			continue;	/* released: gpupin_nl_release_notify() drops it */
+		copy = skb_clone(skb, GFP_NOWAIT | __GFP_NOWARN);
+		if (!copy || sock_queue_rcv_skb(sk, copy)) {
+			kfree_skb(copy);
+			gpupin_nl_sock_lost(sk);
+		}
 	}
+	spin_unlock(&gpupin_nl_subs_lock);
 	nlmsg_free(skb);
 #endif
 }
@@ -219,13 +265,21 @@ cancel:
  * An event that could not be built is lost: mark the listeners' sockets, as
  * rtnetlink does, so that their next read fails with ENOBUFS (as when their
  * receive buffer overflows) and they know to read the state again.  Sockets
- * that set NETLINK_NO_ENOBUFS are not marked.  The unicast fallback has no
- * group to mark; its subscribers miss the event.
+ * that set NETLINK_NO_ENOBUFS are not marked (in the unicast fallback, which
+ * marks each subscriber, they are).
  */
 static void gpupin_nl_event_lost(void)
 {
 #if GPUPIN_NL_MCAST
 	genl_set_err(&gpupin_nl_family, &init_net, 0, GPUPIN_NL_MCGRP_EVENTS_IDX, -ENOBUFS);
+#else
+	unsigned int i;
+
+	spin_lock(&gpupin_nl_subs_lock);
+	for (i = 0; i < gpupin_nl_nsubs; i++)
+		if (!sock_flag(gpupin_nl_subs[i], SOCK_DEAD))
+			gpupin_nl_sock_lost(gpupin_nl_subs[i]);
+	spin_unlock(&gpupin_nl_subs_lock);
 #endif
 }
 
@@ -471,21 +525,27 @@ static int gpupin_nl_subscribe(struct sk_buff *skb, struct genl_info *info)
 	NL_SET_ERR_MSG(info->extack, "join the \"events\" multicast group instead");
 	return -EOPNOTSUPP;
 #else
-	unsigned int i;
+	/* The requesting socket (netlink_unicast_kernel() set it), alive for this call. */
+	struct sock *sk = NETLINK_CB(skb).sk;
+	struct sock *dead[GPUPIN_NL_MAX_SUBSCRIBERS];
+	unsigned int i, ndead;
 	int ret = 0;
 
 	spin_lock(&gpupin_nl_subs_lock);
+	ndead = gpupin_nl_reap_locked(dead);
 	for (i = 0; i < gpupin_nl_nsubs; i++)
-		if (gpupin_nl_subs[i] == info->snd_portid)
+		if (gpupin_nl_subs[i] == sk)
 			goto out;
 	if (gpupin_nl_nsubs == GPUPIN_NL_MAX_SUBSCRIBERS) {
 		NL_SET_ERR_MSG(info->extack, "too many event subscribers");
 		ret = -ENOSPC;
 		goto out;
 	}
-	gpupin_nl_subs[gpupin_nl_nsubs++] = info->snd_portid;
+	sock_hold(sk);
+	gpupin_nl_subs[gpupin_nl_nsubs++] = sk;
 out:
 	spin_unlock(&gpupin_nl_subs_lock);
+	gpupin_nl_put_socks(dead, ndead);
 	return ret;
 #endif
 }
@@ -563,5 +623,8 @@ void gpupin_nl_exit(void)
 	genl_unregister_family(&gpupin_nl_family);
 #if !GPUPIN_NL_MCAST
 	netlink_unregister_notifier(&gpupin_nl_notifier);
+	/* No file is open, so no event can be sent: let the subscribers go. */
+	gpupin_nl_put_socks(gpupin_nl_subs, gpupin_nl_nsubs);
+	gpupin_nl_nsubs = 0;
 #endif
 }
