@@ -17,6 +17,10 @@
  *       nv-p2p call or anything that sleeps.
  *   gpupin_file.ev_lock (spinlock) - the file's queue of invalidation
  *       records.  Taken by the free callback, innermost.
+ *   gpupin_nl_subs_lock (spinlock, netlink.c, unicast-event builds) - the
+ *       event subscribers' sockets.  Taken by the event path (from the free
+ *       callback too) with no other gpupin lock held; only the subscribers'
+ *       own socket locks nest inside it.
  *
  * NVIDIA's driver runs the free callback with its RM API lock held, and
  * nvidia_p2p_get_pages*, put_pages* and dma_map_pages take that lock (only
