@@ -167,6 +167,7 @@ static void gpupin_pin_invalidate(struct gpupin_region *pin, bool always,
 
 	if (prev == GPUPIN_PIN_DETACHED) {
 		/* Nobody is left to tell: let the pin, its file and the module go. */
+		gpupin_detached_del(pin);
 		atomic64_sub(pin->aligned_size, &gpupin_pinned_bytes);
 		gpupin_dbg("detached pin %llu released by its free callback\n", pin->handle);
 		gpupin_set_state(pin, GPUPIN_PIN_INVALIDATED);
@@ -277,6 +278,7 @@ bool gpupin_pin_release_pages(struct gpupin_region *pin, enum gpupin_pin_state f
 			kref_get(&pin->file->ref);
 			__module_get(THIS_MODULE);
 			atomic_inc(&gpupin_nr_detached);
+			gpupin_detached_add(pin);	/* for netlink (detached.c) */
 		}
 	}
 	spin_unlock(&pin->lock);
