@@ -1,11 +1,13 @@
 // SPDX-License-Identifier: (GPL-2.0 OR MIT)
 /*
  * gpupin: the generic-netlink family "gpupin" - GET_INFO, GET_PINS (a
- * resumable dump), GET_PIN, GET_STATS, and events on the "events" multicast
- * group.  One fill function per object serves both the dump and the events.
+ * resumable dump, detached pins included), GET_PIN, GET_STATS, and events
+ * on the "events" multicast group.  One fill function per object serves both
+ * the dump and the events.
  *
  * Locking: the dump takes gpupin_files_lock, then each file's lock, then
- * each pin's lock (the order written in gpupin.h).  Pin events are built
+ * each pin's lock (the order written in gpupin.h); detached pins it takes
+ * with references under gpupin_detached_lock alone, and fills after.  Pin events are built
  * with GFP_NOWAIT (no reclaim, no reserves, no warning: a failure is reported
  * to the listeners, below) and sent without any gpupin lock held, so the free
  * callback never waits for memory or a listener.
@@ -211,6 +213,22 @@ static u32 gpupin_nl_pid(struct pid *pid)
 	return pid_nr(pid);
 }
 
+/*
+ * GPUPIN_NL_STATE_* for a pin's state: pinning (unpublished), releasing and
+ * invalidating pins are on their way to invalidated.
+ */
+static u32 gpupin_nl_state(enum gpupin_pin_state state)
+{
+	switch (state) {
+	case GPUPIN_PIN_PINNED:
+		return GPUPIN_NL_STATE_PINNED;
+	case GPUPIN_PIN_DETACHED:
+		return GPUPIN_NL_STATE_DETACHED;
+	default:
+		return GPUPIN_NL_STATE_INVALIDATED;
+	}
+}
+
 /* One pin's attributes, nested in GPUPIN_NL_A_PIN; shared by dump and events. */
 static int gpupin_nl_fill_pin(struct sk_buff *skb, struct gpupin_region *pin, u32 reason)
 {
@@ -244,7 +262,7 @@ static int gpupin_nl_fill_pin(struct sk_buff *skb, struct gpupin_region *pin, u3
 		goto cancel;
 
 	spin_lock(&pin->lock);
-	state = pin->state == GPUPIN_PIN_PINNED ? GPUPIN_STATE_PINNED : GPUPIN_STATE_INVALIDATED;
+	state = gpupin_nl_state(pin->state);
 	ret = nla_put_u32(skb, GPUPIN_NL_PIN_A_STATE, state);
 	list_for_each_entry(map, &pin->maps, node) {
 		if (ret)
@@ -379,6 +397,7 @@ static int gpupin_nl_get_stats(struct sk_buff *skb, struct genl_info *info)
 		{ GPUPIN_NL_STAT_A_FAIL_OTHER, &gpupin_stats.fail_other },
 		{ GPUPIN_NL_STAT_A_CALLBACK_MAX_NS, &gpupin_stats.callback_max_ns },
 	};
+	u64 detached, detached_bytes;
 	struct nlattr *nest;
 	struct sk_buff *msg;
 	void *hdr;
@@ -397,6 +416,11 @@ static int gpupin_nl_get_stats(struct sk_buff *skb, struct genl_info *info)
 		if (nla_put_u64_64bit(msg, rows[i].attr, atomic64_read(rows[i].v),
 				      GPUPIN_NL_STAT_A_PAD))
 			goto err;
+	gpupin_detached_totals(&detached, &detached_bytes);
+	if (nla_put_u64_64bit(msg, GPUPIN_NL_STAT_A_DETACHED, detached, GPUPIN_NL_STAT_A_PAD) ||
+	    nla_put_u64_64bit(msg, GPUPIN_NL_STAT_A_DETACHED_BYTES, detached_bytes,
+			      GPUPIN_NL_STAT_A_PAD))
+		goto err;
 	nla_nest_end(msg, nest);
 	genlmsg_end(msg, hdr);
 	return genlmsg_reply(msg, info);
@@ -467,10 +491,67 @@ static int gpupin_nl_get_pin(struct sk_buff *skb, struct genl_info *info)
 	return genlmsg_reply(msg, info);
 }
 
+/* Dump cursor, in cb->args. */
+enum {
+	GPUPIN_NL_CUR_FILE,		/* the file id being dumped */
+	GPUPIN_NL_CUR_HANDLE,		/* the last handle sent from it */
+	GPUPIN_NL_CUR_DETACHED,		/* files done: detached pins after this seq */
+};
+
+/* Put one GET_PINS message for @pin into the dump; -EMSGSIZE when full. */
+static int gpupin_nl_dump_pin(struct sk_buff *skb, struct netlink_callback *cb,
+			      struct gpupin_region *pin)
+{
+	void *hdr;
+
+	hdr = genlmsg_put(skb, NETLINK_CB(cb->skb).portid, cb->nlh->nlmsg_seq,
+			  &gpupin_nl_family, NLM_F_MULTI, GPUPIN_NL_CMD_GET_PINS);
+	if (!hdr)
+		return -EMSGSIZE;
+	if (gpupin_nl_fill_pin(skb, pin, 0)) {
+		genlmsg_cancel(skb, hdr);
+		return -EMSGSIZE;
+	}
+	genlmsg_end(skb, hdr);
+	return 0;
+}
+
+#define GPUPIN_NL_DETACHED_BATCH 32
+
 /*
- * Dump every visible pin, in (file id, handle) order; with PID (a global
- * thread-group id, as PIN_A_PID reports it) only that process's.  The cursor
- * lives in cb->args: [0] the file id being dumped, [1] the last handle sent.
+ * The detached pins (out of every handle table: detached.c lists them) after
+ * the files' pins, in the order they were detached; the cursor is the last
+ * one's sequence number plus one (0: not begun).  Each batch is taken with
+ * references, so the free callback may release a pin meanwhile.
+ */
+static int gpupin_nl_dump_detached(struct sk_buff *skb, struct netlink_callback *cb,
+				   bool filter, u32 want)
+{
+	struct gpupin_region *pins[GPUPIN_NL_DETACHED_BATCH];
+	unsigned int i, n;
+	int err = 0;
+
+	do {
+		n = gpupin_detached_get(cb->args[GPUPIN_NL_CUR_DETACHED] - 1, pins,
+					ARRAY_SIZE(pins));
+		for (i = 0; i < n; i++) {
+			struct gpupin_file *f = pins[i]->file;
+
+			if (!err && gpupin_nl_may_see(cb->skb, f) &&
+			    (!filter || gpupin_nl_pid(f->owner) == want))
+				err = gpupin_nl_dump_pin(skb, cb, pins[i]);
+			if (!err)
+				cb->args[GPUPIN_NL_CUR_DETACHED] = pins[i]->detached_seq + 1;
+			gpupin_detached_put(pins[i]);
+		}
+	} while (!err && n == ARRAY_SIZE(pins));
+	return err;
+}
+
+/*
+ * Dump every visible pin, in (file id, handle) order, then the detached
+ * ones; with PID (a global thread-group id, as PIN_A_PID reports it) only
+ * that process's.  The cursor lives in cb->args (GPUPIN_NL_CUR_*).
  */
 static int gpupin_nl_get_pins(struct sk_buff *skb, struct netlink_callback *cb)
 {
@@ -480,40 +561,38 @@ static int gpupin_nl_get_pins(struct sk_buff *skb, struct netlink_callback *cb)
 	unsigned long idx;
 	bool filter = attrs && attrs[GPUPIN_NL_A_PID];
 	u32 want = filter ? nla_get_u32(attrs[GPUPIN_NL_A_PID]) : 0;
-	void *hdr;
 	int err = 0;
 
+	if (cb->args[GPUPIN_NL_CUR_DETACHED])
+		goto detached;
 	mutex_lock(&gpupin_files_lock);
 	list_for_each_entry(f, &gpupin_files, node) {
-		if (f->id < cb->args[0] || !gpupin_nl_may_see(cb->skb, f))
+		if (f->id < cb->args[GPUPIN_NL_CUR_FILE] || !gpupin_nl_may_see(cb->skb, f))
 			continue;
 		if (filter && gpupin_nl_pid(f->owner) != want)
 			continue;
-		if (f->id != cb->args[0]) {
-			cb->args[0] = f->id;
-			cb->args[1] = 0;
+		if (f->id != cb->args[GPUPIN_NL_CUR_FILE]) {
+			cb->args[GPUPIN_NL_CUR_FILE] = f->id;
+			cb->args[GPUPIN_NL_CUR_HANDLE] = 0;
 		}
 		mutex_lock(&f->lock);
-		xa_for_each_start(&f->pins, idx, pin, cb->args[1] + 1) {
-			hdr = genlmsg_put(skb, NETLINK_CB(cb->skb).portid, cb->nlh->nlmsg_seq,
-					  &gpupin_nl_family, NLM_F_MULTI, GPUPIN_NL_CMD_GET_PINS);
-			if (!hdr) {
-				err = -EMSGSIZE;
+		xa_for_each_start(&f->pins, idx, pin, cb->args[GPUPIN_NL_CUR_HANDLE] + 1) {
+			err = gpupin_nl_dump_pin(skb, cb, pin);
+			if (err)
 				break;
-			}
-			if (gpupin_nl_fill_pin(skb, pin, 0)) {
-				genlmsg_cancel(skb, hdr);
-				err = -EMSGSIZE;
-				break;
-			}
-			genlmsg_end(skb, hdr);
-			cb->args[1] = idx;
+			cb->args[GPUPIN_NL_CUR_HANDLE] = idx;
 		}
 		mutex_unlock(&f->lock);
 		if (err)
 			break;
 	}
 	mutex_unlock(&gpupin_files_lock);
+	if (err)
+		goto out;
+	cb->args[GPUPIN_NL_CUR_DETACHED] = 1;
+detached:
+	err = gpupin_nl_dump_detached(skb, cb, filter, want);
+out:
 	/* A full skb is resumed on the next call; an empty one ends the dump. */
 	return err == -EMSGSIZE && skb->len == 0 ? -EMSGSIZE : skb->len;
 }

@@ -13,7 +13,7 @@ import pytest
 from pyroute2.netlink import genlmsg
 
 import gpupin
-from conftest import GPU_PAGE, MiB
+from conftest import GPU_PAGE, SLOW, MiB
 from gpupin import Device, SimMemory, kmod, netlink
 from gpupin.testing import ensure_loaded
 
@@ -372,3 +372,74 @@ def test_unicast_subscriber_is_its_socket_not_its_port_id(gpupin_loaded: None, l
         old.close()
         kmod.unload("gpupin")
         ensure_loaded()
+
+
+def _detach_by_a_fork_childs_last_close(dev: Device) -> None:
+    """Close ``dev`` here and let a fork child close the last copy: its pins go DETACHED."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(w)
+        os.read(r, 1)  # the parent closed its copy: ours is the last
+        os._exit(0)  # the gpupin file's release runs here, in the child
+    os.close(r)
+    dev.close()
+    os.write(w, b"x")
+    os.close(w)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def _wait_for_stat(name: str, want: int) -> dict[str, int]:
+    deadline = time.monotonic() + 10 * SLOW
+    while (st := netlink.stats())[name] != want:
+        assert time.monotonic() < deadline, f"stats[{name!r}] = {st[name]}, not {want}"
+        time.sleep(0.01)
+    return st
+
+
+def test_detached_pins_are_dumped_and_counted(gpupin_loaded: None, leakcheck: None) -> None:
+    """A pin released where its pages cannot be put (a fork child's last close) is out of
+    its file's handle table but holds its pages and budget until the GPU memory is freed:
+    the dump lists it as detached, GET_STATS counts it and its bytes, until the callback."""
+    before = netlink.stats()
+    with SimMemory() as sim:
+        dev = Device()
+        va = sim.alloc(3 * GPU_PAGE)
+        pins = [dev.pin(va, GPU_PAGE, user_tag=0xD1), dev.pin(va + GPU_PAGE, 2 * GPU_PAGE, user_tag=0xD2)]
+        (file_id,) = {p.file_id for p in netlink.list_pins() if p.pid == os.getpid()}
+        _detach_by_a_fork_childs_last_close(dev)
+        st = _wait_for_stat("detached", before["detached"] + 2)
+        assert st["detached_bytes"] == before["detached_bytes"] + 3 * GPU_PAGE
+        assert st["bytes_now"] >= st["detached_bytes"]  # they still hold their budget
+        mine = [p for p in netlink.list_pins() if p.pid == os.getpid()]
+        assert [(p.file_id, p.handle, p.state, p.user_tag, p.aligned_size) for p in mine] == [
+            (file_id, pins[0].handle, "detached", 0xD1, GPU_PAGE),
+            (file_id, pins[1].handle, "detached", 0xD2, 2 * GPU_PAGE),
+        ]
+        sim.free(va)  # NVIDIA's free callback releases them
+        st = _wait_for_stat("detached", before["detached"])
+        assert st["detached_bytes"] == before["detached_bytes"]
+        assert [p for p in netlink.list_pins() if p.pid == os.getpid()] == []
+
+
+def test_dump_of_many_detached_pins_resumes(gpupin_loaded: None, leakcheck: None, sim_params) -> None:  # type: ignore[no-untyped-def]
+    """More detached pins than one dump message holds or one batch takes: each listed once, in order,
+    after the pins still in a handle table."""
+    sim_params(bar_size=1 << 30)
+    n = 300
+    before = netlink.stats()["detached"]
+    with SimMemory() as sim, Device() as live:
+        va = sim.alloc(GPU_PAGE)
+        kept = live.pin(va, GPU_PAGE, user_tag=1)
+        dev = Device()
+        handles = [dev.pin(va, GPU_PAGE, user_tag=i).handle for i in range(n)]
+        _detach_by_a_fork_childs_last_close(dev)
+        _wait_for_stat("detached", before + n)
+        mine = [p for p in netlink.list_pins() if p.pid == os.getpid()]
+        assert [(p.handle, p.state) for p in mine[:1]] == [(kept.handle, "pinned")]
+        assert [p.handle for p in mine[1:]] == handles and {p.state for p in mine[1:]} == {"detached"}
+        assert [p.user_tag for p in mine[1:]] == list(range(n))
+        live.unpin(kept)
+        sim.free(va)
+        _wait_for_stat("detached", before)
