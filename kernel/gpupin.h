@@ -21,6 +21,16 @@
  *       nv-p2p call or anything that sleeps.
  *   gpupin_file.ev_lock (spinlock) - the file's queue of invalidation
  *       records.  Taken by the free callback, innermost.
+ *   gpupin_detached_lock (spinlock, detached.c) - the list of DETACHED pins
+ *       (released where their pages could not be put, waiting for their
+ *       free callback), its sequence numbers and totals.  Taken under
+ *       pin->lock when a pin goes DETACHED, alone by the free callback and
+ *       by netlink, which take their references under it and nothing else:
+ *       innermost.
+ *   gpupin_nl_subs_lock (spinlock, netlink.c, unicast-event builds) - the
+ *       event subscribers' sockets.  Taken by the event path (from the free
+ *       callback too) with no other gpupin lock held; only the subscribers'
+ *       own socket locks nest inside it.
  *
  * NVIDIA's driver runs the free callback with its RM API lock held, and
  * nvidia_p2p_get_pages*, put_pages* and dma_map_pages take that lock (only
@@ -229,6 +239,10 @@ struct gpupin_region {
 	bool orphaned;			/* unpinned while referenced, under refs_lock */
 	bool gone;			/* being destroyed, under refs_lock */
 	u32 orphan_reason;		/* GPUPIN_NL_REASON_* of the deferred unpin */
+
+	/* While DETACHED (detached.c), under gpupin_detached_lock. */
+	struct list_head detached_node;
+	u64 detached_seq;		/* its place on the list, for a resumed dump */
 };
 
 enum gpupin_map_kind {
@@ -306,6 +320,13 @@ void gpupin_dmabuf_teardown(struct gpupin_region *pin);
 void gpupin_dmabuf_release(struct gpupin_region *pin);
 int gpupin_dmabuf_map(struct gpupin_region *pin, struct gpupin_map *map, u32 *id);
 void gpupin_dmabuf_unmap(struct gpupin_map *map);
+
+/* detached.c */
+void gpupin_detached_add(struct gpupin_region *pin);
+void gpupin_detached_del(struct gpupin_region *pin);
+unsigned int gpupin_detached_get(u64 seq, struct gpupin_region **pins, unsigned int max);
+void gpupin_detached_put(struct gpupin_region *pin);
+void gpupin_detached_totals(u64 *count, u64 *bytes);
 
 /* kapi.c */
 void gpupin_notify_refs(struct gpupin_region *pin);

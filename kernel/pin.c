@@ -170,6 +170,7 @@ static bool gpupin_pin_invalidate(struct gpupin_region *pin, bool always,
 
 	if (prev == GPUPIN_PIN_DETACHED) {
 		/* Nobody is left to tell: let the pin, its file and the module go. */
+		gpupin_detached_del(pin);
 		atomic64_sub(pin->aligned_size, &gpupin_pinned_bytes);
 		gpupin_dbg("detached pin %llu released by its free callback\n", pin->handle);
 		gpupin_set_state(pin, GPUPIN_PIN_INVALIDATED);
@@ -264,6 +265,7 @@ static void gpupin_pin_hold_detached(struct gpupin_region *pin)
 	kref_get(&pin->file->ref);
 	__module_get(THIS_MODULE);
 	atomic_inc(&gpupin_nr_detached);
+	gpupin_detached_add(pin);	/* for netlink (detached.c) */
 }
 
 /*
@@ -552,6 +554,7 @@ struct gpupin_region *gpupin_pin_alloc(struct gpupin_file *f, u64 va, u64 size, 
 	spin_lock_init(&pin->lock);
 	init_waitqueue_head(&pin->wq);
 	INIT_LIST_HEAD(&pin->maps);
+	INIT_LIST_HEAD(&pin->detached_node);
 	mutex_init(&pin->refs_lock);
 	INIT_LIST_HEAD(&pin->refs);
 	pin->file = f;

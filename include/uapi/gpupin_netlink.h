@@ -83,7 +83,7 @@ enum gpupin_nl_pin_attr {
 	GPUPIN_NL_PIN_A_ALIGNED_SIZE,	/* u64 */
 	GPUPIN_NL_PIN_A_ENTRIES,	/* u32 */
 	GPUPIN_NL_PIN_A_PAGE_SIZE,	/* u32 */
-	GPUPIN_NL_PIN_A_STATE,		/* u32: GPUPIN_STATE_* */
+	GPUPIN_NL_PIN_A_STATE,		/* u32: GPUPIN_NL_STATE_* */
 	GPUPIN_NL_PIN_A_PERSISTENT,	/* flag */
 	GPUPIN_NL_PIN_A_CREATED_NS,	/* u64: CLOCK_REALTIME */
 	GPUPIN_NL_PIN_A_USER_TAG,	/* u64 */
@@ -96,6 +96,22 @@ enum gpupin_nl_pin_attr {
 
 #define GPUPIN_NL_PIN_A_MAX (__GPUPIN_NL_PIN_A_MAX - 1)
 
+/*
+ * A pin's state (GPUPIN_NL_PIN_A_STATE).  PINNED and INVALIDATED have the
+ * numbers of GPUPIN_STATE_* in the ioctl ABI (gpupin.h).
+ */
+enum gpupin_nl_state {
+	GPUPIN_NL_STATE_PINNED = 1,	/* usable */
+	GPUPIN_NL_STATE_INVALIDATED,	/* the GPU memory went; the handle is left */
+	/*
+	 * Released where its pages could not be put (another process closed
+	 * the last file reference): in no handle table, but its pages, BAR
+	 * space and share of max_pinned_bytes stay until the GPU driver frees
+	 * the memory (its owner frees it or exits).  Dump only.
+	 */
+	GPUPIN_NL_STATE_DETACHED,
+};
+
 /* Why a pin went (INVALIDATED and UNPINNED events). */
 enum gpupin_nl_reason {
 	GPUPIN_NL_REASON_FREED = 1,	/* GPU memory freed: the provider's callback */
@@ -104,7 +120,7 @@ enum gpupin_nl_reason {
 	GPUPIN_NL_REASON_PROCESS_EXIT,	/* the owning process died */
 };
 
-/* Global counters (GPUPIN_NL_A_STATS), all u64. */
+/* Global counters (GPUPIN_NL_A_STATS), all u64; new ones after PAD. */
 enum gpupin_nl_stat_attr {
 	GPUPIN_NL_STAT_A_UNSPEC,
 	GPUPIN_NL_STAT_A_PINS,
@@ -120,6 +136,8 @@ enum gpupin_nl_stat_attr {
 	GPUPIN_NL_STAT_A_FAIL_OTHER,
 	GPUPIN_NL_STAT_A_CALLBACK_MAX_NS,
 	GPUPIN_NL_STAT_A_PAD,
+	GPUPIN_NL_STAT_A_DETACHED,	/* pins DETACHED now */
+	GPUPIN_NL_STAT_A_DETACHED_BYTES,	/* bytes they hold (in BYTES_NOW too) */
 
 	__GPUPIN_NL_STAT_A_MAX
 };

@@ -424,7 +424,11 @@ def build_parser() -> _Parser:
     sp.add_argument("--sim-alloc", type=parse_size, metavar="SIZE", help="allocate simulated memory and pin it")
     sp = add("unpin", cmd_unpin, "unpin a handle")
     sp.add_argument("handle", type=parse_int)
-    sp = add("ls", cmd_ls, "list this session's pins (--all: every process's, through netlink)")
+    sp = add(
+        "ls",
+        cmd_ls,
+        "list this session's pins (--all: every process's through netlink, detached ones included)",
+    )
     sp.add_argument("--all", action="store_true")
     sp = add("query", cmd_query, "state of a pin")
     sp.add_argument("handle", type=parse_int)
@@ -443,7 +447,7 @@ def build_parser() -> _Parser:
     sp.add_argument("--count", type=int, default=None, help="stop after this many events (--all)")
     sp.add_argument("--all", action="store_true")
     sp.add_argument("--background", action="store_true", help="shell: keep watching while you type")
-    add("stats", cmd_stats, "global counters of gpupin.ko (through netlink)")
+    add("stats", cmd_stats, "global counters of gpupin.ko (through netlink; detached pins and their bytes too)")
     add("doctor", cmd_doctor, "check IOMMU, ACS, PCIe topology, drivers and BAR1 for GPUDirect RDMA")
     sp = add(
         "sim",

@@ -36,7 +36,11 @@ REASON_NAMES = {
     lib.GPUPIN_NL_REASON_CLOSE: "close",
     lib.GPUPIN_NL_REASON_PROCESS_EXIT: "process_exit",
 }
-STATE_NAMES = {lib.GPUPIN_STATE_PINNED: "pinned", lib.GPUPIN_STATE_INVALIDATED: "invalidated"}
+STATE_NAMES = {
+    lib.GPUPIN_NL_STATE_PINNED: "pinned",
+    lib.GPUPIN_NL_STATE_INVALIDATED: "invalidated",
+    lib.GPUPIN_NL_STATE_DETACHED: "detached",  # released elsewhere, holding its pages until the GPU frees them
+}
 
 
 def _names(prefix: str, last: int, types: dict[str, str]) -> tuple[tuple[int, str, str], ...]:
@@ -90,6 +94,8 @@ class gpupinmsg(genlmsg):  # type: ignore[misc]  # noqa: N801 - pyroute2 naming
                     "FAIL_EINVAL",
                     "FAIL_OTHER",
                     "CALLBACK_MAX_NS",
+                    "DETACHED",
+                    "DETACHED_BYTES",
                 )
             },
         )

@@ -5,13 +5,15 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import struct
 import threading
+import time
 
 import pytest
 from pyroute2.netlink import genlmsg
 
 import gpupin
-from conftest import GPU_PAGE, MiB
+from conftest import GPU_PAGE, SLOW, MiB
 from gpupin import Device, SimMemory, kmod, netlink
 from gpupin.testing import ensure_loaded
 
@@ -276,3 +278,168 @@ def test_unicast_events_fallback(gpupin_loaded: None, leakcheck: None) -> None:
     finally:
         kmod.unload("gpupin")
         ensure_loaded()
+
+
+NLMSG_ERROR = 2
+
+
+def _genl_request(s: socket.socket, family: int, cmd: int) -> int:
+    """Send one attribute-less generic-netlink request on a raw socket; its ACK's errno."""
+    s.send(struct.pack("=IHHII", 20, family, 0x1 | 0x4, 1, 0) + struct.pack("=BBH", cmd, 1, 0))  # REQUEST|ACK
+    data = s.recv(65536)
+    _, kind = struct.unpack_from("=IH", data)
+    assert kind == NLMSG_ERROR, f"no ACK but message type {kind}"
+    return -struct.unpack_from("=i", data, 16)[0]
+
+
+def _genl_events(s: socket.socket, family: int, timeout: float, count: int | None = None) -> list[int]:
+    """Commands of the family's messages that arrive on a raw socket within ``timeout`` seconds."""
+    cmds: list[int] = []
+    deadline = time.monotonic() + timeout
+    while count is None or len(cmds) < count:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        s.settimeout(left)
+        try:
+            data = s.recv(65536)
+        except TimeoutError:
+            break
+        off = 0
+        while off + 20 <= len(data):
+            length, kind = struct.unpack_from("=IH", data, off)
+            if kind == family:
+                cmds.append(data[off + 16])
+            off += (length + 3) & ~3
+    return cmds
+
+
+def _pin_and_unpin() -> None:
+    with SimMemory() as sim, Device() as dev:
+        va = sim.alloc(GPU_PAGE)
+        dev.unpin(dev.pin(va, GPU_PAGE))
+        sim.free(va)
+
+
+def test_unicast_subscriber_is_its_socket_not_its_port_id(gpupin_loaded: None, leakcheck: None) -> None:
+    """Between a subscriber's netlink_remove() and NETLINK_URELEASE another socket may bind its port id.
+
+    The test build's nl_release_delay_ms holds that window open.  A socket that binds the
+    port id there must get none of the old subscriber's events, and its own subscription,
+    made there too, must outlive the old socket's release.  Keyed by port id, both fail.
+    """
+    from gpupin._native import lib
+    from gpupin.kmod import ko_dir
+    from gpupin.sim import set_module_param
+
+    variant = ko_dir() / "build" / "unicast" / "gpupin.ko"
+    assert variant.exists(), "vm-run.sh builds this variant"
+    kmod.unload("gpupin")
+    old = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 16)  # NETLINK_GENERIC
+    new = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 16)
+    try:
+        kmod.load(str(variant))
+        with netlink.Netlink() as nl:
+            family = nl.sock.prid
+        old.bind((0, 0))
+        portid = old.getsockname()[0]
+        assert _genl_request(old, family, lib.GPUPIN_NL_CMD_SUBSCRIBE) == 0
+        set_module_param("gpupin", "nl_release_delay_ms", 4000)
+        closer = threading.Thread(target=old.close)
+        closer.start()
+        deadline = time.monotonic() + 3
+        while True:
+            try:
+                new.bind((portid, 0))
+                break
+            except OSError as exc:
+                assert exc.errno == errno.EADDRINUSE and time.monotonic() < deadline, exc
+                time.sleep(0.001)
+        assert closer.is_alive(), "the old socket's release ended before its port id was taken: no window"
+
+        _pin_and_unpin()
+        assert _genl_events(new, family, 0.5) == [], "a socket that took a subscriber's port id got its events"
+        assert _genl_request(new, family, lib.GPUPIN_NL_CMD_SUBSCRIBE) == 0
+        assert closer.is_alive(), "the window closed before the new socket subscribed"
+        closer.join()
+        set_module_param("gpupin", "nl_release_delay_ms", 0)
+
+        _pin_and_unpin()
+        got = _genl_events(new, family, 10, count=2)
+        assert got == [lib.GPUPIN_NL_CMD_PINNED, lib.GPUPIN_NL_CMD_UNPINNED], "the new subscription went with the old"
+    finally:
+        new.close()
+        old.close()
+        kmod.unload("gpupin")
+        ensure_loaded()
+
+
+def _detach_by_a_fork_childs_last_close(dev: Device) -> None:
+    """Close ``dev`` here and let a fork child close the last copy: its pins go DETACHED."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(w)
+        os.read(r, 1)  # the parent closed its copy: ours is the last
+        os._exit(0)  # the gpupin file's release runs here, in the child
+    os.close(r)
+    dev.close()
+    os.write(w, b"x")
+    os.close(w)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def _wait_for_stat(name: str, want: int) -> dict[str, int]:
+    deadline = time.monotonic() + 10 * SLOW
+    while (st := netlink.stats())[name] != want:
+        assert time.monotonic() < deadline, f"stats[{name!r}] = {st[name]}, not {want}"
+        time.sleep(0.01)
+    return st
+
+
+def test_detached_pins_are_dumped_and_counted(gpupin_loaded: None, leakcheck: None) -> None:
+    """A pin released where its pages cannot be put (a fork child's last close) is out of
+    its file's handle table but holds its pages and budget until the GPU memory is freed:
+    the dump lists it as detached, GET_STATS counts it and its bytes, until the callback."""
+    before = netlink.stats()
+    with SimMemory() as sim:
+        dev = Device()
+        va = sim.alloc(3 * GPU_PAGE)
+        pins = [dev.pin(va, GPU_PAGE, user_tag=0xD1), dev.pin(va + GPU_PAGE, 2 * GPU_PAGE, user_tag=0xD2)]
+        (file_id,) = {p.file_id for p in netlink.list_pins() if p.pid == os.getpid()}
+        _detach_by_a_fork_childs_last_close(dev)
+        st = _wait_for_stat("detached", before["detached"] + 2)
+        assert st["detached_bytes"] == before["detached_bytes"] + 3 * GPU_PAGE
+        assert st["bytes_now"] >= st["detached_bytes"]  # they still hold their budget
+        mine = [p for p in netlink.list_pins() if p.pid == os.getpid()]
+        assert [(p.file_id, p.handle, p.state, p.user_tag, p.aligned_size) for p in mine] == [
+            (file_id, pins[0].handle, "detached", 0xD1, GPU_PAGE),
+            (file_id, pins[1].handle, "detached", 0xD2, 2 * GPU_PAGE),
+        ]
+        sim.free(va)  # NVIDIA's free callback releases them
+        st = _wait_for_stat("detached", before["detached"])
+        assert st["detached_bytes"] == before["detached_bytes"]
+        assert [p for p in netlink.list_pins() if p.pid == os.getpid()] == []
+
+
+def test_dump_of_many_detached_pins_resumes(gpupin_loaded: None, leakcheck: None, sim_params) -> None:  # type: ignore[no-untyped-def]
+    """More detached pins than one dump message holds or one batch takes: each listed once, in order,
+    after the pins still in a handle table."""
+    sim_params(bar_size=1 << 30)
+    n = 300
+    before = netlink.stats()["detached"]
+    with SimMemory() as sim, Device() as live:
+        va = sim.alloc(GPU_PAGE)
+        kept = live.pin(va, GPU_PAGE, user_tag=1)
+        dev = Device()
+        handles = [dev.pin(va, GPU_PAGE, user_tag=i).handle for i in range(n)]
+        _detach_by_a_fork_childs_last_close(dev)
+        _wait_for_stat("detached", before + n)
+        mine = [p for p in netlink.list_pins() if p.pid == os.getpid()]
+        assert [(p.handle, p.state) for p in mine[:1]] == [(kept.handle, "pinned")]
+        assert [p.handle for p in mine[1:]] == handles and {p.state for p in mine[1:]} == {"detached"}
+        assert [p.user_tag for p in mine[1:]] == list(range(n))
+        live.unpin(kept)
+        sim.free(va)
+        _wait_for_stat("detached", before)

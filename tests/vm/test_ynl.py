@@ -71,6 +71,8 @@ def test_get_info_and_stats_match_the_module(ynl_lib: Any, device: Device) -> No
         "fail-einval",
         "fail-other",
         "callback-max-ns",
+        "detached",
+        "detached-bytes",
     }
     assert set(stats) == spec_stats
     assert {k.replace("-", "_") for k in stats} == set(netlink.stats())
@@ -163,3 +165,32 @@ def test_kernel_policies_match_the_spec(ynl_lib: Any, gpupin_loaded: None) -> No
             assert accepted[ids[n]]["type"] == SPEC_TYPES[attrs[n]["type"]], f"{op['name']}.{n}"
         checked += 1
     assert checked == 5
+
+
+def test_a_detached_pin_decodes_with_the_spec(ynl_lib: Any, gpupin_loaded: None, leakcheck: None) -> None:
+    """The spec's state enum names the kernel's DETACHED, and GET_STATS's detached counters add up."""
+    y = family(ynl_lib)
+    before = y.do("get-stats", {})["stats"]
+    with SimMemory() as sim:
+        dev = Device()
+        va = sim.alloc(GPU_PAGE)
+        pin = dev.pin(va, GPU_PAGE, user_tag=0xDE7)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(w)
+            os.read(r, 1)
+            os._exit(0)  # the last close of the gpupin file: here, where its pages cannot be put
+        os.close(r)
+        dev.close()
+        os.write(w, b"x")
+        os.close(w)
+        os.waitpid(pid, 0)
+        mine = [m["pin"] for m in y.dump("get-pins", {"pid": os.getpid()})]
+        stats = y.do("get-stats", {})["stats"]
+        sim.free(va)
+    assert [(p["handle"], p["state"], p["user-tag"]) for p in mine] == [(pin.handle, "detached", 0xDE7)]
+    assert stats["detached"] == before["detached"] + 1
+    assert stats["detached-bytes"] == before["detached-bytes"] + GPU_PAGE
+    after = y.do("get-stats", {})["stats"]
+    assert (after["detached"], after["detached-bytes"]) == (before["detached"], before["detached-bytes"])
