@@ -198,8 +198,10 @@ def _must_be_zero(ctype: str) -> list[tuple[str, int | None]]:
     for name, f in ffi.typeof(ctype).fields:
         if name in ("flags", "pad"):
             out.append((name, None))
-        elif name.startswith("reserved"):
+        elif name.startswith("reserved") and f.type.kind == "array":
             out.extend((name, i) for i in range(f.type.length))
+        elif name.startswith("reserved"):
+            out.append((name, None))
     return out
 
 
