@@ -61,8 +61,11 @@ set +e
 # terminal's foreground group, or the terminal stops it (SIGTTIN/SIGTTOU) at once.
 TMO=(timeout)
 [ "$MODE" = shell ] && TMO+=(--foreground)
+# An ivshmem device: a PCI device with a 64 MiB memory BAR, into which the simulator's
+# bar_device parameter points page tables, as a GPU's BAR1 pages are (MMIO, not RAM).
+BAR_DEV=("--qemu-opts=-object memory-backend-ram,id=gpupinbar,size=64M -device ivshmem-plain,memdev=gpupinbar")
 VNG=(env PATH="$VENV/bin:$PATH" "${TMO[@]}" "${VM_TIMEOUT:-3000}" vng -r "$VM_KIMAGE" --disable-kvm
-	--cpus 2 --memory "$VM_MEM" --append "slub_debug=FZPU panic_on_warn=0"
+	--cpus 2 --memory "$VM_MEM" --append "slub_debug=FZPU panic_on_warn=0" "${BAR_DEV[@]}"
 	--rwdir "$RESULTS" --cwd "$ROOT"
 	--exec "$(printf '%q ' env "GPUPIN_LONG=${GPUPIN_LONG:-}" "GPUPIN_TEST_TIMEOUT=${GPUPIN_TEST_TIMEOUT:-600}" \
 		"GPUPIN_CYCLES=${GPUPIN_CYCLES:-20}" "GPUPIN_KMEMLEAK=${GPUPIN_KMEMLEAK:-}" \

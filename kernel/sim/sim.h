@@ -115,6 +115,8 @@ struct sim_pin {
 	struct pid *owner;		/* thread group that pinned (holds a ref) */
 	u64 va;
 	u64 len;
+	u64 bar_start;			/* bar_device's BAR when pinned (0: host addresses) */
+	u64 bar_len;
 	bool persistent;
 	bool table_freed;		/* client called free_page_table */
 	bool cb_unloaded;		/* the callback's module is gone; under sim_lock */

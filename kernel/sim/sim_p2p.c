@@ -85,14 +85,100 @@ static struct page *sim_pin_chunk(struct sim_pin *pin, u32 i)
 	return alloc->chunks[((pin->va - alloc->va) >> SIM_PAGE_SHIFT) + i];
 }
 
+/*
+ * bar_device: page tables give addresses inside a PCI device's memory BAR,
+ * as a discrete GPU's do (its BAR1), instead of the host pages' own: so a
+ * client's handling of MMIO pages (dma_map_resource, finding the BAR) runs.
+ * The memory itself stays the host pages; nothing reads it through these
+ * addresses (a CPU "DMA engine" cannot).  Set it with nothing pinned.
+ */
+static char sim_bar_device[16];
+static u64 sim_bar_start, sim_bar_len;	/* of bar_device; len 0: off */
+static DEFINE_MUTEX(sim_bar_lock);	/* serialises bar_device's writers */
+
+static int sim_bar_device_set(const char *val, const struct kernel_param *kp)
+{
+	unsigned int dom, bus, slot, fn;
+	struct resource *best = NULL;
+	struct pci_dev *pdev;
+	char buf[16];
+	u64 start, len;
+	int i;
+
+	strscpy(buf, val, sizeof(buf));
+	strim(buf);
+	mutex_lock(&sim_bar_lock);
+	WRITE_ONCE(sim_bar_len, 0);
+	sim_bar_device[0] = 0;
+	mutex_unlock(&sim_bar_lock);
+	if (!buf[0])
+		return 0;
+	if (sscanf(buf, "%x:%x:%x.%x", &dom, &bus, &slot, &fn) != 4 || slot > 0x1f || fn > 7)
+		return -EINVAL;
+	pdev = pci_get_domain_bus_and_slot(dom, bus, PCI_DEVFN(slot, fn));
+	if (!pdev)
+		return -ENODEV;
+	for (i = 0; i < PCI_STD_NUM_BARS; i++) {
+		struct resource *res = &pdev->resource[i];
+
+		if (resource_type(res) == IORESOURCE_MEM &&
+		    (!best || resource_size(res) > resource_size(best)))
+			best = res;
+	}
+	start = best ? ALIGN(best->start, SIM_PAGE_SIZE) : 0;
+	len = best && best->end + 1 > start ? (best->end + 1 - start) & ~(SIM_PAGE_SIZE - 1) : 0;
+	pci_dev_put(pdev);
+	if (!len)
+		return -EINVAL;	/* no memory BAR of 64 KiB */
+	mutex_lock(&sim_bar_lock);
+	WRITE_ONCE(sim_bar_start, start);
+	WRITE_ONCE(sim_bar_len, len);
+	strscpy(sim_bar_device, buf, sizeof(sim_bar_device));
+	mutex_unlock(&sim_bar_lock);
+	return 0;
+}
+
+static int sim_bar_device_get(char *buf, const struct kernel_param *kp)
+{
+	int n;
+
+	mutex_lock(&sim_bar_lock);
+	n = sysfs_emit(buf, "%s\n", sim_bar_device);
+	mutex_unlock(&sim_bar_lock);
+	return n;
+}
+
+static const struct kernel_param_ops sim_bar_device_ops = {
+	.set = sim_bar_device_set,
+	.get = sim_bar_device_get,
+};
+module_param_cb(bar_device, &sim_bar_device_ops, NULL, 0644);
+MODULE_PARM_DESC(bar_device, "PCI device (DDDD:BB:DD.F) whose largest memory BAR page tables point into, as a GPU's BAR1 pages do (the memory stays host pages); empty: host page addresses (default)");
+
+/* The address page @i of @pin is reported at. */
+static u64 sim_page_phys(struct sim_pin *pin, u32 i)
+{
+	struct page *chunk = sim_pin_chunk(pin, i);
+	u64 slots = pin->bar_len >> SIM_PAGE_SHIFT;
+
+	if (!slots)
+		return page_to_phys(chunk);
+	return pin->bar_start + (((page_to_pfn(chunk) >> SIM_CHUNK_ORDER) % slots) << SIM_PAGE_SHIFT);
+}
+
 /* Undo the IOMMU mappings of @map (its descriptor stays). */
 static void sim_map_unmap(struct sim_map *map)
 {
 	u32 i;
 
-	for (i = 0; i < map->m.entries; i++)
-		dma_unmap_page(map->dev, map->m.dma_addresses[i], SIM_PAGE_SIZE,
-			       DMA_BIDIRECTIONAL);
+	for (i = 0; i < map->m.entries; i++) {
+		if (map->pin->bar_len)
+			dma_unmap_resource(map->dev, map->m.dma_addresses[i], SIM_PAGE_SIZE,
+					   DMA_BIDIRECTIONAL, 0);
+		else
+			dma_unmap_page(map->dev, map->m.dma_addresses[i], SIM_PAGE_SIZE,
+				       DMA_BIDIRECTIONAL);
+	}
 }
 
 /* Free @map as NVIDIA does: unmapped, poisoned, kept with its pin. */
@@ -401,8 +487,10 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 	}
 	kref_get(&alloc->ref);
 	pin->alloc = alloc;
+	pin->bar_start = READ_ONCE(sim_bar_start);
+	pin->bar_len = READ_ONCE(sim_bar_len);
 	for (i = 0; i < entries; i++)
-		pin->page_array[i].physical_address = page_to_phys(sim_pin_chunk(pin, i));
+		pin->page_array[i].physical_address = sim_page_phys(pin, i);
 	if (!persistent) {
 		list_add_tail(&pin->node, &alloc->pins);
 		sim_stats.live_callbacks++;
@@ -679,8 +767,12 @@ int nvidia_p2p_dma_map_pages(struct pci_dev *peer,
 	map->m.private = map;
 	map->m.pci_dev = peer;
 	for (i = 0; i < pin->len >> SIM_PAGE_SHIFT; i++) {
-		dma_addr_t a = dma_map_page(map->dev, sim_pin_chunk(pin, i), 0,
-					    SIM_PAGE_SIZE, DMA_BIDIRECTIONAL);
+		/* BAR pages as NVIDIA maps them (nv_dma_map_peer: dma_map_resource), or host pages */
+		dma_addr_t a = pin->bar_len ?
+			dma_map_resource(map->dev, pin->page_array[i].physical_address,
+					 SIM_PAGE_SIZE, DMA_BIDIRECTIONAL, 0) :
+			dma_map_page(map->dev, sim_pin_chunk(pin, i), 0,
+				     SIM_PAGE_SIZE, DMA_BIDIRECTIONAL);
 
 		if (dma_mapping_error(map->dev, a)) {
 			err = -EIO;

@@ -114,3 +114,30 @@ def sim_misuse(leakcheck: None) -> Iterator[Callable[..., None]]:
     grown = {k: getattr(after, k) - getattr(before, k) for k in MISUSE if getattr(after, k) != getattr(before, k)}
     assert grown == expected, f"misuse counted {grown}, the test expected {expected}"
     assert left == 0, f"{left} expected misuse(s) never happened"
+
+
+def _pci_devices(vendor: int, device: int | None = None) -> list[str]:
+    out = []
+    for d in sorted(os.listdir("/sys/bus/pci/devices")):
+        base = f"/sys/bus/pci/devices/{d}"
+        with open(f"{base}/vendor") as v, open(f"{base}/device") as i:
+            if int(v.read(), 16) == vendor and (device is None or int(i.read(), 16) == device):
+                out.append(d)
+    return out
+
+
+@pytest.fixture
+def bar_device() -> str:
+    """The VM's ivshmem device (scripts/vm-run.sh adds it): a PCI memory BAR for the
+    simulator's bar_device parameter, so page tables hold MMIO addresses as a GPU's do."""
+    devs = _pci_devices(0x1AF4, 0x1110)
+    assert devs, "no ivshmem device in this VM: boot it with scripts/vm-run.sh (it adds one)"
+    return devs[0]
+
+
+@pytest.fixture
+def virtio_pci() -> str:
+    """A virtio PCI device of the VM: a peer with a 64-bit DMA mask."""
+    devs = [d for d in _pci_devices(0x1AF4) if int(open(f"/sys/bus/pci/devices/{d}/device").read(), 16) < 0x1100]
+    assert devs, "no virtio PCI device in this VM"
+    return devs[0]
