@@ -15,12 +15,12 @@
  *
  * - BAR pages of a discrete GPU (an address inside a PCI device's memory
  *   BAR) are MMIO: dma_map_resource, as NVIDIA's own peer mappings do
- *   (nv_dma_map_mmio).  NVIDIA checks the topology with its own rules
- *   (nv_grdma_pci_topology_supported: allowed unless the chipset is known
- *   not to work); the kernel's (pci_p2pdma_distance, CONFIG_PCI_P2PDMA) are
- *   stricter (the host bridge must be on a short list, and every
- *   pass-through VM fails them), so they only log, and refuse
- *   (-EOPNOTSUPP) with the p2p_check parameter.
+ *   (rm_p2p_dma_map_pages: nv_dma_map_peer).  NVIDIA checks the topology
+ *   with its own rules (nv_grdma_pci_topology_supported: allowed unless the
+ *   chipset is known not to work); the kernel's (pci_p2pdma_distance, with
+ *   CONFIG_PCI_P2PDMA) are stricter (the host bridge must be on a short
+ *   list, and every pass-through VM fails them), so they only log, and
+ *   refuse (-EOPNOTSUPP) with the p2p_check parameter.
  * - GPU memory with struct pages (coherent systems such as GH200, and the
  *   simulator's host pages) is memory to the peer: dma_map_page.
  */
