@@ -320,3 +320,47 @@ def test_put_pages_failure_keeps_the_pin_for_its_callback(device: Device, sim: S
     s = sim_stats()
     assert s.page_tables == 0 and s.live_callbacks == 0 and s.use_after_free_calls == 0, s
     assert kmod.info("gpupin").refcount == refs and device.info().pinned_bytes == 0
+
+
+# -- BAR pages, as a discrete GPU hands them out ---------------------------------------------------
+
+
+def _largest_mem_bar(pci: str) -> tuple[int, int]:
+    """[start, end] of the device's largest memory BAR, from sysfs."""
+    best = (0, -1)
+    with open(f"/sys/bus/pci/devices/{pci}/resource") as f:
+        for line in f.read().splitlines()[:6]:  # the six standard BARs
+            start, end, flags = (int(x, 16) for x in line.split())
+            if flags & 0x200 and end - start > best[1] - best[0]:  # IORESOURCE_MEM
+                best = (start, end)
+    return best
+
+
+def test_bar_pages_are_mapped_as_mmio(  # type: ignore[no-untyped-def]
+    device: Device, sim: SimMemory, sim_params, bar_device: str, virtio_pci: str
+) -> None:
+    """With the simulator's bar_device, page tables hold addresses inside a PCI memory BAR, as
+    NVIDIA's hold BAR1 addresses: gpupin finds the BAR's device and maps the pages with
+    dma_map_resource (its own mappings), NVIDIA's dma_map_pages maps them for persistent pins,
+    and the free callback unmaps gpupin's."""
+    sim_params(bar_device=bar_device)
+    start, end = _largest_mem_bar(bar_device)
+    va = sim.alloc(4 * GPU_PAGE)
+    pin = device.pin(va, 4 * GPU_PAGE)
+    phys = device.get_pages(pin)
+    assert all(start <= p and p + GPU_PAGE - 1 <= end for p in phys), (hex(start), [hex(p) for p in phys])
+    m = device.dma_map(pin, virtio_pci)
+    assert sim_stats().dma_mappings == 0, "gpupin's own mapping, not NVIDIA's"
+    # No IOMMU in the VM: dma_map_resource gives the BAR's bus address, the physical one here.
+    assert device.dma_addrs(m) == phys
+    vb = sim.alloc(2 * GPU_PAGE)
+    per = device.pin(vb, 2 * GPU_PAGE, persistent=True)
+    pm = device.dma_map(per, virtio_pci)
+    assert sim_stats().dma_mappings == 1 and device.dma_addrs(pm) == device.get_pages(per)
+    device.unpin(per)
+    sim.free(vb)
+    sim.free(va)  # the callback unmaps gpupin's own BAR mapping
+    assert device.query(pin).dma_mappings == 0 and not pin.is_valid()
+    device.unpin(pin)
+    s = sim_stats()
+    assert s.dma_mappings == 0 and s.page_tables == 0, s
