@@ -238,7 +238,9 @@ def set_module_param(module: str, name: str, value: object) -> None:
     """Set a loaded module's parameter at run time (a bool as Y/N)."""
     text = ("Y" if value else "N") if isinstance(value, bool) else str(value)
     with open(_param_path(module, name), "w") as f:
-        f.write(text)
+        # An empty value is a newline: writing "" makes no write(2), so the module would never
+        # hear it (a string parameter would keep its old value).
+        f.write(text or "\n")
 
 
 def get_module_param(module: str, name: str) -> str:
