@@ -134,8 +134,9 @@ def main() -> int:
     say(
         "5. A third-party driver and a dma-buf",
         "gpupin_peer (an example driver on gpupin's kernel API) copies through the pin's DMA "
-        "mapping. The same memory exported as a dma-buf is pinned by import; freeing it revokes "
-        "the buffer and the pin is invalidated like an nv-p2p one.",
+        "mapping. The same memory exported as a dma-buf (as NVIDIA's exporter does it) is "
+        "pinned too; freeing the allocation invalidates the nv-p2p pin, while the dma-buf pin "
+        "keeps the memory until it is unpinned.",
     )
     _peer_and_dmabuf(dev, mem)
 

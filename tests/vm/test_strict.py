@@ -255,7 +255,8 @@ def test_unpin_during_dma_map_waits_for_the_mapper(
     """UNPIN (put_pages frees the table) while another thread's DMA_MAP is inside
     dma_map_pages: the unpin waits for the mapper, which undoes its mapping."""
     sim_params(dma_map_latency_us=300_000)
-    va, pin = _pin_one(device, sim)
+    va = sim.alloc(GPU_PAGE)
+    pin = device.pin(va, GPU_PAGE, persistent=True)  # only these go to NVIDIA's dma_map_pages
     t, errs = start_dma_map(device, pin, pci)
     time.sleep(0.1)
     device.unpin(pin)
