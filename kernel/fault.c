@@ -29,13 +29,18 @@ static unsigned int gpupin_callback_tail_delay_ms;
 module_param_named(callback_tail_delay_ms, gpupin_callback_tail_delay_ms, uint, 0644);
 MODULE_PARM_DESC(callback_tail_delay_ms, "Testing: the free callback pauses this long after it let go of its pin and module reference (widens the window of an unload racing it)");
 
-/* The free callback's tail, after its pin and module reference went. */
-void gpupin_fault_callback_tail(void)
+static void gpupin_fault_pause(const unsigned int *ms_param)
 {
-	unsigned int ms = READ_ONCE(gpupin_callback_tail_delay_ms);
+	unsigned int ms = READ_ONCE(*ms_param);
 
 	if (ms)
 		msleep(ms);
+}
+
+/* The free callback's tail, after its pin and module reference went. */
+void gpupin_fault_callback_tail(void)
+{
+	gpupin_fault_pause(&gpupin_callback_tail_delay_ms);
 }
 
 static unsigned int gpupin_release_delay_ms;
@@ -45,10 +50,7 @@ MODULE_PARM_DESC(release_delay_ms, "Testing: an unpin pauses this long between c
 /* An unpin's pause after it claimed the pin and unmapped it, before put_pages. */
 void gpupin_fault_release_delay(void)
 {
-	unsigned int ms = READ_ONCE(gpupin_release_delay_ms);
-
-	if (ms)
-		msleep(ms);
+	gpupin_fault_pause(&gpupin_release_delay_ms);
 }
 
 #if IS_ENABLED(CONFIG_FAULT_INJECTION_DEBUG_FS)

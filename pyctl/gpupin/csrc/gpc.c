@@ -269,6 +269,22 @@ struct gpc *gpc_new(const uint64_t *words, uint64_t nwords, int check_kernel, in
 	return c;
 }
 
+/* Drop every entry and the index; caller holds c->lock (or is alone). */
+static void gpc_drop_index(struct gpc *c)
+{
+	free(c->ents);
+	free(c->starts);
+	free(c->ids);
+	gpc_ht_free(c->ht, c->ht_cap);
+	c->ents = NULL;
+	c->starts = NULL;
+	c->ids = NULL;
+	c->ht = NULL;
+	c->nents = c->n = c->cap = 0;
+	c->ht_cap = c->ht_used = c->ht_live = 0;
+	c->unhashed = 0;
+}
+
 /*
  * The cache closed: drop the index and stop reading the validity map (which
  * may be unmapped next).  The struct stays until gpc_free, since bound fast
@@ -280,17 +296,7 @@ void gpc_close(struct gpc *c)
 	c->closed = 1;
 	c->words = NULL;
 	c->nwords = 0;
-	c->n = c->nents = c->cap = 0;
-	free(c->ents);
-	free(c->starts);
-	free(c->ids);
-	gpc_ht_free(c->ht, c->ht_cap);
-	c->ents = NULL;
-	c->starts = NULL;
-	c->ids = NULL;
-	c->ht = NULL;
-	c->ht_cap = c->ht_used = c->ht_live = 0;
-	c->unhashed = 0;
+	gpc_drop_index(c);
 	pthread_mutex_unlock(&c->lock);
 }
 
@@ -304,17 +310,7 @@ void gpc_close(struct gpc *c)
 void gpc_reset_in_child(struct gpc *c)
 {
 	pthread_mutex_init(&c->lock, NULL);
-	free(c->ents);
-	free(c->starts);
-	free(c->ids);
-	gpc_ht_free(c->ht, c->ht_cap);
-	c->ents = NULL;
-	c->starts = NULL;
-	c->ids = NULL;
-	c->ht = NULL;
-	c->nents = c->n = c->cap = 0;
-	c->ht_cap = c->ht_used = c->ht_live = 0;
-	c->unhashed = 0;
+	gpc_drop_index(c);
 	c->tick = c->acquires = c->hits = 0;
 	c->words = NULL;
 	c->nwords = 0;
