@@ -30,8 +30,12 @@
 #include <linux/mm.h>
 #include <linux/pci.h>
 #include <linux/pci-p2pdma.h>
+#include <linux/sched.h>
 #include <linux/slab.h>
 #include "gpupin.h"
+
+/* Pages mapped or unmapped between two chances to reschedule (a 128 GiB pin has 2 M). */
+#define GPUPIN_OWN_BATCH 1024
 
 /*
  * The PCI device one of whose memory BARs holds @phys, with a reference, and
@@ -72,10 +76,21 @@ static int gpupin_own_check(struct gpupin_region *pin, struct gpupin_map *map)
 	gpu = gpupin_bar_owner(phys, &bar);
 	map->mmio = gpu;
 	if (!gpu) {
-		if (pfn_valid(PHYS_PFN(phys)))
-			return 0;	/* memory with struct pages */
-		pr_warn_ratelimited("GPU pages are neither memory nor in a PCI BAR\n");
-		return -EOPNOTSUPP;
+		if (!pfn_valid(PHYS_PFN(phys))) {
+			pr_warn_ratelimited("GPU pages are neither memory nor in a PCI BAR\n");
+			return -EOPNOTSUPP;
+		}
+		/*
+		 * Memory with struct pages.  A peer that cannot address all of
+		 * it would get bounce buffers (swiotlb): its DMA would never
+		 * reach the GPU's memory.
+		 */
+		if (dma_addressing_limited(&peer->dev)) {
+			gpupin_dbg("%s cannot address all memory: no bounce buffers for GPU pages\n",
+				   pci_name(peer));
+			return -EOPNOTSUPP;
+		}
+		return 0;
 	}
 	map->bar_start = bar->start;
 	map->bar_end = bar->end;
@@ -113,7 +128,10 @@ static void gpupin_own_unmap_n(struct gpupin_map *map, u32 n)
 		if (map->mmio)
 			dma_unmap_resource(dev, map->dma[i], GPU_BOUND_SIZE, DMA_BIDIRECTIONAL, 0);
 		else
-			dma_unmap_page(dev, map->dma[i], GPU_BOUND_SIZE, DMA_BIDIRECTIONAL);
+			dma_unmap_page_attrs(dev, map->dma[i], GPU_BOUND_SIZE, DMA_BIDIRECTIONAL,
+					     DMA_ATTR_SKIP_CPU_SYNC);
+		if (!(i % GPUPIN_OWN_BATCH))
+			cond_resched();
 	}
 	kvfree(map->dma);
 	map->dma = NULL;
@@ -163,15 +181,19 @@ int gpupin_own_map(struct gpupin_region *pin, struct gpupin_map *map, u32 *id)
 		}
 		if (map->mmio)
 			addr = dma_map_resource(dev, phys, GPU_BOUND_SIZE, DMA_BIDIRECTIONAL, 0);
-		else
-			addr = dma_map_page(dev, pfn_to_page(PHYS_PFN(phys)), offset_in_page(phys),
-					    GPU_BOUND_SIZE, DMA_BIDIRECTIONAL);
+		else	/* the GPU writes it too: no CPU cache maintenance, ever */
+			addr = dma_map_page_attrs(dev, pfn_to_page(PHYS_PFN(phys)),
+						  offset_in_page(phys), GPU_BOUND_SIZE,
+						  DMA_BIDIRECTIONAL, DMA_ATTR_SKIP_CPU_SYNC);
 		if (dma_mapping_error(dev, addr)) {
 			ret = -ENOMEM;
 			break;
 		}
 		map->dma[i] = addr;
 		done++;
+		/* In flight, sleeping is allowed; a free callback waits (NVIDIA's lock held). */
+		if (!(done % GPUPIN_OWN_BATCH))
+			cond_resched();
 	}
 	if (!ret)
 		ret = gpupin_map_add(pin, map, id);
