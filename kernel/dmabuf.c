@@ -210,8 +210,8 @@ static int gpupin_pin_dmabuf_validate(const struct gpupin_pin_dmabuf *arg, u64 *
 	    (!(arg->flags & GPUPIN_PIN_DMABUF_PCI_DEV) &&
 	     (arg->pci_domain || arg->pci_bus || arg->pci_devfn)) ||
 	    arg->pci_domain > 0xffff || arg->pci_bus > 0xff || arg->pci_devfn > 0xff ||
-	    !arg->size || !PAGE_ALIGNED(arg->offset) || check_add_overflow(arg->offset, arg->size, &end) ||
-	    end > U64_MAX - PAGE_SIZE)
+	    !arg->size || !PAGE_ALIGNED(arg->offset) ||
+	    check_add_overflow(arg->offset, arg->size, &end) || end > U64_MAX - PAGE_SIZE)
 		return -EINVAL;
 	*aligned_size = PAGE_ALIGN(end) - arg->offset;
 	if ((*aligned_size >> PAGE_SHIFT) > U32_MAX)

@@ -163,7 +163,8 @@ static u64 sim_page_phys(struct sim_pin *pin, u32 i)
 
 	if (!slots)
 		return page_to_phys(chunk);
-	return pin->bar_start + (((page_to_pfn(chunk) >> SIM_CHUNK_ORDER) % slots) << SIM_PAGE_SHIFT);
+	slots = (page_to_pfn(chunk) >> SIM_CHUNK_ORDER) % slots;
+	return pin->bar_start + (slots << SIM_PAGE_SHIFT);
 }
 
 /* Undo the IOMMU mappings of @map (its descriptor stays). */
@@ -767,7 +768,7 @@ int nvidia_p2p_dma_map_pages(struct pci_dev *peer,
 	map->m.private = map;
 	map->m.pci_dev = peer;
 	for (i = 0; i < pin->len >> SIM_PAGE_SHIFT; i++) {
-		/* BAR pages as NVIDIA maps them (nv_dma_map_peer: dma_map_resource), or host pages */
+		/* BAR pages as NVIDIA maps them (nv_dma_map_peer), or host pages */
 		dma_addr_t a = pin->bar_len ?
 			dma_map_resource(map->dev, pin->page_array[i].physical_address,
 					 SIM_PAGE_SIZE, DMA_BIDIRECTIONAL, 0) :
