@@ -20,7 +20,7 @@ import pty
 import select
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -64,6 +64,21 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if NATIVE and item.get_closest_marker("simonly"):
         pytest.skip("needs the nvp2p_sim simulator; this run uses the real nvidia.ko (GPUPIN_NATIVE=1)")
+
+
+def in_child(fn: Callable[[], int]) -> int:
+    """Run fn in a forked child; return its exit status (fn's return value, 99 if it raised)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 99
+        try:
+            code = fn()
+        except BaseException as exc:  # report, never return into pytest
+            print(f"child failed: {exc!r}", file=sys.stderr)
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
 
 
 @pytest.fixture(scope="session")

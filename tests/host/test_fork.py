@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import multiprocessing
 import os
-import sys
 from collections.abc import Callable
 
 import pytest
@@ -14,23 +13,9 @@ import pytest
 import gpupin
 from gpupin.cache import RegistrationCache
 from gpupin.fake import FakeDevice, FakeMemory
+from gpupin.testing import in_child
 
 MiB = 1 << 20
-
-
-def in_child(fn: Callable[[], int]) -> int:
-    """fn's return value as a forked child's exit status (98 if it raised)."""
-    pid = os.fork()
-    if pid == 0:
-        code = 98
-        try:
-            code = fn()
-        except BaseException as exc:
-            print(f"child failed: {exc!r}", file=sys.stderr)
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
 
 
 def test_fake_device_refuses_a_fork_child_by_name() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -13,7 +12,10 @@ import pytest
 
 from gpupin._native import ffi, lib
 from gpupin.sim import MISUSE, get_sim_param, reset_misuse, set_sim_param, sim_stats
-from gpupin.testing import NATIVE
+from gpupin.testing import (
+    NATIVE,
+    in_child,  # noqa: F401  (the VM tests import it from here)
+)
 
 MiB = 1 << 20
 # libc for what Python's os module lacks (mprotect; read into a raw address), errno kept.
@@ -43,21 +45,6 @@ def pattern(n: int, seed: int = 0) -> bytes:
     """n bytes that differ per seed, with no long run of the simulator's poison value."""
     block = bytes(((i * 131 + seed * 7 + 1) % 251) for i in range(65521))
     return (block * (n // len(block) + 1))[:n]
-
-
-def in_child(fn: Callable[[], int]) -> int:
-    """Run fn in a forked child; return its exit status (fn's return value)."""
-    pid = os.fork()
-    if pid == 0:
-        code = 99
-        try:
-            code = fn()
-        except BaseException as exc:  # report, never return into pytest
-            print(f"child failed: {exc!r}", file=sys.stderr)
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
 
 
 def first_pci_device() -> str:
