@@ -44,6 +44,13 @@ class NotRevocable(InvalidArgument):
     NVIDIA's): use buffer-id validation, validate='tag' or 'both'."""
 
 
+class InUse(GpupinError):
+    """Refused because something is still in use (EBUSY): e.g. closing a cache, or the device
+    under it, while a registration of it is held."""
+
+    errno = errno.EBUSY
+
+
 class BarExhausted(GpupinError):
     """The GPU's BAR space is full (ENOMEM from the provider): unpin something."""
 
