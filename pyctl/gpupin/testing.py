@@ -18,6 +18,7 @@ import contextlib
 import os
 import pty
 import select
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -66,8 +67,10 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         pytest.skip("needs the nvp2p_sim simulator; this run uses the real nvidia.ko (GPUPIN_NATIVE=1)")
 
 
-def in_child(fn: Callable[[], int]) -> int:
-    """Run fn in a forked child; return its exit status (fn's return value, 99 if it raised)."""
+def in_child(fn: Callable[[], int], timeout: float | None = None) -> int:
+    """Run fn in a forked child; return its exit status (fn's return value, 99 if it raised,
+    -signal if it died of one).  With ``timeout``, a child still running after that many
+    seconds (a hang) is killed and pytest fails saying so."""
     pid = os.fork()
     if pid == 0:
         code = 99
@@ -77,8 +80,16 @@ def in_child(fn: Callable[[], int]) -> int:
             print(f"child failed: {exc!r}", file=sys.stderr)
         finally:
             os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, 0 if deadline is None else os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if deadline is not None and time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail(f"the child process hung: killed after {timeout} s")
+        time.sleep(0.02)
 
 
 @pytest.fixture(scope="session")
