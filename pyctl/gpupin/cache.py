@@ -12,11 +12,28 @@ The hit path is one call into C (``lookup``): find the entry, read its
 validity word (and, for CudaMemory, query the buffer id through the CUDA
 driver directly), take a reference.  Misses, eviction and invalidation run
 in Python under the cache's lock.
+
+Lifetimes (the README's "Lifetime rules" says the same for users):
+
+- A token (what ``lookup``/``fast_lookup`` return) names one entry: the C core
+  gives every entry a new generation, checked on every use, so a late or
+  doubled ``release_token`` after its slot was reused is refused, never
+  applied to another entry.  A slot is reused only once nobody holds it.
+- ``close()`` refuses (InUse) while a registration is held; ``Device.close()``
+  too for the caches over it.  Released first, everything is unpinned.
+- A cache dropped without ``close()`` is closed by its finalizer: its core
+  stops reading the validity map (bound fast paths then raise), and every pin
+  nobody holds is unpinned.  Pins still held through bare tokens stay until
+  the device closes.
+- In a fork child the cache starts empty and opens a device of its own at its
+  first pin; the parent's registrations are the parent's (releasing one in the
+  child does nothing).  A closed cache stays closed.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 import os
 import threading
 import weakref
@@ -30,6 +47,7 @@ from .errors import (
     BudgetExceeded,
     ForkedDevice,
     GpupinError,
+    InUse,
     InvalidArgument,
     NotGpuMemory,
     NotRevocable,
@@ -38,6 +56,7 @@ from .errors import (
 from .memory import MemoryProvider
 
 GPU_PAGE = 1 << 16
+_ID_MASK = 0xFFFFFFFF  # a token's slot; the generation is above it (csrc/gpc.c)
 Validate = Literal["both", "kernel", "tag"]
 Backend = Literal["nvp2p", "dmabuf", "auto"]
 
@@ -74,13 +93,15 @@ class CacheStats:
     peak_bytes: int = 0
     regions: int = 0
     in_use: int = 0
+    unpin_failures: int = 0
 
 
 class _Entry:
-    __slots__ = ("id", "start", "end", "buffer_id", "pin", "stale", "done", "maps")
+    __slots__ = ("id", "token", "start", "end", "buffer_id", "pin", "stale", "done", "maps")
 
     def __init__(self, eid: int, start: int, end: int, buffer_id: int, pin: Any) -> None:
-        self.id = eid
+        self.id = eid  # the slot in RegistrationCache._ents
+        self.token = -1  # the C core's token (slot and generation), set when indexed
         self.start = start
         self.end = end
         self.buffer_id = buffer_id
@@ -108,7 +129,7 @@ class Registration:
 
     @property
     def token(self) -> int:
-        return self._entry.id
+        return self._entry.token
 
     @property
     def handle(self) -> int:
@@ -141,12 +162,12 @@ class Registration:
         return self._cache._dma_map(self._entry, pci)
 
     def release(self) -> None:
+        """Drop this registration's reference (once; later calls do nothing)."""
         if not self._released:
             self._released = True
-            ents = self._cache._ents
             e = self._entry
-            if e.id < len(ents) and ents[e.id] is e:  # else the parent's, in a fork child
-                self._cache.release_token(e.id)
+            if self._cache._entry_of(e.token) is e:  # else the parent's, in a fork child
+                self._cache.release_token(e.token)
 
     def __enter__(self) -> Registration:
         return self
@@ -158,18 +179,78 @@ class Registration:
         return f"Registration(ptr={self.ptr:#x}, size={self.size}, handle={self.handle})"
 
 
-def _forget_in_child(ref: weakref.ref[RegistrationCache]) -> Callable[[], None]:
-    def hook() -> None:
-        cache = ref()
-        if cache is not None:
-            cache._forget()
+# Every live cache, for the one at-fork hook (hooks cannot be unregistered: one per cache
+# would pile up in a long-lived process).
+_LIVE: weakref.WeakSet[RegistrationCache] = weakref.WeakSet()
 
-    return hook
+
+def _forget_all_in_child() -> None:
+    for cache in list(_LIVE):
+        cache._forget()
+
+
+os.register_at_fork(after_in_child=_forget_all_in_child)
+
+
+class _Life:
+    """What a cache's finalizer needs, kept apart from the cache (no reference back to it):
+    the C core, the entries, the validity-map view, the device and a device it owns."""
+
+    __slots__ = ("core", "ents", "map_buf", "device", "owned", "closed")
+
+    def __init__(self, core: Any, device: Any, map_buf: Any) -> None:
+        self.core = core
+        self.ents: list[_Entry | None] = []
+        self.map_buf = map_buf
+        self.device = device
+        self.owned: Any = None
+        self.closed = False
+
+    def release_map(self) -> None:
+        if self.map_buf is not None:
+            ffi.release(self.map_buf)
+            self.map_buf = None
+
+    def unpin_unheld(self) -> int:
+        """After gpc_close: unpin every entry its holders let go of; the references still held."""
+        held = 0
+        for e in self.ents:
+            if e is None or e.done:
+                continue
+            if lib.gpc_refs(self.core, e.token) > 0:
+                held += 1
+                continue
+            e.done = True
+            for m in e.maps.values():
+                try:
+                    self.device.dma_unmap(m)
+                except GpupinError:
+                    pass  # went with the pin
+            e.maps.clear()
+            try:
+                self.device.unpin(e.pin.handle)
+            except GpupinError:
+                pass  # the device is closing, or the pin is gone already
+        return held
+
+    def finalize(self) -> None:
+        """The cache went without close(): close its core, unpin what nobody holds."""
+        if self.closed:
+            return
+        self.closed = True
+        lib.gpc_close(self.core, 1)  # bound fast paths raise from now on; no map reads
+        held = self.unpin_unheld()
+        self.release_map()
+        owned, self.owned = self.owned, None
+        if owned is not None and not held:
+            owned.close()
 
 
 class RegistrationCache:
     """Pin-down cache.  Thread safe.
 
+    ``close()`` unpins everything, and refuses (InUse) while any registration or token is
+    held: release them first.  A cache dropped without ``close()`` unpins what nobody holds.
     In a forked child the cache starts empty (the parent's pins stay the parent's: nothing is
     unpinned) and opens its own device at its first pin (``device.reopen()``), which it then
     owns and closes.  With ``validate="kernel"`` every pin must be revocable (the kernel
@@ -199,7 +280,6 @@ class RegistrationCache:
         self.dmabuf_pci = dmabuf_pci
         if max_bytes < 0 or max_regions < 0:
             raise InvalidArgument("max_bytes and max_regions must be >= 0 (0 = unlimited)")
-        self.device = device
         self.memory = memory
         self.max_bytes = max_bytes
         self.max_regions = max_regions
@@ -212,19 +292,20 @@ class RegistrationCache:
         # The tag check runs in C when the provider offers the direct CUDA query.
         c_tag = check_tag and bool(getattr(memory, "direct_tag_query", False))
         self._py_tag = check_tag and not c_tag
-        self._map_buf: Any = None
+        map_buf: Any = None
         words, nwords = ffi.NULL, 0
         if check_kernel:
-            buf = device.validity_map()
-            self._map_buf = ffi.from_buffer("uint64_t[]", buf)
-            words, nwords = self._map_buf, len(self._map_buf)
+            map_buf = ffi.from_buffer("uint64_t[]", device.validity_map())
+            words, nwords = map_buf, len(map_buf)
         self._c = ffi.gc(lib.gpc_new(words, nwords, int(check_kernel), int(c_tag)), lib.gpc_free)
         if self._c == ffi.NULL:
             raise MemoryError("gpupin cache: out of memory")
+        self._life = _Life(self._c, device, map_buf)
+        self._ents = self._life.ents  # the same list: changed in place only
+        weakref.finalize(self, _Life.finalize, self._life)
         self._lookup = lib.gpc_lookup
         self._set_fast_path()
         self._lock = threading.RLock()
-        self._ents: list[_Entry | None] = []
         self._free_ids: list[int] = []
         self._by_handle: dict[int, _Entry] = {}
         self._indexed: dict[int, _Entry] = {}
@@ -233,12 +314,27 @@ class RegistrationCache:
         self._relookups = 0  # lookups repeated under the lock: not acquires of their own
         self._pid = os.getpid()
         self._reopen = False  # a fork child: open a device of its own before the next pin
-        self._owned: Any = None  # the device opened in a fork child, closed with the cache
         self._closed = False
-        os.register_at_fork(after_in_child=_forget_in_child(weakref.ref(self)))
+        _LIVE.add(self)
         register = getattr(device, "register_child", None)
         if register is not None:
             register(self)  # the device closes its caches when it closes
+
+    @property
+    def device(self) -> DeviceLike:
+        """The device pins are made on (in a fork child, after its first pin, one of its own)."""
+        dev: DeviceLike = self._life.device
+        return dev
+
+    def _entry_of(self, token: int) -> _Entry | None:
+        """The entry ``token`` names, if it is still that entry (not a reused slot)."""
+        i = token & _ID_MASK
+        e = self._ents[i] if 0 <= token and i < len(self._ents) else None
+        return e if e is not None and e.token == token else None
+
+    def held(self) -> int:
+        """How many entries are referenced now (by registrations or tokens not yet released)."""
+        return int(lib.gpc_held(self._c))
 
     # -- the hot path ------------------------------------------------------------
     def _set_fast_path(self) -> None:
@@ -249,8 +345,9 @@ class RegistrationCache:
         # keeping the cache (and its hold on the validity map) alive until a GC pass.
         proxy: Any = weakref.proxy(self)
         if self._py_tag:
-            self.fast_lookup = functools.partial(RegistrationCache.lookup, proxy)
-            self.release_token = functools.partial(RegistrationCache._release_token, proxy)
+            ref = weakref.ref(self)
+            self.fast_lookup = functools.partial(_call_cache, ref, RegistrationCache.lookup)
+            self.release_token = functools.partial(_call_cache, ref, RegistrationCache._release_token)
         elif gpc_bind is not None:
             # One vectorcall into C each; they hold self._c, so the core outlives any copy.
             addr = int(ffi.cast("uintptr_t", self._c))
@@ -278,26 +375,30 @@ class RegistrationCache:
         """
         if self._closed:
             return _closed_lookup(ptr, size)
-        r = self._lookup(self._c, ptr, size)
+        try:
+            r = self._lookup(self._c, ptr, size)
+        except TypeError:  # numpy integers and other __index__ types (fast_lookup takes them too)
+            ptr, size = operator.index(ptr), operator.index(size)
+            r = self._lookup(self._c, ptr, size)
         if r >= 0 and not self._py_tag:
             return int(r)
         return self._slow(ptr, size, int(r))
 
     def _release_token(self, token: int) -> None:
         """release_token where the C entry point is missing (or for Python tag checks)."""
-        if self._closed:
-            return  # close() unpinned everything already
         refs = lib.gpc_release(self._c, token)
         if refs == 0:
             self._release_stale(token)
         elif refs == lib.GPC_CLOSED:
-            return  # closed meanwhile
+            raise InvalidArgument(f"release_token({token}): this RegistrationCache is closed (or was dropped)")
         elif refs < 0:
-            raise InvalidArgument(f"release_token({token}): not a held token")
+            raise InvalidArgument(
+                f"release_token({token}): not a held token (released already, or of another cache or process)"
+            )
 
     def _release_stale(self, token: int) -> None:
         """The last reference to ``token`` went: unpin it if it left the index meanwhile."""
-        e = self._ents[token] if token < len(self._ents) else None
+        e = self._entry_of(token)
         if e is not None and e.stale:
             with self._lock:
                 self._finish(e)
@@ -305,14 +406,19 @@ class RegistrationCache:
     def acquire(self, ptr: int, size: int) -> Registration:
         """A registration covering [ptr, ptr + size), pinning the allocation on first use."""
         tok = self.lookup(ptr, size)
-        e = self._ents[tok]
-        assert e is not None
+        e = self._entry_of(tok)
+        assert e is not None  # referenced: its slot cannot be reused
         return Registration(self, e, ptr, size)
 
     # -- the slow path -------------------------------------------------------------
     def _slow(self, ptr: int, size: int, r: int) -> int:
         if r == lib.GPC_BAD_ARG:
             raise InvalidArgument(f"acquire(ptr={ptr:#x}, size={size}): size must be > 0 and the range in 64 bits")
+        if r == lib.GPC_TOO_MANY_REFS:
+            raise InvalidArgument(
+                f"acquire(ptr={ptr:#x}, size={size}): the registration covering it is held {2**31 - 1} times "
+                "already; release some (a loop that never releases?)"
+            )
         with self._lock:
             if self._pid != os.getpid():
                 self._forget()
@@ -328,23 +434,31 @@ class RegistrationCache:
                 self._relookups += 1
             if r == lib.GPC_CLOSED:
                 raise InvalidArgument("this RegistrationCache is closed")
+            if r == lib.GPC_TOO_MANY_REFS:
+                return self._slow(ptr, size, r)  # raises
             if r >= 0:  # a C hit; the tag is checked here
-                e = self._ents[r]
-                assert e is not None
-                if self._tag_ok(e, ptr):
+                e = self._entry_of(r)
+                assert e is not None  # referenced: its slot cannot be reused
+                try:
+                    ok = self._tag_ok(e, ptr)
+                except BaseException:
+                    lib.gpc_release(self._c, r)  # the query failed: do not keep the reference
+                    raise
+                if ok:
                     return r
                 self._py_tag_stale += 1
                 lib.gpc_release(self._c, r)
                 self._invalidate(e, "tag")
                 self._finish(e)  # if another thread made it stale first
             elif r != lib.GPC_MISS:  # an entry covers it but its word changed
-                e = self._ents[-r - lib.GPC_STALE_BASE]
-                # Another thread may have dealt with it (and reused the id) meanwhile.
+                # Another thread may have dealt with it meanwhile (its slot may hold a new
+                # entry: _entry_of checks the generation).
+                e = self._entry_of(-r - lib.GPC_STALE_BASE)
                 if e is not None and not e.pin.is_valid():
                     self._invalidate(e, "kernel")
             e = self._insert(ptr, ptr + size)
-            lib.gpc_use(self._c, e.id)
-            return e.id
+            lib.gpc_use(self._c, e.token)
+            return e.token
 
     def _tag_ok(self, e: _Entry, ptr: int) -> bool:
         try:
@@ -376,13 +490,17 @@ class RegistrationCache:
             start = ptr & ~(g - 1)
             stop = -(-end // g) * g
         need = stop - start
+        # What a hit may cover: the pinned range, but never past the allocation.  Pinning
+        # rounds to whole GPU pages, and two allocations (pool blocks) can share one: indexed
+        # by the rounded range, each would take the other for stale and re-pin, in turn.
+        lo, hi = max(start, r.base), min(stop, r.base + r.size)
         if self.max_bytes and need > self.max_bytes:
             raise CacheFull(f"acquire: the allocation needs {need} bytes, more than max_bytes={self.max_bytes}")
         if self.sync_memops:
             self.memory.enable_sync_memops(ptr)
         # Anything indexed over this range is stale: live allocations do not overlap.
-        while (old_id := int(lib.gpc_overlap(self._c, start, stop))) >= 0:
-            old = self._ents[old_id]
+        while (old_tok := int(lib.gpc_overlap(self._c, lo, hi))) >= 0:
+            old = self._entry_of(old_tok)
             assert old is not None
             self._invalidate(old, "tag")
         self._make_room(need)
@@ -390,17 +508,14 @@ class RegistrationCache:
         if self.validate == "kernel" and not getattr(pin, "revocable", False):
             self._refuse_unrevocable(pin, r.base, r.size)
         e = _Entry(self._new_id(), start, stop, r.buffer_id, pin)
-        self._ents[e.id] = e
-        if (
-            lib.gpc_insert(
-                self._c, e.id, start, stop, r.buffer_id, getattr(pin, "slot", 0), getattr(pin, "valid_word", 0)
-            )
-            != 0
-        ):
-            self._ents[e.id] = None
+        e.token = int(
+            lib.gpc_insert(self._c, e.id, lo, hi, r.buffer_id, getattr(pin, "slot", 0), getattr(pin, "valid_word", 0))
+        )
+        if e.token < 0:
             self._free_ids.append(e.id)
             self.device.unpin(pin.handle)
             raise MemoryError("gpupin cache: out of memory for the index")
+        self._ents[e.id] = e
         self._indexed[e.id] = e
         self._by_handle[int(pin.handle)] = e
         st = self._st
@@ -475,10 +590,10 @@ class RegistrationCache:
                 raise
 
     def _evict_lru(self) -> bool:
-        eid = int(lib.gpc_evict_lru(self._c))
-        if eid < 0:
+        tok = int(lib.gpc_evict_lru(self._c))
+        if tok < 0:
             return False
-        e = self._ents[eid]
+        e = self._entry_of(tok)
         assert e is not None
         self._unindex(e)
         self._finish(e)
@@ -494,8 +609,12 @@ class RegistrationCache:
         e.stale = True
 
     def _finish(self, e: _Entry) -> None:
-        """Unpin a stale entry nobody holds; idempotent.  Caller holds the lock."""
-        if e.done or lib.gpc_refs(self._c, e.id) != 0:
+        """Unpin a stale entry nobody holds; idempotent.  Caller holds the lock.
+
+        The entry leaves the cache even if the device refuses the unpin; the failure is
+        counted (``stats().unpin_failures``) and raised.
+        """
+        if e.done or lib.gpc_refs(self._c, e.token) != 0:
             return
         e.done = True
         for m in e.maps.values():
@@ -508,10 +627,14 @@ class RegistrationCache:
             self.device.unpin(e.pin.handle)
         except UnknownHandle:
             pass
+        except GpupinError:
+            self._st.unpin_failures += 1
+            raise
         finally:  # the entry is gone from the cache even if the device refused
             self._st.unpins += 1
-            self._ents[e.id] = None
-            self._free_ids.append(e.id)
+            if lib.gpc_retire(self._c, e.token) == 0:  # nobody holds it: the slot is free
+                self._ents[e.id] = None
+                self._free_ids.append(e.id)
 
     def _invalidate(self, e: _Entry, reason: str) -> None:
         if e.stale:
@@ -520,7 +643,7 @@ class RegistrationCache:
             self._st.invalidations_kernel += 1
         else:
             self._st.invalidations_tag += 1
-        lib.gpc_remove(self._c, e.id)
+        lib.gpc_remove(self._c, e.token)
         self._unindex(e)
         self._finish(e)
 
@@ -556,7 +679,7 @@ class RegistrationCache:
 
     # -- housekeeping ----------------------------------------------------------------
     def _in_use(self) -> int:
-        return sum(1 for e in self._ents if e is not None and lib.gpc_refs(self._c, e.id) > 0)
+        return int(lib.gpc_held(self._c))
 
     def stats(self) -> CacheStats:
         with self._lock:
@@ -574,8 +697,20 @@ class RegistrationCache:
         """Unpin every unused entry; returns how many."""
         with self._lock:
             n = 0
-            while self._evict_lru():
-                n += 1
+            err: GpupinError | None = None
+            out = ffi.new("int64_t[]", 256)
+            while got := int(lib.gpc_evict_unused(self._c, out, len(out))):
+                for tok in out[0:got]:
+                    e = self._entry_of(int(tok))
+                    assert e is not None
+                    self._unindex(e)
+                    try:
+                        self._finish(e)
+                    except GpupinError as exc:  # the others still go; the first failure is raised
+                        err = err or exc
+                n += got
+            if err is not None:
+                raise err
             return n
 
     def _forget(self) -> None:
@@ -586,19 +721,16 @@ class RegistrationCache:
         """
         self._pid = os.getpid()
         self._lock = threading.RLock()
-        lib.gpc_reset_in_child(self._c)
-        if self._map_buf is not None:
-            ffi.release(self._map_buf)  # the parent's validity map (zeros in the child)
-            self._map_buf = None
-        # Ids the parent used are not handed out again here: a parent's token released in
-        # the child is then refused ("not a held token") instead of dropping a child's reference.
-        self._ents, self._free_ids = [None] * len(self._ents), []
+        lib.gpc_reset_in_child(self._c)  # its generations go on: parent tokens name nothing here
+        self._life.release_map()  # the parent's validity map (zeros in the child)
+        self._ents.clear()  # the parent's Registrations then release nothing here
+        self._free_ids = []
         self._by_handle.clear()
         self._indexed.clear()
         self._st = CacheStats()
         self._py_tag_stale = 0
         self._relookups = 0
-        self._owned = None  # a device the parent opened in its own fork child: not this one's
+        self._life.owned = None  # a device the parent opened in its own fork child: not this one's
         self._reopen = not self._closed
 
     def _reopen_device(self) -> None:
@@ -618,15 +750,15 @@ class RegistrationCache:
                 if lib.gpc_set_words(self._c, buf, len(buf)) != 0:
                     ffi.release(buf)
                     raise InvalidArgument("this RegistrationCache is closed")
-                self._map_buf = buf
+                self._life.map_buf = buf
         except BaseException:
             dev.close()
             raise
         unregister = getattr(old, "unregister_child", None)
         if unregister is not None:
             unregister(self)
-        self.device = dev
-        self._owned = dev
+        self._life.device = dev
+        self._life.owned = dev
         self._reopen = False
         register = getattr(dev, "register_child", None)
         if register is not None:
@@ -638,32 +770,37 @@ class RegistrationCache:
         return str(pid) if pid is not None else "the parent"
 
     def close(self) -> None:
-        """Unpin everything and let go of the device's validity map; the cache is unusable after."""
+        """Unpin everything and let go of the device's validity map; the cache is unusable after.
+
+        Refuses with InUse, changing nothing, while a registration (or a token from ``lookup``
+        or ``fast_lookup``) is held: a NIC or cuFile may still be moving data through its pin.
+        Release them first.  Closing a closed cache does nothing.
+        """
         if self._pid != os.getpid():
             self._forget()  # a fork child without the hook: drop the parent's pins unreleased
         with self._lock:
             if self._closed:
                 return
+            held = int(lib.gpc_close(self._c, 0))  # atomic with the check: no hit gets in between
+            if held:
+                raise InUse(
+                    f"close: {held} registration(s) of this cache are still held; release them (end "
+                    "their with-blocks, call release() or release_token()) and close again: their "
+                    "pins stay until then"
+                )
             self._closed = True
+            self._life.closed = True
             self._reopen = False
+            self.fast_lookup = _closed_lookup  # a saved fast_lookup raises too (the core is closed)
             for e in list(self._indexed.values()):
-                lib.gpc_remove(self._c, e.id)
                 self._unindex(e)
-            for held in self._ents:
-                if held is not None and not held.done:
-                    held.done = True
-                    try:
-                        self.device.unpin(held.pin.handle)
-                    except GpupinError:
-                        pass  # the device is closing, or the pin is gone already
-                    self._st.unpins += 1
-            self._ents, self._free_ids = [], []
-            self.fast_lookup = _closed_lookup
-            lib.gpc_close(self._c)  # a saved fast_lookup now raises; freed with self._c
-            if self._map_buf is not None:
-                ffi.release(self._map_buf)
-                self._map_buf = None
-            owned, self._owned = self._owned, None
+            self._st.unpins += sum(1 for ent in self._ents if ent is not None and not ent.done)
+            self._life.unpin_unheld()
+            self._ents.clear()
+            self._free_ids = []
+            self._life.release_map()
+            owned, self._life.owned = self._life.owned, None
+            _LIVE.discard(self)
         if owned is not None:
             owned.close()  # the device this cache opened in a fork child
 
@@ -702,3 +839,14 @@ def _pick_backend(backend: str, device: Any, memory: Any) -> str:
 
 def _closed_lookup(ptr: int, size: int) -> int:
     raise InvalidArgument("this RegistrationCache is closed")
+
+
+def _call_cache(ref: weakref.ref[RegistrationCache], method: Callable[..., Any], *args: Any) -> Any:
+    """A saved fast path in Python (tag checks in Python): the method, while the cache lives."""
+    cache = ref()
+    if cache is None:
+        raise InvalidArgument(
+            f"{method.__name__.lstrip('_')}: this RegistrationCache is closed (or was dropped: keep a "
+            "reference to the cache as long as its fast_lookup/release_token)"
+        )
+    return method(cache, *args)

@@ -19,6 +19,7 @@ from .errors import (
     DriverNotLoaded,
     ForkedDevice,
     GpupinError,
+    InUse,
     InvalidArgument,
     NotGpuMemory,
     PermissionDenied,
@@ -249,8 +250,19 @@ class Device(Closable):
         self._children.discard(obj)
 
     def close(self) -> None:
-        """Close the file (and the caches built on it): the kernel releases every pin it holds."""
-        for child in list(getattr(self, "_children", ())):
+        """Close the file (and the caches built on it): the kernel releases every pin it holds.
+
+        Refuses with InUse, closing nothing, while a cache on this device holds a registration
+        (a NIC may still be moving data through its pin): release it first.
+        """
+        children = list(getattr(self, "_children", ()))
+        held = sum(int(getattr(child, "held", lambda: 0)()) for child in children)
+        if held:
+            raise InUse(
+                f"close of {self.path}: {held} registration(s) of its registration caches are still "
+                "held; release them and close again (the file and its pins stay open until then)"
+            )
+        for child in children:
             child.close()
         if self._words is not None:
             self._words.release()

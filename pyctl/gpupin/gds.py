@@ -217,19 +217,22 @@ class CuFileDriver(Closable):
                 return
             self._deregister(va)
             del self._by_addr[va]
-            self._by_handle[old] = -1
+            if old in self._by_handle:  # its holder's unpin is then a no-op
+                self._by_handle[old] = -1
             self.superseded += 1
 
     def unpin(self, handle: Any) -> None:
         h = int(getattr(handle, "handle", handle))
         with self._lock:
-            va = self._by_handle.get(h)
+            va = self._by_handle.pop(h, None)
             if va is None:
                 raise UnknownHandle(f"cuFile registration {h}: not a registration of this driver")
             if va >= 0 and self._by_addr.get(va) == h:
-                self._deregister(va)  # raises, keeping the records, if cuFile refuses
+                # If cuFile refuses, the handle is gone all the same (the cache forgets it) but
+                # the address stays marked registered: the next registration there deregisters
+                # it first (supersede), and `live` keeps counting it until then.
+                self._deregister(va)
                 del self._by_addr[va]
-            del self._by_handle[h]  # (superseded: deregistered already)
 
     def _deregister(self, va: int) -> None:
         cf = self.cufile
@@ -443,23 +446,30 @@ class GdsCache(RegistrationCache):
             self.miss(ptr, size, tok)  # raises the argument error
         stale: _Entry | None = None
         if tok >= 0 and self._py_tag:  # the tag is checked here, not in C
-            e = self._ents[tok]
-            assert e is not None
-            if not self._tag_ok(e, ptr):
+            e = self._entry_of(tok)
+            assert e is not None  # referenced: its slot cannot be reused
+            try:
+                ok = self._tag_ok(e, ptr)
+            except BaseException:
+                self.release_token(tok)
+                raise
+            if not ok:
                 self._py_tag_stale += 1
-                lib.gpc_release(self._c, tok)
+                self.release_token(tok)
                 stale, tok = e, int(lib.GPC_MISS)
         elif tok <= -lib.GPC_STALE_BASE:
-            stale = self._ents[-tok - lib.GPC_STALE_BASE]
+            # Unreferenced: by now the entry may be gone and its slot another's.  _entry_of
+            # checks the generation, and the lock below checks that it is still cached.
+            stale = self._entry_of(-tok - lib.GPC_STALE_BASE)
         if tok >= 0:
-            e = self._ents[tok]
+            e = self._entry_of(tok)
             assert e is not None
             return GdsUse(ptr, size, Advice(True, "reuse"), Registration(self, e, ptr, size))
         r = self.memory.range_of(ptr)
         adv = self.advise(r.size, reuse, bar_free)
         if not adv.register:
             with self._lock:
-                if stale is not None and self._ents[stale.id] is stale and not self._tag_ok(stale, ptr):
+                if stale is not None and self._entry_of(stale.token) is stale and not self._tag_ok(stale, ptr):
                     # cuFile finds registrations by address: an unregistered IO here would
                     # use the freed memory's registration.  Drop it now, held or not.
                     self._invalidate(stale, "tag")
@@ -467,7 +477,7 @@ class GdsCache(RegistrationCache):
                 self._skipped[adv.reason] = self._skipped.get(adv.reason, 0) + 1
             return GdsUse(ptr, size, adv, None)
         tok = self.miss(ptr, size, tok)  # registers, or replaces a stale entry
-        e = self._ents[tok]
+        e = self._entry_of(tok)
         assert e is not None
         return GdsUse(ptr, size, adv, Registration(self, e, ptr, size))
 

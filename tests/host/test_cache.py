@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import threading
@@ -325,17 +326,43 @@ def test_fork_child_starts_empty() -> None:
 def test_close_unpins_everything_and_refuses_use() -> None:
     mem, dev, cache = make()
     a, b = mem.alloc(MiB), mem.alloc(MiB)
-    held = cache.acquire(a, 1)
+    cache.acquire(a, 1).release()
     cache.acquire(b, 1).release()
     assert len(dev.pins) == 2
     cache.close()
     assert len(dev.pins) == 0 and cache.stats().unpins == 2
-    held.release()  # harmless after close
     with pytest.raises(gpupin.InvalidArgument, match="closed"):
         cache.acquire(a, 1)
     with pytest.raises(gpupin.InvalidArgument, match="closed"):
         cache.fast_lookup(a, 1)
     cache.close()  # idempotent
+
+
+def test_close_refuses_while_a_registration_is_held() -> None:
+    """A held registration may have DMA or IO in flight: close() says InUse and changes
+    nothing (the pin, the hit path, the other entries stay); after the release it closes."""
+    mem, dev, cache = make()
+    a, b = mem.alloc(MiB), mem.alloc(MiB)
+    held = cache.acquire(a, 1)
+    tok = cache.fast_lookup(b + 5, 1)
+    if tok < 0:
+        tok = cache.miss(b + 5, 1, tok)
+    with pytest.raises(gpupin.InUse, match="2 registration") as ei:
+        cache.close()
+    assert ei.value.errno == errno.EBUSY
+    assert len(dev.pins) == 2 and held.valid and cache.stats().unpins == 0
+    again = cache.fast_lookup(a, 1)  # still open: a hit
+    assert again == held.token
+    cache.release_token(again)
+    held.release()
+    with pytest.raises(gpupin.InUse, match="1 registration"):
+        cache.close()
+    cache.release_token(tok)
+    cache.close()
+    assert len(dev.pins) == 0 and cache.stats().unpins == 2
+    held.release()  # a second release of a Registration does nothing
+    with pytest.raises(gpupin.InvalidArgument, match="closed"):
+        cache.release_token(tok)  # a token after close is an error, not silently taken
 
 
 def test_python_tag_mode_cache_is_freed_without_gc() -> None:
@@ -371,35 +398,52 @@ def test_core_index_matches_a_model(space: int, unit: int, units: int) -> None:
     words = ffi.new("uint64_t[]", 8)
     c = ffi.gc(lib.gpc_new(words, 8, 0, 0), lib.gpc_free)
     rng = random.Random(7)
-    model: dict[int, tuple[int, int]] = {}  # id -> [start, end)
+    model: dict[int, tuple[int, int]] = {}  # token -> [start, end)
     refs: dict[int, int] = {}
-    next_id = 0
+    order: list[int] = []  # unreferenced tokens, least recently released first
+    free_ids: list[int] = []
+    next_id = reused = 0
 
     def covering(p: int, size: int = 1) -> int:
-        return next((i for i, (s, e) in model.items() if s <= p and p + size <= e), -1)
+        return next((t for t, (s, e) in model.items() if s <= p and p + size <= e), -1)
+
+    def retire(tok: int) -> None:
+        assert lib.gpc_retire(c, tok) == 0
+        free_ids.append(tok & 0xFFFFFFFF)
 
     for step in range(6000):
         op = rng.random()
         if op < 0.35 and len(model) < 300:
             start = rng.randrange(0, space) * unit
             end = start + rng.randrange(1, units) * unit
+            slot = free_ids.pop() if free_ids else next_id
+            reused += slot != next_id
             if any(s < end and start < e for s, e in model.values()):
-                assert lib.gpc_insert(c, next_id, start, end, 0, 0, 0) == -1  # overlaps are refused
+                assert lib.gpc_insert(c, slot, start, end, 0, 0, 0) == -1  # overlaps are refused
+                if slot != next_id:
+                    free_ids.append(slot)
+                    reused -= 1
                 continue
-            assert lib.gpc_insert(c, next_id, start, end, 0, 0, 0) == 0
-            model[next_id], refs[next_id] = (start, end), 0
-            next_id += 1
+            tok = lib.gpc_insert(c, slot, start, end, 0, 0, 0)
+            assert tok >= 0 and tok & 0xFFFFFFFF == slot
+            assert lib.gpc_insert(c, slot, start + space * unit * 4, end + space * unit * 4, 0, 0, 0) == -1
+            next_id += slot == next_id
+            model[tok], refs[tok] = (start, end), 0
+            order.append(tok)
         elif op < 0.45 and model:
-            i = rng.choice(list(model))
-            assert lib.gpc_remove(c, i) == 0
-            del model[i]
+            t = rng.choice(list(model))
+            assert lib.gpc_remove(c, t) == 0
+            del model[t]
+            order.remove(t)
+            retire(t)
         elif op < 0.5:
-            free = [i for i in model if refs[i] == 0]
             got = lib.gpc_evict_lru(c)
-            assert (got >= 0) == bool(free), step
+            assert got == (order[0] if order else -1), step  # least recently released first
             if got >= 0:
-                assert got in free
                 del model[got]
+                order.pop(0)
+                assert lib.gpc_remove(c, got) == -1  # out of the index already
+                retire(got)
         else:
             # Mostly addresses inside some range (hits), some anywhere (misses).
             if model and rng.random() < 0.7:
@@ -412,15 +456,17 @@ def test_core_index_matches_a_model(space: int, unit: int, units: int) -> None:
             got = lib.gpc_lookup(c, p, size)
             assert got == (want if want >= 0 else -1), (step, p, size)
             if got >= 0:
-                refs[got] += 1
+                assert lib.gpc_refs(c, got) == 1 and lib.gpc_retire(c, got) == -1  # held: not reusable
+                order.remove(got)
                 assert lib.gpc_release(c, got) == 0
-                refs[got] -= 1
+                order.append(got)
             assert lib.gpc_find(c, p) == covering(p)
             stop = p + size
             over = lib.gpc_overlap(c, p, stop)
-            overlapping = {i for i, (s, e) in model.items() if s < stop and p < e}
+            overlapping = {t for t, (s, e) in model.items() if s < stop and p < e}
             assert (over in overlapping) if overlapping else over == -1, (step, p, stop)
     assert model, "the walk should leave ranges behind"
+    assert reused > 100, "the walk should reuse slots (under new generations)"
 
 
 def test_fake_memory_first_fit_matches_a_model() -> None:

@@ -108,7 +108,7 @@ def test_fast_path_bound_before_the_fork_misses_in_the_child() -> None:
             return 2  # the parent's entry
         t = cache.miss(a, 1, r)
         mine = cache.device
-        if mine is dev or set(mine.pins) != {cache._ents[t].pin.handle}:  # type: ignore[union-attr]
+        if mine is dev or set(mine.pins) != {cache._entry_of(t).pin.handle}:  # type: ignore[union-attr]
             return 3
         release_token(t)
         if fast_lookup(a, 1) != t:

@@ -93,12 +93,119 @@ def test_device_close_closes_its_caches(gpupin_loaded: None, leakcheck: None) ->
         va = sim.alloc(MiB)
         r = cache.acquire(va, 10)
         assert dev.info().file_pins == 1
+        with pytest.raises(gpupin.InUse, match="1 registration"):
+            dev.close()  # a NIC may still move data through r's pin: nothing closes
+        assert not dev.closed and r.valid and dev.info().file_pins == 1
+        r.release()
         dev.close()  # closes the cache, unmaps the validity map, releases the pins
         assert dev.closed and sim_stats().page_tables == 0
-        r.release()
         with pytest.raises(gpupin.InvalidArgument, match="closed"):
             cache.acquire(va, 10)
         sim.free(va)
+
+
+def test_a_saved_fast_path_outlives_the_cache_and_the_device(gpupin_loaded: None, leakcheck: None) -> None:
+    """fast_lookup kept, the cache dropped without close(), the Device closed (the validity
+    map unmapped): the saved entry point raises.  It read the unmapped map before: the
+    process died with SIGSEGV, so this runs in a child."""
+    from gpupin.testing import in_child
+
+    def child() -> int:
+        import gc
+
+        with SimMemory() as sim:
+            dev = Device()
+            cache = RegistrationCache(dev, sim, validate="kernel")
+            va = sim.alloc(MiB)
+            tok = cache.fast_lookup(va, 1)
+            cache.release_token(cache.miss(va, 1, tok))
+            fl = cache.fast_lookup
+            del cache
+            gc.collect()
+            if dev.info().file_pins != 0:
+                return 2  # the dropped cache left its unheld pin behind
+            dev.close()
+            try:
+                fl(va, 1)
+                return 3
+            except gpupin.InvalidArgument as exc:
+                if "closed" not in str(exc):
+                    return 4
+            sim.free(va)
+        return 0
+
+    assert in_child(child) == 0
+
+
+def test_threads_hit_miss_evict_and_free_over_the_kernel(device: Device, sim: SimMemory) -> None:
+    """Six threads mix hits, misses, frees (kernel invalidations), purges and bare tokens on
+    one cache over gpupin.ko, with a region limit; another thread drains records with
+    wait_invalidations.  No hang, nothing left pinned, counters add up."""
+    import threading
+    import time
+
+    cache = RegistrationCache(device, sim, validate="both", max_regions=8)
+    lock = threading.Lock()
+    ptrs = [sim.alloc(MiB) for _ in range(16)]
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def worker(n: int) -> None:
+        rng = random.Random(n)
+        try:
+            for _ in range(400):
+                i = rng.randrange(len(ptrs))
+                op = rng.random()
+                if op < 0.05:
+                    with lock:
+                        sim.free(ptrs[i])
+                        ptrs[i] = sim.alloc(MiB)
+                    continue
+                if op < 0.07:
+                    cache.purge()
+                    continue
+                with lock:
+                    p = ptrs[i]
+                try:
+                    if op < 0.5:
+                        tok = cache.fast_lookup(p + 8, 8)
+                        if tok < 0:
+                            tok = cache.miss(p + 8, 8, tok)
+                        cache.release_token(tok)
+                    else:
+                        with cache.acquire(p, 8):
+                            pass
+                except gpupin.NotGpuMemory:
+                    pass  # freed by another thread meanwhile
+                except gpupin.BudgetExceeded:
+                    pass  # all eight regions in use at once
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    def drainer() -> None:
+        while not stop.is_set():
+            device.wait_invalidations(0.01)  # takes records the cache also reads: shares them
+            cache.drain()
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(6)]
+    d = threading.Thread(target=drainer)
+    d.start()
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 600
+    for t in threads:
+        t.join(max(1.0, deadline - time.monotonic()))
+    stop.set()
+    d.join(30)
+    assert not any(t.is_alive() for t in [*threads, d]), "a thread hung"
+    assert not errors, errors[:3]
+    st = cache.stats()
+    assert st.in_use == 0 and st.acquires == st.hits + st.misses
+    assert st.pins - st.unpins == st.regions == len(cache) <= 8
+    cache.close()
+    assert device.info().file_pins == 0
+    for p in ptrs:
+        sim.free(p)
 
 
 # -- pins the kernel never invalidates (issue 26): the cache must not trust their word ----------

@@ -19,14 +19,36 @@
  * L1 cache).  The hash is an accelerator only: entries over
  * GPC_HASH_MAX_PAGES pages, or whose buckets could not be allocated, are
  * found by the binary search.  All under one mutex: cffi drops the GIL
- * around these calls.
+ * around these calls, and the CPython entry points (python.c) wait for it
+ * without the GIL.
+ *
+ * Tokens.  What a lookup hands out is a token, (generation << 32) | id: the
+ * id is the entry's slot (chosen by Python), the generation is given anew to
+ * every entry inserted (from one counter per core, which a fork child keeps
+ * counting).  Every call that takes a token checks both, so a late or doubled
+ * release after the slot was reused, or a parent's token used in a fork
+ * child, is refused instead of dropping another entry's reference.  A slot
+ * is free for reuse only once gpc_retire() saw it unreferenced.
+ *
+ * Unreferenced indexed entries sit on a list, least recently released
+ * first: eviction takes its head without scanning the index.
  */
-struct gpc_ent {
-	uint64_t start, end, buffer_id, valid_word, slot, lru;
+struct gpc_ent {			/* 64 bytes: one cache line per hit */
+	uint64_t start, end, buffer_id, valid_word, slot;
+	int32_t prev, next;		/* the LRU list (ids; -1 ends it) */
+	uint32_t gen;			/* 0: the slot holds no entry */
 	int32_t refs;
-	int16_t indexed;
-	int16_t hashed;			/* in the page hash (else only in the sorted index) */
+	uint8_t indexed;
+	uint8_t hashed;			/* in the page hash (else only in the sorted index) */
+	uint8_t on_lru;
 };
+
+_Static_assert(sizeof(struct gpc_ent) == 64, "an entry is one cache line");
+
+#define GPC_ID_BITS 32
+#define GPC_ID_MASK 0xffffffffull
+#define GPC_MAX_ID 0x7fffffff
+#define GPC_MAX_GEN 0x3fffffffu		/* tokens stay below 2^62: -(token + base) fits */
 
 /*
  * 64 KiB, nv-p2p's GPU page: most entries then share a bucket with few others
@@ -52,12 +74,15 @@ struct gpc {
 	uint64_t nwords;
 	int check_kernel, check_tag_cuda;
 	int closed;			/* gpc_close(): every lookup says GPC_CLOSED */
+	uint32_t gen;			/* the last generation given out */
+	int32_t max_refs;		/* references one entry may hold (a test lowers it) */
+	int32_t lru_head, lru_tail;	/* oldest and newest unreferenced indexed entry */
 	struct gpc_ent *ents;
 	int64_t nents;
 	uint64_t *starts;
 	int64_t *ids;
 	int64_t n, cap;
-	uint64_t tick, acquires, hits;
+	uint64_t acquires, hits;
 	struct gpc_bucket *ht;		/* open addressing, linear probing */
 	uint64_t ht_cap;		/* a power of two */
 	uint64_t ht_used;		/* slots with a page, vacated ones (n == 0) too */
@@ -255,6 +280,67 @@ static int64_t gpc_page_lookup(const struct gpc *c, uint64_t ptr)
 	return -1;
 }
 
+/* Token of entry @id as it is now. */
+static int64_t gpc_token(const struct gpc *c, int64_t id)
+{
+	return (int64_t)((uint64_t)c->ents[id].gen << GPC_ID_BITS | (uint64_t)id);
+}
+
+/* The id @tok names if it names the entry in that slot now, else -1. */
+static int64_t gpc_tok_id(const struct gpc *c, int64_t tok)
+{
+	int64_t id = (int64_t)((uint64_t)tok & GPC_ID_MASK);
+
+	if (tok < 0 || id >= c->nents || !c->ents[id].gen ||
+	    c->ents[id].gen != (uint64_t)tok >> GPC_ID_BITS)
+		return -1;
+	return id;
+}
+
+static void gpc_lru_del(struct gpc *c, int64_t id)
+{
+	struct gpc_ent *e = &c->ents[id];
+
+	if (!e->on_lru)
+		return;
+	if (e->prev >= 0)
+		c->ents[e->prev].next = e->next;
+	else
+		c->lru_head = e->next;
+	if (e->next >= 0)
+		c->ents[e->next].prev = e->prev;
+	else
+		c->lru_tail = e->prev;
+	e->on_lru = 0;
+}
+
+/* @id (< 2^31) was just released by its last holder (or inserted): the newest on the list. */
+static void gpc_lru_add(struct gpc *c, int64_t id)
+{
+	struct gpc_ent *e = &c->ents[id];
+
+	e->prev = c->lru_tail;
+	e->next = -1;
+	if (c->lru_tail >= 0)
+		c->ents[c->lru_tail].next = (int32_t)id;
+	else
+		c->lru_head = (int32_t)id;
+	c->lru_tail = (int32_t)id;
+	e->on_lru = 1;
+}
+
+/* Take a reference on @id; false if it holds max_refs already. */
+static int gpc_get(struct gpc *c, int64_t id)
+{
+	struct gpc_ent *e = &c->ents[id];
+
+	if (e->refs >= c->max_refs)
+		return 0;
+	if (!e->refs++)
+		gpc_lru_del(c, id);
+	return 1;
+}
+
 struct gpc *gpc_new(const uint64_t *words, uint64_t nwords, int check_kernel, int check_tag_cuda)
 {
 	struct gpc *c = calloc(1, sizeof(*c));
@@ -266,38 +352,67 @@ struct gpc *gpc_new(const uint64_t *words, uint64_t nwords, int check_kernel, in
 	c->nwords = nwords;
 	c->check_kernel = check_kernel;
 	c->check_tag_cuda = check_tag_cuda;
+	c->max_refs = INT32_MAX;
+	c->lru_head = c->lru_tail = -1;
 	return c;
+}
+
+/* Drop the index (sorted arrays, page hash, LRU list); caller holds c->lock (or is alone). */
+static void gpc_drop_lookup(struct gpc *c)
+{
+	free(c->starts);
+	free(c->ids);
+	gpc_ht_free(c->ht, c->ht_cap);
+	c->starts = NULL;
+	c->ids = NULL;
+	c->ht = NULL;
+	c->n = c->cap = 0;
+	c->ht_cap = c->ht_used = c->ht_live = 0;
+	c->unhashed = 0;
+	c->lru_head = c->lru_tail = -1;
 }
 
 /* Drop every entry and the index; caller holds c->lock (or is alone). */
 static void gpc_drop_index(struct gpc *c)
 {
+	gpc_drop_lookup(c);
 	free(c->ents);
-	free(c->starts);
-	free(c->ids);
-	gpc_ht_free(c->ht, c->ht_cap);
 	c->ents = NULL;
-	c->starts = NULL;
-	c->ids = NULL;
-	c->ht = NULL;
-	c->nents = c->n = c->cap = 0;
-	c->ht_cap = c->ht_used = c->ht_live = 0;
-	c->unhashed = 0;
+	c->nents = 0;
+}
+
+/* Entries referenced now; caller holds c->lock. */
+static int64_t gpc_held_locked(const struct gpc *c)
+{
+	int64_t i, n = 0;
+
+	for (i = 0; i < c->nents; i++)
+		n += c->ents[i].gen && c->ents[i].refs > 0;
+	return n;
 }
 
 /*
- * The cache closed: drop the index and stop reading the validity map (which
- * may be unmapped next).  The struct stays until gpc_free, since bound fast
- * paths (gpc_bind) may still be called.
+ * Close the cache, unless an entry is referenced and !@force: returns how
+ * many are (0: closed).  Closed, it never reads the validity map again
+ * (which may be unmapped next), hands out no reference and takes none back:
+ * each entry's references stay as they were, for gpc_refs() to tell which
+ * pins a holder still uses.  The struct stays until gpc_free, since bound
+ * fast paths (gpc_bind) may still be called.
  */
-void gpc_close(struct gpc *c)
+int64_t gpc_close(struct gpc *c, int force)
 {
+	int64_t held;
+
 	pthread_mutex_lock(&c->lock);
-	c->closed = 1;
-	c->words = NULL;
-	c->nwords = 0;
-	gpc_drop_index(c);
+	held = gpc_held_locked(c);
+	if (!held || force) {
+		c->closed = 1;
+		c->words = NULL;
+		c->nwords = 0;
+		gpc_drop_lookup(c);	/* the entries stay: their references tell who holds them */
+	}
 	pthread_mutex_unlock(&c->lock);
+	return held;
 }
 
 /*
@@ -305,13 +420,14 @@ void gpc_close(struct gpc *c)
  * (they are the parent's pins: nothing is released) and stop reading the
  * parent's validity map.  The mutex is made anew, since a thread of the
  * parent may have held it at the fork.  Bound fast paths keep working: the
- * struct stays where it is.
+ * struct stays where it is.  The generation counter goes on, so no token
+ * of the parent names an entry of the child.  A closed core stays closed.
  */
 void gpc_reset_in_child(struct gpc *c)
 {
 	pthread_mutex_init(&c->lock, NULL);
 	gpc_drop_index(c);
-	c->tick = c->acquires = c->hits = 0;
+	c->acquires = c->hits = 0;
 	c->words = NULL;
 	c->nwords = 0;
 }
@@ -331,6 +447,14 @@ int gpc_set_words(struct gpc *c, const uint64_t *words, uint64_t nwords)
 	return ret;
 }
 
+/* For tests: references one entry may hold (default INT32_MAX). */
+void gpc_set_max_refs(struct gpc *c, int32_t max_refs)
+{
+	pthread_mutex_lock(&c->lock);
+	c->max_refs = max_refs > 0 ? max_refs : INT32_MAX;
+	pthread_mutex_unlock(&c->lock);
+}
+
 void gpc_free(struct gpc *c)
 {
 	if (!c)
@@ -341,6 +465,22 @@ void gpc_free(struct gpc *c)
 	free(c->ids);
 	gpc_ht_free(c->ht, c->ht_cap);
 	free(c);
+}
+
+/* The mutex, for the CPython entry points (which wait for it without the GIL). */
+int gpc_trylock(struct gpc *c)
+{
+	return pthread_mutex_trylock(&c->lock);
+}
+
+void gpc_lock(struct gpc *c)
+{
+	pthread_mutex_lock(&c->lock);
+}
+
+void gpc_unlock(struct gpc *c)
+{
+	pthread_mutex_unlock(&c->lock);
 }
 
 /*
@@ -367,23 +507,19 @@ static int64_t gpc_pos(const struct gpc *c, uint64_t ptr)
 }
 
 /*
- * >= 0: the id of a valid entry covering the range, now referenced.
- * GPC_MISS: no entry covers it; GPC_BAD_ARG: empty or wrapping range.
- * -(id + GPC_STALE_BASE): an entry covers it but is stale (validity word or
- * buffer id changed); no reference taken.
+ * >= 0: the token of a valid entry covering the range, now referenced.
+ * GPC_MISS: no entry covers it; GPC_BAD_ARG: empty or wrapping range;
+ * GPC_CLOSED; GPC_TOO_MANY_REFS: the entry holds max_refs references.
+ * -(token + GPC_STALE_BASE): an entry covers it but is stale (validity word
+ * or buffer id changed); no reference taken.  Caller holds c->lock.
  */
-int64_t gpc_lookup(struct gpc *c, uint64_t ptr, uint64_t size)
+int64_t gpc_lookup_locked(struct gpc *c, uint64_t ptr, uint64_t size)
 {
-	int64_t id, ret = GPC_MISS;
 	struct gpc_ent *e;
+	int64_t id;
 
-	if (!size || ptr + size < ptr)
-		return GPC_BAD_ARG;
-	pthread_mutex_lock(&c->lock);
-	if (c->closed) {
-		pthread_mutex_unlock(&c->lock);
+	if (c->closed)
 		return GPC_CLOSED;
-	}
 	c->acquires++;
 	id = gpc_page_lookup(c, ptr);
 	if (id < 0 && c->unhashed) {
@@ -393,26 +529,32 @@ int64_t gpc_lookup(struct gpc *c, uint64_t ptr, uint64_t size)
 			id = c->ids[pos];
 	}
 	if (id < 0)
-		goto out;
+		return GPC_MISS;
 	e = &c->ents[id];
 	if (ptr + size > e->end)
-		goto out;
-	if (c->check_kernel && (e->slot >= c->nwords || c->words[e->slot] != e->valid_word)) {
-		ret = -(id + GPC_STALE_BASE);
-		goto out;
-	}
+		return GPC_MISS;
+	if (c->check_kernel && (e->slot >= c->nwords || c->words[e->slot] != e->valid_word))
+		return -(gpc_token(c, id) + GPC_STALE_BASE);
 	if (c->check_tag_cuda) {
 		uint64_t bid = 0;
 
-		if (gp_cuda_buffer_id(ptr, &bid) != 0 || bid != e->buffer_id) {
-			ret = -(id + GPC_STALE_BASE);
-			goto out;
-		}
+		if (gp_cuda_buffer_id(ptr, &bid) != 0 || bid != e->buffer_id)
+			return -(gpc_token(c, id) + GPC_STALE_BASE);
 	}
-	e->refs++;
+	if (!gpc_get(c, id))
+		return GPC_TOO_MANY_REFS;
 	c->hits++;
-	ret = id;
-out:
+	return gpc_token(c, id);
+}
+
+int64_t gpc_lookup(struct gpc *c, uint64_t ptr, uint64_t size)
+{
+	int64_t ret;
+
+	if (!size || ptr + size < ptr)
+		return GPC_BAD_ARG;
+	pthread_mutex_lock(&c->lock);
+	ret = gpc_lookup_locked(c, ptr, size);
 	pthread_mutex_unlock(&c->lock);
 	return ret;
 }
@@ -428,80 +570,116 @@ static int64_t gpc_index_of(const struct gpc *c, int64_t id)
 	return -1;
 }
 
-int gpc_release(struct gpc *c, int64_t id)
+int gpc_release(struct gpc *c, int64_t tok)
 {
 	int unindexed;
 
-	return gpc_release_ex(c, id, &unindexed);
+	return gpc_release_ex(c, tok, &unindexed);
 }
 
 /*
- * Drop a reference: the references left, -1 for an id not held, GPC_CLOSED
- * after gpc_close.  *unindexed: the entry is out of the index (stale or
- * evicted), so the last release must unpin it.
+ * Drop a reference; caller holds c->lock.  Returns the references left, -1
+ * for a token that names no held entry, GPC_CLOSED after gpc_close.
+ * *unindexed: the entry is out of the index (stale or evicted), so the last
+ * release must unpin it.
  */
-int gpc_release_ex(struct gpc *c, int64_t id, int *unindexed)
+int gpc_release_locked(struct gpc *c, int64_t tok, int *unindexed)
 {
+	int64_t id;
 	int refs;
 
 	*unindexed = 0;
-	pthread_mutex_lock(&c->lock);
-	if (c->closed) {
-		pthread_mutex_unlock(&c->lock);
+	if (c->closed)
 		return GPC_CLOSED;
-	}
-	if (id < 0 || id >= c->nents || c->ents[id].refs <= 0) {
-		pthread_mutex_unlock(&c->lock);
+	id = gpc_tok_id(c, tok);
+	if (id < 0 || c->ents[id].refs <= 0)
 		return -1;
-	}
 	refs = --c->ents[id].refs;
-	if (!refs)
-		c->ents[id].lru = ++c->tick;
 	*unindexed = !c->ents[id].indexed;
+	if (!refs && c->ents[id].indexed)
+		gpc_lru_add(c, id);
+	return refs;
+}
+
+int gpc_release_ex(struct gpc *c, int64_t tok, int *unindexed)
+{
+	int refs;
+
+	pthread_mutex_lock(&c->lock);
+	refs = gpc_release_locked(c, tok, unindexed);
 	pthread_mutex_unlock(&c->lock);
 	return refs;
 }
 
-int gpc_use(struct gpc *c, int64_t id)
+/* Take a reference on the entry @tok names: the references now, or -1. */
+int gpc_use(struct gpc *c, int64_t tok)
 {
+	int64_t id;
 	int refs = -1;
 
 	pthread_mutex_lock(&c->lock);
-	if (id >= 0 && id < c->nents)
-		refs = ++c->ents[id].refs;
-	pthread_mutex_unlock(&c->lock);
-	return refs;
-}
-
-int gpc_refs(struct gpc *c, int64_t id)
-{
-	int refs = -1;
-
-	pthread_mutex_lock(&c->lock);
-	if (id >= 0 && id < c->nents)
+	id = c->closed ? -1 : gpc_tok_id(c, tok);
+	if (id >= 0 && gpc_get(c, id))
 		refs = c->ents[id].refs;
 	pthread_mutex_unlock(&c->lock);
 	return refs;
 }
 
-int gpc_insert(struct gpc *c, int64_t id, uint64_t start, uint64_t end, uint64_t buffer_id,
-			uint64_t slot, uint64_t valid_word)
+/* References held on the entry @tok names, or -1. */
+int gpc_refs(struct gpc *c, int64_t tok)
+{
+	int64_t id;
+	int refs = -1;
+
+	pthread_mutex_lock(&c->lock);
+	id = gpc_tok_id(c, tok);
+	if (id >= 0)
+		refs = c->ents[id].refs;
+	pthread_mutex_unlock(&c->lock);
+	return refs;
+}
+
+/*
+ * The entry @tok names is done with (unpinned): its slot may hold another
+ * entry.  0, or -1 if it is still referenced or indexed (or not @tok's).
+ */
+int gpc_retire(struct gpc *c, int64_t tok)
+{
+	int64_t id;
+	int ret = -1;
+
+	pthread_mutex_lock(&c->lock);
+	id = c->closed ? -1 : gpc_tok_id(c, tok);
+	if (id >= 0 && !c->ents[id].refs && !c->ents[id].indexed) {
+		c->ents[id].gen = 0;
+		ret = 0;
+	}
+	pthread_mutex_unlock(&c->lock);
+	return ret;
+}
+
+/*
+ * Index [start, end) as entry @id, unreferenced: its token (>= 0), or -1 if
+ * the slot holds an entry, the range is empty or overlaps an indexed entry,
+ * or memory ran out.
+ */
+int64_t gpc_insert(struct gpc *c, int64_t id, uint64_t start, uint64_t end, uint64_t buffer_id,
+		   uint64_t slot, uint64_t valid_word)
 {
 	struct gpc_ent ne;
-	int64_t pos;
-	int ret = 0;
+	int64_t pos, ret = -1;
 
-	if (id < 0 || end <= start)
+	if (id < 0 || id > GPC_MAX_ID || end <= start)
 		return -1;
 	pthread_mutex_lock(&c->lock);
+	if (c->closed)
+		goto out;
 	if (id >= c->nents) {
 		int64_t n = id + 1 > 2 * c->nents ? id + 1 : 2 * c->nents;
 		struct gpc_ent *ents = realloc(c->ents, n * sizeof(*ents));
 
-		if (!ents) {
-			ret = -1;
+		if (!ents)
 			goto out;
-		}
 		memset(ents + c->nents, 0, (n - c->nents) * sizeof(*ents));
 		c->ents = ents;
 		c->nents = n;
@@ -511,31 +689,26 @@ int gpc_insert(struct gpc *c, int64_t id, uint64_t start, uint64_t end, uint64_t
 		uint64_t *starts = realloc(c->starts, cap * sizeof(*starts));
 		int64_t *ids;
 
-		if (!starts) {
-			ret = -1;
+		if (!starts)
 			goto out;
-		}
 		c->starts = starts;
 		ids = realloc(c->ids, cap * sizeof(*ids));
-		if (!ids) {
-			ret = -1;
+		if (!ids)
 			goto out;
-		}
 		c->ids = ids;
 		c->cap = cap;
 	}
-	if (c->ents[id].indexed) {
-		ret = -1;
+	/* A slot is reused only after gpc_retire: never under a holder's token. */
+	if (c->ents[id].gen)
 		goto out;
-	}
 	/* No overlaps: the page hash and the sorted index agree only then. */
 	pos = gpc_pos(c, start);
 	if ((pos >= 0 && c->ents[c->ids[pos]].end > start) ||
-	    (pos + 1 < c->n && c->starts[pos + 1] < end)) {
-		ret = -1;
+	    (pos + 1 < c->n && c->starts[pos + 1] < end))
 		goto out;
-	}
-	ne = (struct gpc_ent){ start, end, buffer_id, valid_word, slot, 0, 0, 1, 0 };
+	c->gen = c->gen >= GPC_MAX_GEN ? 1 : c->gen + 1;
+	ne = (struct gpc_ent){ .start = start, .end = end, .buffer_id = buffer_id,
+			       .valid_word = valid_word, .slot = slot, .gen = c->gen, .indexed = 1 };
 	/* Out of memory for the hash is no failure: the sorted index finds it. */
 	if (gpc_page_last(end) - (start >> GPC_PAGE_SHIFT) < GPC_HASH_MAX_PAGES &&
 	    !gpc_pages_add(c, id, start, end))
@@ -543,24 +716,27 @@ int gpc_insert(struct gpc *c, int64_t id, uint64_t start, uint64_t end, uint64_t
 	else
 		c->unhashed++;
 	c->ents[id] = ne;
+	gpc_lru_add(c, id);
 	pos++;
 	memmove(c->starts + pos + 1, c->starts + pos, (c->n - pos) * sizeof(*c->starts));
 	memmove(c->ids + pos + 1, c->ids + pos, (c->n - pos) * sizeof(*c->ids));
 	c->starts[pos] = start;
 	c->ids[pos] = id;
 	c->n++;
+	ret = gpc_token(c, id);
 out:
 	pthread_mutex_unlock(&c->lock);
 	return ret;
 }
 
 /*
- * Entry @id leaves the index: out of the page hash, and out of the sorted
- * arrays at @pos (-1: not found there).  Its refs stay until released.
+ * Entry @id leaves the index: out of the page hash, the LRU list, and the
+ * sorted arrays at @pos (-1: not found there).  Its refs stay until released.
  */
 static void gpc_unindex(struct gpc *c, int64_t id, int64_t pos)
 {
 	gpc_unhash(c, id);
+	gpc_lru_del(c, id);
 	if (pos >= 0) {
 		memmove(c->starts + pos, c->starts + pos + 1, (c->n - pos - 1) * sizeof(*c->starts));
 		memmove(c->ids + pos, c->ids + pos + 1, (c->n - pos - 1) * sizeof(*c->ids));
@@ -569,14 +745,15 @@ static void gpc_unindex(struct gpc *c, int64_t id, int64_t pos)
 	c->ents[id].indexed = 0;
 }
 
-/* Take id out of the index (its refs stay until released). */
-int gpc_remove(struct gpc *c, int64_t id)
+/* Take the entry @tok names out of the index (its refs stay until released). */
+int gpc_remove(struct gpc *c, int64_t tok)
 {
-	int64_t pos;
+	int64_t id, pos;
 	int ret = -1;
 
 	pthread_mutex_lock(&c->lock);
-	if (id >= 0 && id < c->nents && c->ents[id].indexed) {
+	id = c->closed ? -1 : gpc_tok_id(c, tok);
+	if (id >= 0 && c->ents[id].indexed) {
 		pos = gpc_index_of(c, id);
 		gpc_unindex(c, id, pos);
 		ret = pos >= 0 ? 0 : -1;
@@ -588,53 +765,85 @@ int gpc_remove(struct gpc *c, int64_t id)
 /*
  * Take the indexed, unreferenced entry released longest ago out of the
  * index, atomically with choosing it (no lookup can reference it after);
- * returns its id, or -1 if every indexed entry is in use.
+ * returns its token, or -1 if every indexed entry is in use.
  */
 int64_t gpc_evict_lru(struct gpc *c)
 {
-	int64_t i, best = -1, best_pos = -1;
-	uint64_t best_lru = UINT64_MAX;
+	int64_t id, ret = -1;
 
 	pthread_mutex_lock(&c->lock);
-	for (i = 0; i < c->n; i++) {
-		struct gpc_ent *e = &c->ents[c->ids[i]];
-
-		if (!e->refs && e->lru < best_lru) {
-			best_lru = e->lru;
-			best = c->ids[i];
-			best_pos = i;
-		}
+	id = c->lru_head;
+	if (id >= 0) {
+		gpc_unindex(c, id, gpc_index_of(c, id));
+		ret = gpc_token(c, id);
 	}
-	if (best >= 0)
-		gpc_unindex(c, best, best_pos);
 	pthread_mutex_unlock(&c->lock);
-	return best;
+	return ret;
 }
 
-/* The indexed entry whose range holds ptr (for invalidation), or -1. */
+/*
+ * Up to @max unreferenced entries out of the index at once, least recently
+ * released first, their tokens in @out: how many.  One pass over the sorted
+ * arrays, however many go (purge() would be quadratic one by one).
+ */
+int64_t gpc_evict_unused(struct gpc *c, int64_t *out, int64_t max)
+{
+	int64_t n = 0, i, j;
+
+	pthread_mutex_lock(&c->lock);
+	while (n < max && c->lru_head >= 0) {
+		int64_t id = c->lru_head;
+
+		gpc_unindex(c, id, -1);	/* -1: the arrays are compacted below */
+		out[n++] = gpc_token(c, id);
+	}
+	for (i = j = 0; n && i < c->n; i++) {
+		if (!c->ents[c->ids[i]].indexed)
+			continue;
+		c->starts[j] = c->starts[i];
+		c->ids[j++] = c->ids[i];
+	}
+	if (n)
+		c->n = j;
+	pthread_mutex_unlock(&c->lock);
+	return n;
+}
+
+/* The token of the indexed entry whose range holds ptr (for invalidation), or -1. */
 int64_t gpc_find(struct gpc *c, uint64_t ptr)
 {
-	int64_t pos, id = -1;
+	int64_t pos, tok = -1;
 
 	pthread_mutex_lock(&c->lock);
 	pos = gpc_pos(c, ptr);
 	if (pos >= 0 && ptr < c->ents[c->ids[pos]].end)
-		id = c->ids[pos];
+		tok = gpc_token(c, c->ids[pos]);
 	pthread_mutex_unlock(&c->lock);
-	return id;
+	return tok;
 }
 
-/* Some indexed entry overlapping [start, stop), or -1. */
+/* The token of some indexed entry overlapping [start, stop), or -1. */
 int64_t gpc_overlap(struct gpc *c, uint64_t start, uint64_t stop)
 {
-	int64_t pos, id = -1;
+	int64_t pos, tok = -1;
 
 	pthread_mutex_lock(&c->lock);
 	pos = gpc_pos(c, stop - 1);	/* the last entry starting before stop */
 	if (pos >= 0 && c->ents[c->ids[pos]].end > start)
-		id = c->ids[pos];
+		tok = gpc_token(c, c->ids[pos]);
 	pthread_mutex_unlock(&c->lock);
-	return id;
+	return tok;
+}
+
+/* Entries referenced now (close() refuses while any is). */
+int64_t gpc_held(struct gpc *c)
+{
+	int64_t n;
+
+	pthread_mutex_lock(&c->lock);
+	n = gpc_held_locked(c);
+	pthread_mutex_unlock(&c->lock);
+	return n;
 }
 
 void gpc_counts(struct gpc *c, uint64_t *acquires, uint64_t *hits)

@@ -16,7 +16,8 @@
 #define GPC_MISS (-1)
 #define GPC_BAD_ARG (-2)
 #define GPC_CLOSED (-3)
-#define GPC_STALE_BASE 4	/* stale entry id -> -(id + GPC_STALE_BASE) */
+#define GPC_TOO_MANY_REFS (-4)
+#define GPC_STALE_BASE 8	/* stale entry's token -> -(token + GPC_STALE_BASE) */
 
 /* cffi cdef begin */
 int gpupin_call(int fd, unsigned long cmd, void *arg);
@@ -25,18 +26,25 @@ int gpupin_cover_zero(uint64_t addr, uint64_t len);
 struct gpc;
 struct gpc *gpc_new(const uint64_t *words, uint64_t nwords, int check_kernel, int check_tag_cuda);
 void gpc_free(struct gpc *c);
-void gpc_close(struct gpc *c);
+int64_t gpc_close(struct gpc *c, int force);
 void gpc_reset_in_child(struct gpc *c);
 int gpc_set_words(struct gpc *c, const uint64_t *words, uint64_t nwords);
+void gpc_set_max_refs(struct gpc *c, int32_t max_refs);
 int gpc_install(void);
 int64_t gpc_lookup(struct gpc *c, uint64_t ptr, uint64_t size);
-int gpc_release(struct gpc *c, int64_t id);
-int gpc_insert(struct gpc *c, int64_t id, uint64_t start, uint64_t end, uint64_t buffer_id,
-	       uint64_t slot, uint64_t valid_word);
-int gpc_remove(struct gpc *c, int64_t id);
-int gpc_use(struct gpc *c, int64_t id);
+int gpc_release(struct gpc *c, int64_t tok);
+int64_t gpc_insert(struct gpc *c, int64_t id, uint64_t start, uint64_t end, uint64_t buffer_id,
+		   uint64_t slot, uint64_t valid_word);
+int gpc_remove(struct gpc *c, int64_t tok);
+int gpc_use(struct gpc *c, int64_t tok);
+int gpc_retire(struct gpc *c, int64_t tok);
 int64_t gpc_evict_lru(struct gpc *c);
-int gpc_refs(struct gpc *c, int64_t id);
+int64_t gpc_evict_unused(struct gpc *c, int64_t *out, int64_t max);
+int gpc_refs(struct gpc *c, int64_t tok);
+int64_t gpc_held(struct gpc *c);
+int gpc_trylock(struct gpc *c);
+void gpc_lock(struct gpc *c);
+void gpc_unlock(struct gpc *c);
 void gpc_counts(struct gpc *c, uint64_t *acquires, uint64_t *hits);
 int64_t gpc_find(struct gpc *c, uint64_t ptr);
 int64_t gpc_overlap(struct gpc *c, uint64_t start, uint64_t stop);
@@ -48,6 +56,8 @@ int gp_cuda_attr_u64(uint64_t ptr, int attr, uint64_t *out);
 /* cffi cdef end */
 
 /* For the CPython entry points (python.c) only. */
-int gpc_release_ex(struct gpc *c, int64_t id, int *unindexed);
+int gpc_release_ex(struct gpc *c, int64_t tok, int *unindexed);
+int64_t gpc_lookup_locked(struct gpc *c, uint64_t ptr, uint64_t size);
+int gpc_release_locked(struct gpc *c, int64_t tok, int *unindexed);
 
 #endif
