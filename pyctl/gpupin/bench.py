@@ -7,7 +7,8 @@ Figures are ratios measured in one run (these machines are shared and noisy):
   the convenient acquire() + release() through Registration objects;
 - trace: 10,000 transfers over 64 buffers with Zipf reuse and 100 us pins,
   cache against pin-per-transfer (pins issued and wall time);
-- scale: hit cost with 100,000 cached regions over hit cost with 100;
+- scale: hit cost with 100,000 cached regions over hit cost with 100; purge()
+  time per entry with 100,000 over 10,000 (it must not grow with the entries);
 - pressure: 64 MiB of BAR, 256 MiB working set: failed acquires and evictions;
 - threads: lookup + release_token hits from 1, 4 and 16 threads on one cache
   (aggregate time per hit; the GIL serialises Python, the cache's own lock
@@ -44,6 +45,7 @@ TARGETS = {
     "trace_pin_reduction": 100.0,
     "trace_speedup": 10.0,
     "scale_100k_over_100": 1.5,
+    "purge_100k_over_10k": 1.5,
     "pressure_failed_acquires": 0,
     "threads_16_over_1": 2.0,
     "vm_pin_unpin_many_over_100": 1.3,
@@ -246,11 +248,22 @@ def bench_scale(reps: int, n: int, big: int) -> dict[str, Any]:
     # Interleaved batches: a drift of the machine falls on both sides alike.
     t = interleaved_ns({"small": hit_loop(small_cache, small_ptrs), "large": hit_loop(big_cache, pick)}, n, reps)
     small, large = t["small"], t["large"]
+    # purge(): the time per entry must not grow with the entries (it scanned all of them for
+    # each one it evicted).  The big cache's 100 picked entries stay: hit_loop holds them.
+    tenth_cache, _ = _cached(big // 10, "kernel")
+    t0 = time.perf_counter()
+    n_tenth = tenth_cache.purge()
+    t1 = time.perf_counter()
+    n_big = big_cache.purge()
+    t2 = time.perf_counter()
     return {
         "scale_regions": big,
         "scale_hit_100_ns": small,
         "scale_hit_big_ns": large,
         "scale_100k_over_100": large / small,
+        "purge_tenth_ns_per_entry": (t1 - t0) * 1e9 / n_tenth,
+        "purge_big_ns_per_entry": (t2 - t1) * 1e9 / n_big,
+        "purge_100k_over_10k": ((t2 - t1) / n_big) / ((t1 - t0) / n_tenth),
     }
 
 
