@@ -10,7 +10,6 @@ import select
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,7 +209,7 @@ class Device(Closable):
         self._words: memoryview | None = None
         self._lock = threading.Lock()
         self._children: weakref.WeakSet[Any] = weakref.WeakSet()
-        os.register_at_fork(after_in_child=_cover_map_in_child(weakref.ref(self)))
+        _DEVICES.add(self)  # _cover_maps_in_child covers its validity map in a fork child
         try:
             info = self.info()
         except BaseException:
@@ -536,18 +535,32 @@ class Device(Closable):
                 return []
 
 
-def _cover_map_in_child(ref: weakref.ref[Device]) -> Callable[[], None]:
-    """A fork hook: the kernel does not copy the validity map into the child; read zeros there."""
+# Every live Device, for the one fork hook below (a hook per Device would pile up: they
+# cannot be unregistered).
+_DEVICES: weakref.WeakSet[Device] = weakref.WeakSet()
 
-    def hook() -> None:
-        dev = ref()
-        if dev is None or dev._map is None:
-            return
-        dev._lock = threading.Lock()
-        addr = int(ffi.cast("uintptr_t", ffi.from_buffer(dev._map)))
-        lib.gpupin_cover_zero(addr, len(dev._map))
 
-    return hook
+def _cover_maps_in_child() -> None:
+    """The fork hook: the kernel does not copy validity maps into the child; read zeros there."""
+    error: BaseException | None = None
+    for dev in list(_DEVICES):
+        try:
+            _cover_map(dev)
+        except Exception as exc:  # the other devices still get their cover; reported below
+            error = error or exc
+    if error is not None:
+        raise error
+
+
+def _cover_map(dev: Device) -> None:
+    if dev._map is None:
+        return
+    dev._lock = threading.Lock()
+    addr = int(ffi.cast("uintptr_t", ffi.from_buffer(dev._map)))
+    lib.gpupin_cover_zero(addr, len(dev._map))
+
+
+os.register_at_fork(after_in_child=_cover_maps_in_child)
 
 
 def _u64(value: int, name: str) -> int:
