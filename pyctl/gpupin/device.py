@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import errno
+import math
 import mmap
 import os
 import select
 import threading
+import time
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,13 +182,20 @@ class Pin:
 
 
 class Device(Closable):
-    """An open ``/dev/gpupin``.  Each open file owns its pins; close releases them."""
+    """An open ``/dev/gpupin``.  Each open file owns its pins; close releases them.
+
+    The file is opened non-blocking (``O_NONBLOCK``), and stays so: ``read_events`` reads
+    until the queue is empty without ever changing the file's flags, so any number of threads
+    and registration caches may share one Device.  See ``fileno()`` for reading it yourself.
+    """
 
     def __init__(self, path: str = DEFAULT_PATH) -> None:
         self.path = path
         self._pid = os.getpid()  # the opener: the kernel refuses this file to other processes
         try:
-            self._fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            # Non-blocking for good: threads share the file, so its flags never change (a thread
+            # that made it blocking for a moment would leave another one asleep in read()).
+            self._fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
             raise DriverNotLoaded(
                 f"{path} does not exist: load the module with 'gpupin load' "
@@ -202,7 +210,7 @@ class Device(Closable):
         self._words: memoryview | None = None
         self._lock = threading.Lock()
         self._children: weakref.WeakSet[Any] = weakref.WeakSet()
-        os.register_at_fork(after_in_child=_cover_map_in_child(weakref.ref(self)))
+        _DEVICES.add(self)  # _cover_maps_in_child covers its validity map in a fork child
         try:
             info = self.info()
         except BaseException:
@@ -218,6 +226,15 @@ class Device(Closable):
 
     # -- plumbing -----------------------------------------------------------
     def fileno(self) -> int:
+        """The open file's descriptor, for ioctls, ``mmap`` and select/poll/selectors.
+
+        The file is non-blocking: ``read()`` on it raises ``BlockingIOError`` (EAGAIN) when no
+        record is queued, so whoever reads it directly must wait with select, poll or selectors
+        first.  Do not change its flags (``os.set_blocking``, ``fcntl``): other threads, and the
+        registration caches built on this Device, share the file and count on ``read()`` never
+        sleeping; with a blocking file one of them could sleep until the next invalidation,
+        holding its locks.  For a blocking read, open a Device of your own.
+        """
         if self._fd < 0:
             raise GpupinError(f"{self.path} is closed")
         return self._fd
@@ -487,48 +504,75 @@ class Device(Closable):
 
     # -- invalidation records ------------------------------------------------
     def read_events(self) -> list[Event]:
-        """Invalidation records queued now (never blocks)."""
+        """Invalidation records queued now (never blocks: reads until the queue is empty).
+
+        Each record goes to exactly one reader: with several threads reading, each gets some.
+        """
         size = ffi.sizeof("struct gpupin_event")
         out: list[Event] = []
-        os.set_blocking(self.fileno(), False)
-        try:
-            while True:
-                try:
-                    data = os.read(self.fileno(), size * 64)
-                except BlockingIOError:
-                    break
-                except PermissionError:
-                    raise self._forked("read of invalidation records") or from_errno(errno.EACCES, "read") from None
-                buf = ffi.from_buffer("struct gpupin_event[]", data)
-                for i in range(len(data) // size):
-                    e = buf[i]
-                    out.append(Event(e.handle, e.user_tag, REASON_NAMES.get(e.reason, str(e.reason)), e.slot))
-        finally:
-            os.set_blocking(self.fileno(), True)
+        fd = self.fileno()
+        while True:
+            try:
+                data = os.read(fd, size * 64)
+            except BlockingIOError:
+                break
+            except PermissionError:
+                raise self._forked("read of invalidation records") or from_errno(errno.EACCES, "read") from None
+            if not data:  # end of file: never from gpupin, which has no end
+                break
+            buf = ffi.from_buffer("struct gpupin_event[]", data)
+            for i in range(len(data) // size):
+                e = buf[i]
+                out.append(Event(e.handle, e.user_tag, REASON_NAMES.get(e.reason, str(e.reason)), e.slot))
         return out
 
     def wait_invalidations(self, timeout: float | None = None) -> list[Event]:
-        """Wait up to ``timeout`` seconds (None: forever) for invalidation records."""
+        """Wait up to ``timeout`` seconds (None: forever) for invalidation records.
+
+        Returns the records read, or [] once the timeout has passed with none: records that
+        another thread takes first (between this one's poll and read) do not end the wait.
+        """
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         poller = select.poll()
         poller.register(self.fileno(), select.POLLIN)
-        ms = None if timeout is None else max(0, int(timeout * 1000))
-        if not poller.poll(ms):
-            return []
-        return self.read_events()
+        while True:
+            ms = None if deadline is None else max(0, math.ceil((deadline - time.monotonic()) * 1000))
+            ready = poller.poll(ms)
+            if ready:
+                events = self.read_events()
+                # Without POLLIN (an error, a hangup) there is nothing to wait for.
+                if events or not ready[0][1] & select.POLLIN:
+                    return events
+            if deadline is not None and time.monotonic() >= deadline:
+                return []
 
 
-def _cover_map_in_child(ref: weakref.ref[Device]) -> Callable[[], None]:
-    """A fork hook: the kernel does not copy the validity map into the child; read zeros there."""
+# Every live Device, for the one fork hook below (a hook per Device would pile up: they
+# cannot be unregistered).
+_DEVICES: weakref.WeakSet[Device] = weakref.WeakSet()
 
-    def hook() -> None:
-        dev = ref()
-        if dev is None or dev._map is None:
-            return
-        dev._lock = threading.Lock()
-        addr = int(ffi.cast("uintptr_t", ffi.from_buffer(dev._map)))
-        lib.gpupin_cover_zero(addr, len(dev._map))
 
-    return hook
+def _cover_maps_in_child() -> None:
+    """The fork hook: the kernel does not copy validity maps into the child; read zeros there."""
+    error: BaseException | None = None
+    for dev in list(_DEVICES):
+        try:
+            _cover_map(dev)
+        except Exception as exc:  # the other devices still get their cover; reported below
+            error = error or exc
+    if error is not None:
+        raise error
+
+
+def _cover_map(dev: Device) -> None:
+    if dev._map is None:
+        return
+    dev._lock = threading.Lock()
+    addr = int(ffi.cast("uintptr_t", ffi.from_buffer(dev._map)))
+    lib.gpupin_cover_zero(addr, len(dev._map))
+
+
+os.register_at_fork(after_in_child=_cover_maps_in_child)
 
 
 def _u64(value: int, name: str) -> int:

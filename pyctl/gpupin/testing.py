@@ -6,7 +6,8 @@ real driver with GPUPIN_NATIVE=1), ``device`` (an open Device), ``memory``
 ``leakcheck`` (fails a test that leaves simulator pages, BAR bytes,
 callbacks or mappings behind) and ``sim_params`` (set simulator/gpupin
 parameters for one test, restored afterwards).  ``ShellOnPty`` runs
-``gpupin shell`` on a pseudo-terminal for tests of the interactive shell.
+``gpupin shell`` on a pseudo-terminal for tests of the interactive shell;
+``PausedThread`` stops a thread at a chosen call, for tests of interleavings.
 
 Where the modules cannot be loaded the tests skip with the reason, unless
 GPUPIN_REQUIRE_VM=1 (set by the VM harness), where that is a failure.
@@ -20,8 +21,10 @@ import pty
 import select
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -90,6 +93,62 @@ def in_child(fn: Callable[[], int], timeout: float | None = None) -> int:
             os.waitpid(pid, 0)
             pytest.fail(f"the child process hung: killed after {timeout} s")
         time.sleep(0.02)
+
+
+class PausedThread(threading.Thread):
+    """Runs ``fn`` on a daemon thread that stops right after its first call of a C function
+    that ``stop_after`` picks, made from the Python function ``where``, returns; it goes on at
+    ``resume()``.  One chosen interleaving of threads, made every time with a profile hook (as
+    a debugger would) and no change to the code under test.  ``result`` or ``error`` tell
+    how ``fn`` ended."""
+
+    def __init__(
+        self,
+        fn: Callable[[], Any],
+        where: Callable[..., Any],
+        stop_after: Callable[[Any], bool],
+        timeout: float = 10.0,
+    ) -> None:
+        super().__init__(daemon=True, name=f"paused in {where.__name__}")
+        self.fn, self.code, self.stop_after, self.timeout = fn, where.__code__, stop_after, timeout
+        self.paused, self._go = threading.Event(), threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def _profile(self, frame: FrameType, event: str, arg: Any) -> None:
+        if event == "c_return" and frame.f_code is self.code and not self.paused.is_set() and self.stop_after(arg):
+            self.paused.set()
+            self._go.wait(self.timeout)
+
+    def run(self) -> None:
+        sys.setprofile(self._profile)
+        try:
+            self.result = self.fn()
+        except BaseException as exc:  # handed to the test
+            self.error = exc
+        finally:
+            sys.setprofile(None)
+
+    def start_and_pause(self) -> None:
+        """Start the thread and wait until it stops (AssertionError after ``timeout``)."""
+        self.start()
+        assert self.paused.wait(self.timeout), f"the thread {self.name} never reached its pause"
+
+    def resume(self) -> None:
+        self._go.set()
+
+
+def after_read(fn: Any) -> bool:
+    """For PausedThread: stop after ``os.read``."""
+    return fn is os.read
+
+
+_POLL_TYPE = type(select.poll())
+
+
+def after_poll(fn: Any) -> bool:
+    """For PausedThread: stop after a ``select.poll`` object's ``poll()`` (not its ``register()``)."""
+    return getattr(fn, "__name__", "") == "poll" and isinstance(getattr(fn, "__self__", None), _POLL_TYPE)
 
 
 @pytest.fixture(scope="session")

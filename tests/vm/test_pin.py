@@ -224,6 +224,35 @@ def test_read_needs_a_whole_record(device: Device) -> None:
     assert ei.value.errno == errno.EINVAL
 
 
+def test_the_file_is_non_blocking(device: Device, sim: SimMemory) -> None:
+    """A Device opens /dev/gpupin O_NONBLOCK, and the kernel honours it: read() of an empty
+    queue says EAGAIN at once; records are read as they come; reading leaves the flags alone."""
+    import fcntl
+    import select
+
+    from gpupin._native import ffi, lib
+
+    fd = device.fileno()
+    assert not os.get_blocking(fd) and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_NONBLOCK
+    size = ffi.sizeof("struct gpupin_event")
+    with pytest.raises(BlockingIOError) as ei:
+        os.read(fd, size)
+    assert ei.value.errno == errno.EAGAIN
+    va = sim.alloc(GPU_PAGE)
+    pin = device.pin(va, GPU_PAGE, user_tag=3)
+    sim.free(va)
+    assert select.select([fd], [], [], 5)[0] == [fd], "poll does not say a record is queued"
+    data = os.read(fd, 2 * size)
+    assert len(data) == size
+    ev = ffi.from_buffer("struct gpupin_event[]", data)[0]
+    assert (ev.handle, ev.user_tag, ev.reason) == (pin.handle, 3, lib.GPUPIN_INVAL_FREED)
+    with pytest.raises(BlockingIOError):
+        os.read(fd, size)
+    assert device.read_events() == [] and device.wait_invalidations(0) == []
+    assert not os.get_blocking(fd), "reading records changed the file's flags"
+    device.unpin(pin)
+
+
 def test_debug_log_says_what_happened_and_is_rate_limited(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
     """debug=1 logs pins, releases and invalidations, at most a burst (10) per 5 s per message."""
     import time
@@ -262,10 +291,12 @@ def test_debug_log_says_what_happened_and_is_rate_limited(device: Device, sim: S
     assert not any("0xffff" in ln for ln in after if ln.startswith("gpupin:"))
 
 
-def test_blocking_read_waits_for_the_event_and_a_signal_interrupts_it(device: Device, sim: SimMemory) -> None:
-    """read() on /dev/gpupin without O_NONBLOCK sleeps until a record is queued; a signal wakes it."""
+def test_blocking_read_waits_for_the_event_and_a_signal_interrupts_it(sim: SimMemory) -> None:
+    """read() on /dev/gpupin without O_NONBLOCK sleeps until a record is queued; a signal wakes it.
+
+    A Device's file is non-blocking and shared by its users: the blocking file is one of this
+    test's own, a Device that nothing else uses, made blocking."""
     import signal
-    import struct
     import threading
     import time
 
@@ -273,39 +304,43 @@ def test_blocking_read_waits_for_the_event_and_a_signal_interrupts_it(device: De
     from gpupin._native import ffi, lib
 
     size = ffi.sizeof("struct gpupin_event")
-    va = sim.alloc(GPU_PAGE)
-    pin = device.pin(va, GPU_PAGE, user_tag=7)
-    got: list[bytes | BaseException] = []
+    with Device() as own:
+        fd = own.fileno()
+        os.set_blocking(fd, True)
+        va = sim.alloc(GPU_PAGE)
+        pin = own.pin(va, GPU_PAGE, user_tag=7)
+        got: list[bytes | BaseException] = []
 
-    def reader() -> None:
+        def reader() -> None:
+            try:
+                got.append(os.read(fd, size))
+            except BaseException as exc:  # reported below
+                got.append(exc)
+
+        t = threading.Thread(target=reader)
+        t.start()
+        time.sleep(0.3 * SLOW)
+        assert not got, f"read returned with nothing queued: {got}"
+        sim.free(va)
+        t.join(10 * SLOW)
+        assert not t.is_alive() and len(got) == 1 and isinstance(got[0], bytes), got
+        ev = ffi.from_buffer("struct gpupin_event[]", got[0])[0]
+        assert (ev.handle, ev.user_tag, ev.reason) == (pin.handle, 7, lib.GPUPIN_INVAL_FREED)
+        own.unpin(pin)
+
+        class Interrupted(Exception):
+            pass
+
+        def on_alarm(signum: int, frame: object) -> None:
+            raise Interrupted
+
+        old = signal.signal(signal.SIGALRM, on_alarm)
         try:
-            got.append(os.read(device.fileno(), size))
-        except BaseException as exc:  # reported below
-            got.append(exc)
-
-    t = threading.Thread(target=reader)
-    t.start()
-    time.sleep(0.3 * SLOW)
-    assert not got, f"read returned with nothing queued: {got}"
-    sim.free(va)
-    t.join(10 * SLOW)
-    assert not t.is_alive() and len(got) == 1 and isinstance(got[0], bytes), got
-    handle, tag, reason, _slot, _ = struct.unpack("=QQIIQ", got[0])
-    assert (handle, tag, reason) == (pin.handle, 7, lib.GPUPIN_INVAL_FREED)
-    device.unpin(pin)
-
-    class Interrupted(Exception):
-        pass
-
-    def on_alarm(signum: int, frame: object) -> None:
-        raise Interrupted
-
-    old = signal.signal(signal.SIGALRM, on_alarm)
-    try:
-        signal.setitimer(signal.ITIMER_REAL, 0.3 * SLOW)
-        with pytest.raises(Interrupted):
-            os.read(device.fileno(), size)  # nothing queued: sleeps until the signal
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-    assert device.read_events() == []  # the file still works, nothing was lost or invented
+            signal.setitimer(signal.ITIMER_REAL, 0.3 * SLOW)
+            with pytest.raises(Interrupted):
+                os.read(fd, size)  # nothing queued: sleeps until the signal
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+        os.set_blocking(fd, False)  # read_events reads until EAGAIN: on a blocking file it would sleep
+        assert own.read_events() == []  # the file still works, nothing was lost or invented
