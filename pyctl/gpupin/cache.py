@@ -26,8 +26,9 @@ Lifetimes (the README's "Lifetime rules" says the same for users):
   nobody holds is unpinned.  Pins still held through bare tokens stay until
   the device closes.
 - In a fork child the cache starts empty and opens a device of its own at its
-  first pin; the parent's registrations are the parent's (releasing one in the
-  child does nothing).  A closed cache stays closed.
+  first pin; the parent's registrations are the parent's (releasing a parent's
+  Registration in the child does nothing, a parent's token is refused).  A
+  closed cache stays closed.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import functools
 import operator
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -211,9 +213,10 @@ class _Life:
             ffi.release(self.map_buf)
             self.map_buf = None
 
-    def unpin_unheld(self) -> int:
-        """After gpc_close: unpin every entry its holders let go of; the references still held."""
-        held = 0
+    def unpin_unheld(self) -> tuple[int, int]:
+        """After gpc_close: unpin every entry its holders let go of; (entries still held, unpins
+        the device refused)."""
+        held = failed = 0
         for e in self.ents:
             if e is None or e.done:
                 continue
@@ -229,9 +232,11 @@ class _Life:
             e.maps.clear()
             try:
                 self.device.unpin(e.pin.handle)
+            except UnknownHandle:
+                pass  # gone with the device already
             except GpupinError:
-                pass  # the device is closing, or the pin is gone already
-        return held
+                failed += 1  # the device refused: nothing more to do for it here
+        return held, failed
 
     def finalize(self) -> None:
         """The cache went without close(): close its core, unpin what nobody holds."""
@@ -239,7 +244,7 @@ class _Life:
             return
         self.closed = True
         lib.gpc_close(self.core, 1)  # bound fast paths raise from now on; no map reads
-        held = self.unpin_unheld()
+        held, _ = self.unpin_unheld()
         self.release_map()
         owned, self.owned = self.owned, None
         if owned is not None and not held:
@@ -302,7 +307,9 @@ class RegistrationCache:
             raise MemoryError("gpupin cache: out of memory")
         self._life = _Life(self._c, device, map_buf)
         self._ents = self._life.ents  # the same list: changed in place only
-        weakref.finalize(self, _Life.finalize, self._life)
+        # Not at interpreter exit: a cache still alive then may be in use by another atexit
+        # hook (a library's teardown); the process's exit releases everything anyway.
+        weakref.finalize(self, _Life.finalize, self._life).atexit = False
         self._lookup = lib.gpc_lookup
         self._set_fast_path()
         self._lock = threading.RLock()
@@ -336,6 +343,10 @@ class RegistrationCache:
         """How many entries are referenced now (by registrations or tokens not yet released)."""
         return int(lib.gpc_held(self._c))
 
+    def _quiesce(self, on: bool) -> None:
+        """Stop (or resume) handing out references, for a close that waits (Device.close too)."""
+        lib.gpc_quiesce(self._c, int(on))
+
     # -- the hot path ------------------------------------------------------------
     def _set_fast_path(self) -> None:
         self.fast_lookup: Callable[[int, int], int]
@@ -351,7 +362,7 @@ class RegistrationCache:
         elif gpc_bind is not None:
             # One vectorcall into C each; they hold self._c, so the core outlives any copy.
             addr = int(ffi.cast("uintptr_t", self._c))
-            on_stale = functools.partial(RegistrationCache._release_stale, proxy)
+            on_stale = functools.partial(_call_cache, weakref.ref(self), RegistrationCache._release_stale, gone_ok=True)
             self.fast_lookup, self.release_token = gpc_bind((addr, self._c, InvalidArgument, on_stale))
         else:
             self.fast_lookup = functools.partial(self._lookup, self._c)
@@ -419,6 +430,8 @@ class RegistrationCache:
                 f"acquire(ptr={ptr:#x}, size={size}): the registration covering it is held {2**31 - 1} times "
                 "already; release some (a loop that never releases?)"
             )
+        if r == lib.GPC_CLOSED:  # closed, or closing: said without waiting for the lock
+            raise InvalidArgument("this RegistrationCache is closed (or closing)")
         with self._lock:
             if self._pid != os.getpid():
                 self._forget()
@@ -433,7 +446,7 @@ class RegistrationCache:
                 r = int(self._lookup(self._c, ptr, size))
                 self._relookups += 1
             if r == lib.GPC_CLOSED:
-                raise InvalidArgument("this RegistrationCache is closed")
+                raise InvalidArgument("this RegistrationCache is closed (or closing)")
             if r == lib.GPC_TOO_MANY_REFS:
                 return self._slow(ptr, size, r)  # raises
             if r >= 0:  # a C hit; the tag is checked here
@@ -457,7 +470,8 @@ class RegistrationCache:
                 if e is not None and not e.pin.is_valid():
                     self._invalidate(e, "kernel")
             e = self._insert(ptr, ptr + size)
-            lib.gpc_use(self._c, e.token)
+            if lib.gpc_use(self._c, e.token) < 0:  # a close began: the entry stays for it to unpin
+                raise InvalidArgument("this RegistrationCache is closed (or closing)")
             return e.token
 
     def _tag_ok(self, e: _Entry, ptr: int) -> bool:
@@ -769,24 +783,33 @@ class RegistrationCache:
         pid = getattr(self.device, "_pid", None)
         return str(pid) if pid is not None else "the parent"
 
-    def close(self) -> None:
+    def close(self, timeout: float = 0.0) -> None:
         """Unpin everything and let go of the device's validity map; the cache is unusable after.
 
-        Refuses with InUse, changing nothing, while a registration (or a token from ``lookup``
-        or ``fast_lookup``) is held: a NIC or cuFile may still be moving data through its pin.
-        Release them first.  Closing a closed cache does nothing.
+        Refuses with InUse while a registration (or a token from ``lookup`` or ``fast_lookup``)
+        is held: a NIC or cuFile may still be moving data through its pin.  With ``timeout``
+        (seconds) it first stops handing out references (lookups say "closing") and waits that
+        long for the holders to release; if they do not, it resumes and raises InUse, changing
+        nothing.  Closing a closed cache does nothing.
         """
         if self._pid != os.getpid():
             self._forget()  # a fork child without the hook: drop the parent's pins unreleased
         with self._lock:
             if self._closed:
                 return
+            if timeout > 0:
+                self._quiesce(True)
+                deadline = time.monotonic() + timeout
+                while lib.gpc_held(self._c) and time.monotonic() < deadline:
+                    time.sleep(0.001)
             held = int(lib.gpc_close(self._c, 0))  # atomic with the check: no hit gets in between
             if held:
+                self._quiesce(False)
+                waited = f" after waiting {timeout} s" if timeout > 0 else ""
                 raise InUse(
-                    f"close: {held} registration(s) of this cache are still held; release them (end "
-                    "their with-blocks, call release() or release_token()) and close again: their "
-                    "pins stay until then"
+                    f"close: {held} registration(s) of this cache are still held{waited}; release them "
+                    "(end their with-blocks, call release() or release_token()) and close again, or "
+                    "close(timeout=) to wait for them: their pins stay until then"
                 )
             self._closed = True
             self._life.closed = True
@@ -795,7 +818,8 @@ class RegistrationCache:
             for e in list(self._indexed.values()):
                 self._unindex(e)
             self._st.unpins += sum(1 for ent in self._ents if ent is not None and not ent.done)
-            self._life.unpin_unheld()
+            _, failed = self._life.unpin_unheld()
+            self._st.unpin_failures += failed
             self._ents.clear()
             self._free_ids = []
             self._life.release_map()
@@ -841,10 +865,15 @@ def _closed_lookup(ptr: int, size: int) -> int:
     raise InvalidArgument("this RegistrationCache is closed")
 
 
-def _call_cache(ref: weakref.ref[RegistrationCache], method: Callable[..., Any], *args: Any) -> Any:
-    """A saved fast path in Python (tag checks in Python): the method, while the cache lives."""
+def _call_cache(
+    ref: weakref.ref[RegistrationCache], method: Callable[..., Any], *args: Any, gone_ok: bool = False
+) -> Any:
+    """A saved fast path in Python (tag checks in Python): the method, while the cache lives.
+    ``gone_ok``: a dead cache is no error (a stale entry's last release: its finalizer unpins)."""
     cache = ref()
     if cache is None:
+        if gone_ok:
+            return None
         raise InvalidArgument(
             f"{method.__name__.lstrip('_')}: this RegistrationCache is closed (or was dropped: keep a "
             "reference to the cache as long as its fast_lookup/release_token)"

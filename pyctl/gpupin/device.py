@@ -270,11 +270,16 @@ class Device(Closable):
         """Close the file (and the caches built on it): the kernel releases every pin it holds.
 
         Refuses with InUse, closing nothing, while a cache on this device holds a registration
-        (a NIC may still be moving data through its pin): release it first.
+        (a NIC may still be moving data through its pin): release it first.  The caches stop
+        handing out references while their holders are counted, so the count stays true.
         """
         children = list(getattr(self, "_children", ()))
-        held = sum(int(getattr(child, "held", lambda: 0)()) for child in children)
+        for child in children:
+            child._quiesce(True)
+        held = sum(int(child.held()) for child in children)
         if held:
+            for child in children:
+                child._quiesce(False)
             raise InUse(
                 f"close of {self.path}: {held} registration(s) of its registration caches are still "
                 "held; release them and close again (the file and its pins stay open until then)"

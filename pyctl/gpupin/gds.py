@@ -209,11 +209,12 @@ class CuFileDriver(Closable):
         S = self.cufile.SizeTConfigParameter
         return int(self.cufile.get_parameter_size_t(S.PROPERTIES_MAX_DEVICE_PINNED_MEM_SIZE_KB)) * KiB
 
-    def supersede(self, va: int) -> None:
-        """Deregister the registration at ``va`` now, whoever holds it; its unpin becomes a no-op."""
+    def supersede(self, va: int, handle: int | None = None) -> None:
+        """Deregister the registration at ``va`` now, whoever holds it; its unpin becomes a no-op.
+        ``handle``: only if the registration there is that one (not a newer one of the address)."""
         with self._lock:
             old = self._by_addr.get(va)
-            if old is None:
+            if old is None or (handle is not None and old != handle):
                 return
             self._deregister(va)
             del self._by_addr[va]
@@ -473,7 +474,9 @@ class GdsCache(RegistrationCache):
                     # cuFile finds registrations by address: an unregistered IO here would
                     # use the freed memory's registration.  Drop it now, held or not.
                     self._invalidate(stale, "tag")
-                    self.driver.supersede(stale.start)
+                    # Only its own registration: another thread may have registered the new
+                    # allocation at this address meanwhile (and be doing IO through it).
+                    self.driver.supersede(stale.start, int(stale.pin.handle))
                 self._skipped[adv.reason] = self._skipped.get(adv.reason, 0) + 1
             return GdsUse(ptr, size, adv, None)
         tok = self.miss(ptr, size, tok)  # registers, or replaces a stale entry

@@ -74,6 +74,7 @@ struct gpc {
 	uint64_t nwords;
 	int check_kernel, check_tag_cuda;
 	int closed;			/* gpc_close(): every lookup says GPC_CLOSED */
+	int closing;			/* gpc_quiesce(): lookups say GPC_CLOSED, releases go on */
 	uint32_t gen;			/* the last generation given out */
 	int32_t max_refs;		/* references one entry may hold (a test lowers it) */
 	int32_t lru_head, lru_tail;	/* oldest and newest unreferenced indexed entry */
@@ -372,15 +373,6 @@ static void gpc_drop_lookup(struct gpc *c)
 	c->lru_head = c->lru_tail = -1;
 }
 
-/* Drop every entry and the index; caller holds c->lock (or is alone). */
-static void gpc_drop_index(struct gpc *c)
-{
-	gpc_drop_lookup(c);
-	free(c->ents);
-	c->ents = NULL;
-	c->nents = 0;
-}
-
 /* Entries referenced now; caller holds c->lock. */
 static int64_t gpc_held_locked(const struct gpc *c)
 {
@@ -422,14 +414,39 @@ int64_t gpc_close(struct gpc *c, int force)
  * parent may have held it at the fork.  Bound fast paths keep working: the
  * struct stays where it is.  The generation counter goes on, so no token
  * of the parent names an entry of the child.  A closed core stays closed.
+ *
+ * The child's copies of the arrays are dropped, not freed: a parent thread
+ * in a cffi call (which runs without the GIL, so the fork can come in the
+ * middle) may have been freeing or reallocating them, and freeing them
+ * again here would be a double free.  What leaks is the parent's index, once.
  */
 void gpc_reset_in_child(struct gpc *c)
 {
 	pthread_mutex_init(&c->lock, NULL);
-	gpc_drop_index(c);
+	c->ents = NULL;
+	c->starts = NULL;
+	c->ids = NULL;
+	c->ht = NULL;
+	c->nents = c->n = c->cap = 0;
+	c->ht_cap = c->ht_used = c->ht_live = 0;
+	c->unhashed = 0;
+	c->lru_head = c->lru_tail = -1;
 	c->acquires = c->hits = 0;
 	c->words = NULL;
 	c->nwords = 0;
+	c->closing = 0;
+}
+
+/*
+ * Stop (or resume) handing out references while a close waits for holders:
+ * lookups say GPC_CLOSED, releases are taken.  References can then only go,
+ * so a count of them stays true until the close.
+ */
+void gpc_quiesce(struct gpc *c, int on)
+{
+	pthread_mutex_lock(&c->lock);
+	c->closing = on;
+	pthread_mutex_unlock(&c->lock);
 }
 
 /* The validity map to read from now on; -1 unless the index is empty (or closed). */
@@ -518,7 +535,7 @@ int64_t gpc_lookup_locked(struct gpc *c, uint64_t ptr, uint64_t size)
 	struct gpc_ent *e;
 	int64_t id;
 
-	if (c->closed)
+	if (c->closed || c->closing)
 		return GPC_CLOSED;
 	c->acquires++;
 	id = gpc_page_lookup(c, ptr);
@@ -618,7 +635,7 @@ int gpc_use(struct gpc *c, int64_t tok)
 	int refs = -1;
 
 	pthread_mutex_lock(&c->lock);
-	id = c->closed ? -1 : gpc_tok_id(c, tok);
+	id = c->closed || c->closing ? -1 : gpc_tok_id(c, tok);
 	if (id >= 0 && gpc_get(c, id))
 		refs = c->ents[id].refs;
 	pthread_mutex_unlock(&c->lock);

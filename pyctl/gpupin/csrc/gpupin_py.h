@@ -27,6 +27,7 @@ struct gpc;
 struct gpc *gpc_new(const uint64_t *words, uint64_t nwords, int check_kernel, int check_tag_cuda);
 void gpc_free(struct gpc *c);
 int64_t gpc_close(struct gpc *c, int force);
+void gpc_quiesce(struct gpc *c, int on);
 void gpc_reset_in_child(struct gpc *c);
 int gpc_set_words(struct gpc *c, const uint64_t *words, uint64_t nwords);
 void gpc_set_max_refs(struct gpc *c, int32_t max_refs);
