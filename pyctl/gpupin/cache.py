@@ -794,14 +794,16 @@ class RegistrationCache:
         """
         if self._pid != os.getpid():
             self._forget()  # a fork child without the hook: drop the parent's pins unreleased
+        if timeout > 0 and not self._closed:
+            # Waited for without the lock: a holder may need it to finish (a hit whose tag is
+            # checked in Python holds its reference while it waits for the lock).
+            self._quiesce(True)
+            deadline = time.monotonic() + timeout
+            while lib.gpc_held(self._c) and time.monotonic() < deadline:
+                time.sleep(0.001)
         with self._lock:
             if self._closed:
                 return
-            if timeout > 0:
-                self._quiesce(True)
-                deadline = time.monotonic() + timeout
-                while lib.gpc_held(self._c) and time.monotonic() < deadline:
-                    time.sleep(0.001)
             held = int(lib.gpc_close(self._c, 0))  # atomic with the check: no hit gets in between
             if held:
                 self._quiesce(False)
