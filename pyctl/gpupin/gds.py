@@ -29,7 +29,6 @@ import glob
 import os
 import sys
 import threading
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ from typing import Any
 
 from ._closable import Closable
 from ._native import lib
-from .cache import CacheStats, Registration, RegistrationCache, _Entry
+from .cache import CacheStats, LibraryDriver, LibraryRegistration, Registration, RegistrationCache, _Entry
 from .errors import BarExhausted, DriverNotLoaded, GdsError, InvalidArgument, UnknownHandle
 from .memory import MemoryProvider
 
@@ -94,23 +93,10 @@ def _status(exc: BaseException) -> int | None:
     return int(st) if st is not None else None
 
 
-class CuFileBuffer:
+class CuFileBuffer(LibraryRegistration):
     """One cuFile buffer registration: what the cache holds as its pin."""
 
-    __slots__ = ("handle", "va", "size", "aligned_va", "aligned_size", "entries", "slot", "valid_word")
-
-    def __init__(self, handle: int, va: int, size: int) -> None:
-        self.handle = handle
-        self.va = va
-        self.size = size
-        self.aligned_va = va  # cuFile registers the allocation's own bounds
-        self.aligned_size = size
-        self.entries = 1
-        self.slot = 0
-        self.valid_word = 0
-
-    def is_valid(self) -> bool:
-        return True  # cuFile has no invalidation callback: the buffer-id check is the validity
+    __slots__ = ()
 
 
 @dataclass(frozen=True)
@@ -131,7 +117,7 @@ class Properties:
         return dict(self.__dict__)
 
 
-class CuFileDriver(Closable):
+class CuFileDriver(LibraryDriver):
     """cuFile's buffer registration behind the registration cache's device protocol.
 
     ``cufile`` is the module to use (``cuda.bindings.cufile`` by default;
@@ -139,7 +125,8 @@ class CuFileDriver(Closable):
     (``cuFileDriverOpen``, about 0.4 s) and closes it on ``close()``.
     """
 
-    granule = 1  # register allocations at their own bounds (RegistrationCache reads this)
+    library = "cuFile"
+    cache_name = "GdsCache"
 
     def __init__(self, cufile: Any = None, *, device: int = 0) -> None:
         self.cufile = cufile if cufile is not None else load_cufile()
@@ -151,7 +138,6 @@ class CuFileDriver(Closable):
         self.deregistrations = 0
         self.superseded = 0
         self._lock = threading.RLock()
-        self._cache: Any = None  # weak reference to the one GdsCache over this driver
         self._open = False
         try:
             self.cufile.driver_open()
@@ -245,15 +231,6 @@ class CuFileDriver(Closable):
             return  # nothing was registered there: not a deregistration
         self.deregistrations += 1
 
-    def read_events(self) -> list[Any]:
-        return []  # cuFile has no invalidation callback
-
-    def validity_map(self) -> Any:
-        raise InvalidArgument("cuFile has no validity map: use the registration cache with validate='tag'")
-
-    def dma_map(self, handle: Any, pci: str) -> Any:
-        raise InvalidArgument("cuFile registrations are not DMA-mapped by gpupin: cuFile maps them itself")
-
     # -- what cuFile says about itself --------------------------------------------
     def properties(self) -> Properties:
         cf = self.cufile
@@ -278,22 +255,9 @@ class CuFileDriver(Closable):
     def live(self) -> int:
         return len(self._by_addr)
 
-    def register_child(self, cache: Any) -> None:
-        """RegistrationCache calls this: one cache per driver (the driver's records are its
-        registrations), closed before cuFile is."""
-        if self._cache is not None and self._cache() is not None and not self._cache()._closed:
-            raise InvalidArgument(
-                "this CuFileDriver already has a GdsCache: cuFile keys registrations by address, so "
-                "two caches over one process's cuFile would deregister each other's buffers; share the "
-                "cache (it is thread safe)"
-            )
-        self._cache = weakref.ref(cache)
-
     def close(self) -> None:
         """Close the cache over this driver (deregistering everything), then cuFile."""
-        cache = self._cache() if self._cache is not None else None
-        if cache is not None:
-            cache.close()
+        self.close_cache()
         if self._open:
             self._open = False
             try:
