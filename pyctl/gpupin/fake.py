@@ -19,6 +19,7 @@ gives the calling process one of its own.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import errno
 import itertools
 import mmap
@@ -566,3 +567,47 @@ class FakeCuFile:
         with open(f"/proc/self/fd/{fh - 1000}", "r+b") as f:
             f.seek(offset)
             return f.write(self.memory.read(base + buf_offset, size))
+
+
+class HostMemory(FakeMemory):
+    """Real host memory handed out like device memory: first-fit allocations inside one
+    anonymous mapping (so a freed address comes back, as with cuMemAlloc), a new buffer id per
+    allocation.  For NIXL's DRAM transfers in tests and benchmarks, where another process or
+    agent reads and writes the bytes."""
+
+    name = "host"
+
+    def __init__(self, size: int = 256 << 20, *, granule: int = 4096) -> None:
+        super().__init__(granule=granule)
+        self._arena = mmap.mmap(-1, size, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._view = (ctypes.c_char * size).from_buffer(self._arena)
+        self.BASE = ctypes.addressof(self._view)  # FakeMemory allocates from BASE up
+        self._top = self.BASE
+        self.arena_size = size
+
+    def alloc(self, size: int, *, at: int | None = None) -> int:
+        va = super().alloc(size, at=at)
+        if va + self.range_of(va).size > self.BASE + self.arena_size:
+            super().free(va)
+            raise InvalidArgument(f"alloc({size}): HostMemory's {self.arena_size} bytes are used up")
+        return va
+
+    def write(self, ptr: int, data: bytes) -> None:
+        r = self.range_of(ptr)
+        if ptr + len(data) > r.base + r.size:
+            raise InvalidArgument(f"write({ptr:#x}, {len(data)} bytes): past the allocation")
+        ctypes.memmove(ptr, data, len(data))
+
+    def read(self, ptr: int, size: int) -> bytes:
+        r = self.range_of(ptr)
+        return ctypes.string_at(ptr, min(size, r.base + r.size - ptr))
+
+    def fill(self, ptr: int, size: int, byte: int) -> None:
+        """Set [ptr, ptr + size) to ``byte`` (allocation bounds unchecked: for tests)."""
+        ctypes.memset(ptr, byte, size)
+
+    def close(self) -> None:
+        if self._view is not None:
+            del self._view
+            self._view = None  # type: ignore[assignment]
+            self._arena.close()
