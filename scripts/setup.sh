@@ -83,3 +83,13 @@ if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
 	fi
 	touch "$stamp"
 fi
+# NIXL (gpupin.nixl's optional engine) for its host tests, without its declared torch
+# dependency (gigabytes, unused): numpy is what it imports.
+if ! "$VENV/bin/python" -c 'import nixl_cu13' 2>/dev/null; then
+	log="$VENV/pip-install-nixl.log"
+	if ! { "$VENV/bin/pip" install numpy && "$VENV/bin/pip" install --no-deps nixl-cu13; } >"$log" 2>&1; then
+		tail -n 20 "$log" >&2
+		echo "setup: pip install of nixl-cu13 failed (whole log: $log)" >&2
+		exit 1
+	fi
+fi

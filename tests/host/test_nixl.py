@@ -1,0 +1,137 @@
+"""gpupin.nixl over NIXL's UCX backend with host memory (DRAM), two processes.
+
+The same scenarios run on a GPU with VRAM in tests/gpu/test_nixl.py.  NIXL is an optional
+dependency; 'make setup' installs it (nixl-cu13 without torch).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("nixl_cu13", reason="NIXL is not installed: run 'make setup' (pip install --no-deps nixl-cu13)")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from nixl_target import MiB, RemoteBufferOf, Target, scenario_churn, scenario_freed_target  # noqa: E402
+
+import gpupin  # noqa: E402
+from gpupin.fake import HostMemory  # noqa: E402
+from gpupin.nixl import NixlEndpoint, NixlError, RemoteBuffer, StaleRemote  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+def target() -> Iterator[Target]:
+    t = Target("host")
+    yield t
+    if t.proc.poll() is None:
+        t.kill()
+
+
+@pytest.fixture
+def ep(target: Target) -> Iterator[tuple[NixlEndpoint, HostMemory]]:
+    mem = HostMemory(128 << 20)
+    e = NixlEndpoint("initiator", mem, mem_type="DRAM")
+    e.connect(target.metadata)
+    target.call("connect", e.metadata())
+    yield e, mem
+    e.close()
+    mem.close()
+
+
+def test_churn_every_byte_lands_where_named(ep: tuple[NixlEndpoint, HostMemory], target: Target) -> None:
+    e, mem = ep
+    out = scenario_churn(e, mem, target, rounds=40)
+    assert out["registrations"] < out["rounds"]  # the cache, not a registration per transfer
+    e.close()
+    assert e.driver.live == 0 and target.close() == 0
+
+
+def test_a_write_into_a_freed_target_buffer_is_never_reported_done(
+    ep: tuple[NixlEndpoint, HostMemory], target: Target
+) -> None:
+    e, mem = ep
+    outcome = scenario_freed_target(e, mem, target)
+    assert outcome == "stale"  # the target tells, whatever UCX did with the bytes
+    e.close()
+    assert target.close() == 0
+
+
+def test_bad_ranges_and_memory_are_refused_with_nothing_registered(
+    ep: tuple[NixlEndpoint, HostMemory], target: Target
+) -> None:
+    e, mem = ep
+    a, b = mem.alloc(MiB), mem.alloc(MiB)
+    rb = RemoteBufferOf(target, target.call("alloc", 4 * MiB), 4 * MiB)
+    with pytest.raises(gpupin.InvalidArgument, match="runs past its allocation"):
+        e.write(a + MiB - 4096, 8192, rb)  # spans a and b
+    with pytest.raises(gpupin.NotGpuMemory):
+        e.write(mem.BASE + mem.arena_size + (1 << 30), 4096, rb)  # not the provider's memory
+    with pytest.raises(gpupin.InvalidArgument, match="inside the remote buffer"):
+        e.write(a, 8192, rb, offset=4 * MiB - 4096)
+    assert e.driver.live == 0 and e.cache.stats().pins == 0
+    mem.free(a)
+    mem.free(b)
+
+
+def test_a_remote_that_went_away_is_a_clear_error(ep: tuple[NixlEndpoint, HostMemory], target: Target) -> None:
+    e, mem = ep
+    src = mem.alloc(MiB)
+    rb = RemoteBufferOf(target, target.call("alloc", MiB), MiB)
+    e.write(src, MiB, rb)
+    target.kill()
+    with pytest.raises(NixlError) as ei:
+        e.write(src, MiB, rb, timeout=5)
+    assert not isinstance(ei.value, StaleRemote)
+    assert e.cache.held() == 0  # the failed transfer let go of its registration
+    mem.free(src)
+    e.close()
+    assert e.driver.live == 0
+
+
+def test_remote_buffer_round_trips_through_bytes() -> None:
+    rb = RemoteBuffer("peer-1", 0x7F00_0000_1000, 12345, 2, "VRAM", 77, (5 << 32) | 9, b"\x00md\xff")
+    assert RemoteBuffer.from_bytes(rb.to_bytes()) == rb
+
+
+def test_one_process_two_agents_and_the_cache_counts(tmp_path: Path) -> None:
+    """Two endpoints in one process: hits, re-registration after a free, LRU under max_bytes."""
+    mt, mi = HostMemory(64 << 20), HostMemory(64 << 20)
+    tgt = NixlEndpoint("t1", mt, mem_type="DRAM")
+    ini = NixlEndpoint("i1", mi, mem_type="DRAM", max_bytes=3 * MiB)
+    try:
+        ini.connect(tgt.metadata())
+        tgt.connect(ini.metadata())
+        import threading
+
+        stop = threading.Event()
+        pump = threading.Thread(target=lambda: tgt.serve(120, stop.is_set))
+        pump.start()
+        dst = mt.alloc(MiB)
+        rb = tgt.expose(dst, MiB)
+        bufs = [mi.alloc(MiB) for _ in range(4)]
+        for i, p in enumerate(bufs):
+            mi.write(p, bytes([i + 1]) * 4096)
+            ini.write(p, 4096, rb)
+            assert mt.read(dst, 4096) == bytes([i + 1]) * 4096
+        st = ini.cache.stats()
+        assert (st.pins, st.evictions_limit, ini.driver.live) == (4, 1, 3)  # 3 MiB budget: LRU went
+        ini.write(bufs[3], 4096, rb)  # a hit
+        mi.free(bufs[3])
+        assert mi.alloc(MiB) == bufs[3]
+        ini.write(bufs[3], 4096, rb)  # a new buffer id: registered again
+        st = ini.cache.stats()
+        assert (st.pins, st.hits, st.invalidations_tag) == (5, 1, 1)
+        stop.set()
+        pump.join()
+    finally:
+        ini.close()
+        tgt.close()
+        mi.close()
+        mt.close()
+    assert ini.driver.live == 0 and tgt.driver.live == 0

@@ -1,0 +1,254 @@
+"""A NIXL target process for the tests: an endpoint under remote control.
+
+Run as ``python tests/nixl_target.py MEMORY RFD WFD`` (MEMORY: ``host`` or ``cuda``); commands
+come as pickled tuples on RFD, answers go back on WFD (NIXL logs on stdout and stderr, so the
+protocol has pipes of its own).  A thread answers transfers (``NixlEndpoint.progress``) all
+the while.  :class:`Target` in the tests drives it.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+import sys
+import threading
+import time
+from typing import Any
+
+
+def send(fd: int, obj: Any) -> None:
+    data = pickle.dumps(obj)
+    os.write(fd, struct.pack("<I", len(data)) + data)
+
+
+def recv(fd: int) -> Any:
+    def exactly(n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            chunk = os.read(fd, n - len(buf))
+            if not chunk:
+                raise EOFError("the peer closed its pipe")
+            buf += chunk
+        return buf
+
+    (n,) = struct.unpack("<I", exactly(4))
+    return pickle.loads(exactly(n))
+
+
+class Target:
+    """The test's handle on a target process: ``call(cmd, *args)`` and what it answered."""
+
+    def __init__(self, memory: str) -> None:
+        import subprocess
+
+        r1, w1 = os.pipe()  # test -> target
+        r2, w2 = os.pipe()  # target -> test
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, memory, str(r1), str(w2)],
+            pass_fds=(r1, w2),
+            stdout=subprocess.DEVNULL,
+            env={**os.environ, "NIXL_LOG_LEVEL": "WARN"},
+        )
+        os.close(r1)
+        os.close(w2)
+        self.w, self.r = w1, r2
+        status, self.metadata = recv(self.r)
+        assert status == "ready", self.metadata
+
+    def call(self, cmd: str, *args: Any) -> Any:
+        send(self.w, (cmd, *args))
+        status, out = recv(self.r)
+        if status != "ok":
+            raise RuntimeError(f"target: {cmd}{args!r}: {out}")
+        return out
+
+    def close(self) -> int:
+        """Close the endpoint (deregistering everything); the registrations it had left."""
+        live = self.call("close")
+        os.close(self.w)
+        os.close(self.r)
+        self.proc.wait(30)
+        return int(live)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(30)
+        for fd in (self.w, self.r):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def main() -> int:
+    kind, rfd, wfd = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    from gpupin.nixl import NixlEndpoint
+
+    if kind == "cuda":
+        from gpupin.cuda import CudaMemory
+
+        mem: Any = CudaMemory()
+        mem_type = "VRAM"
+    else:
+        from gpupin.fake import HostMemory
+
+        mem = HostMemory(256 << 20)
+        mem_type = "DRAM"
+    ep = NixlEndpoint("target", mem, mem_type=mem_type)
+    stop = threading.Event()
+    notes: list[tuple[str, bytes]] = []
+
+    def pump() -> None:
+        while not stop.is_set():
+            notes.extend(ep.progress())
+            time.sleep(0.0002)
+
+    t = threading.Thread(target=pump, daemon=True)
+    t.start()
+    send(wfd, ("ready", ep.metadata()))
+    while True:
+        try:
+            cmd, *args = recv(rfd)
+        except EOFError:
+            break
+        try:
+            if cmd == "connect":
+                out: Any = ep.connect(args[0])
+            elif cmd == "alloc":
+                out = mem.alloc(args[0])
+            elif cmd == "free":
+                mem.free(args[0])
+                out = None
+            elif cmd == "fill":
+                ptr, size, byte = args
+                mem.write(ptr, bytes([byte]) * size)
+                out = None
+            elif cmd == "read":
+                out = mem.read(args[0], args[1])
+            elif cmd == "expose":
+                out = ep.expose(args[0], args[1]).to_bytes()
+            elif cmd == "stats":
+                st = ep.cache.stats()
+                out = {
+                    "registrations": ep.driver.registrations,
+                    "deregistrations": ep.driver.deregistrations,
+                    "live": ep.driver.live,
+                    "stale_transfers": ep.stale_transfers,
+                    "pins": st.pins,
+                    "unpins": st.unpins,
+                    "notes": list(notes),
+                }
+            elif cmd == "close":
+                stop.set()
+                t.join()
+                ep.close()
+                out = ep.driver.live
+            else:
+                raise ValueError(f"unknown command {cmd!r}")
+            send(wfd, ("ok", out))
+        except BaseException as exc:  # answered, the test decides
+            send(wfd, ("error", f"{type(exc).__name__}: {exc}"))
+        if cmd == "close":
+            break
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+# -- scenarios the host (DRAM) and GPU (VRAM) suites both run ---------------------------------
+MiB = 1 << 20
+
+
+def pattern(seed: int, n: int) -> bytes:
+    return bytes((seed * 131 + i * 7) & 0xFF for i in range(256)) * (n // 256) + bytes(n % 256)
+
+
+def scenario_churn(ep: Any, mem: Any, target: Target, *, rounds: int = 60, seed: int = 5) -> dict[str, int]:
+    """Sub-buffers carved from a few segments on both sides (a small caching allocator), WRITE
+    and READ, with segments freed and allocated again at the same address between transfers.
+    Every byte lands where the caller named, on both sides; the initiator registers again
+    exactly when a segment's buffer id changed."""
+    import random
+
+    rng = random.Random(seed)
+    seg = 4 * MiB
+    local = [mem.alloc(seg) for _ in range(3)]
+    remote = [target.call("alloc", seg) for _ in range(3)]
+    exposed = [RemoteBufferOf(target, p, seg) for p in remote]
+    versions: set[tuple[int, int]] = set()  # (segment address, buffer id) the initiator used
+    back = mem.alloc(MiB)
+    target_churns = 0
+    for n in range(rounds):
+        i, j = rng.randrange(3), rng.randrange(3)
+        size = rng.choice([4096, 65536, 300_000, MiB])
+        lo = rng.randrange(0, seg - size) & ~63
+        ro = rng.randrange(0, seg - size) & ~63
+        data = pattern(n, size)
+        mem.write(local[i] + lo, data)
+        versions.add((local[i], mem.buffer_id(local[i])))
+        ep.write(local[i] + lo, size, exposed[j], ro)
+        got = target.call("read", remote[j] + ro, size)
+        assert got == data, f"round {n}: the target's buffer does not hold what was written"
+        versions.add((back, mem.buffer_id(back)))
+        ep.read(back, size, exposed[j], ro)
+        assert mem.read(back, size) == data, f"round {n}: READ brought other bytes"
+        if rng.random() < 0.2:  # the initiator's allocator recycles a segment
+            k = rng.randrange(3)
+            mem.free(local[k])
+            assert mem.alloc(seg) == local[k], "the allocator should hand the address back"
+        if rng.random() < 0.2:  # so does the target's; it exposes the new segment
+            k = rng.randrange(3)
+            target.call("free", remote[k])
+            assert target.call("alloc", seg) == remote[k]
+            exposed[k] = RemoteBufferOf(target, remote[k], seg)
+            target_churns += 1
+    st = ep.cache.stats()
+    assert ep.driver.registrations == len(versions) == st.pins, (ep.driver.registrations, len(versions))
+    t = target.call("stats")
+    assert t["registrations"] == 3 + target_churns and t["stale_transfers"] == 0, t
+    for p in [*local, back]:
+        mem.free(p)
+    return {"registrations": ep.driver.registrations, "versions": len(versions), "rounds": rounds}
+
+
+def RemoteBufferOf(target: Target, ptr: int, size: int) -> Any:  # noqa: N802 - a constructor
+    from gpupin.nixl import RemoteBuffer
+
+    return RemoteBuffer.from_bytes(target.call("expose", ptr, size))
+
+
+def scenario_freed_target(ep: Any, mem: Any, target: Target) -> str:
+    """The measured silent loss: the target frees its exposed 1 MiB buffer and allocates again
+    at the same address; the initiator WRITEs 0xA5 through what it has.  Either the bytes are
+    in the new buffer or the write raises StaleRemote; never success with the data elsewhere."""
+    from gpupin.nixl import StaleRemote
+
+    dst = target.call("alloc", MiB)
+    target.call("fill", dst, MiB, 0)
+    rb = RemoteBufferOf(target, dst, MiB)
+    src = mem.alloc(MiB)
+    mem.write(src, b"\x5a" * MiB)
+    ep.write(src, MiB, rb)  # a good write first: connected and registered on both sides
+    target.call("free", dst)
+    assert target.call("alloc", MiB) == dst
+    target.call("fill", dst, MiB, 0)
+    mem.write(src, b"\xa5" * MiB)
+    try:
+        ep.write(src, MiB, rb)
+        outcome = "delivered"
+    except StaleRemote:
+        outcome = "stale"
+    got = target.call("read", dst, MiB)
+    if outcome == "delivered":
+        assert got == b"\xa5" * MiB, "the write reported success but the new buffer lacks the data"
+    stats = target.call("stats")
+    assert outcome == "delivered" or stats["stale_transfers"] == 1
+    # Exposed again, the new buffer is a new registration and the write lands.
+    ep.write(src, MiB, RemoteBufferOf(target, dst, MiB))
+    assert target.call("read", dst, MiB) == b"\xa5" * MiB
+    target.call("free", dst)
+    mem.free(src)
+    return outcome
