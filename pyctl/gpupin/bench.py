@@ -55,6 +55,11 @@ TARGETS = {
     "gds_registration_reduction": 60.0,
     "gds_speedup": 20.0,
     "gds_hit_over_direct_query": 1.5,
+    "nixl_registration_reduction": 100.0,
+    "nixl_registration_time_reduction": 20.0,
+    "nixl_cache_over_hand_total": 1.2,
+    "nixl_hit_over_direct_query": 1.5,
+    "nixl_stale_transfers": 0,
 }
 
 
@@ -67,6 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--gds", action="store_true", help="only the GPUDirect Storage figures (needs a GPU, cuda-python and libcufile)"
     )
     p.add_argument("--only-vm", action="store_true", help="only the real-ioctl pin/unpin times (needs the modules)")
+    p.add_argument(
+        "--nixl", action="store_true", help="only the NIXL figures (needs nixl-cu13; VRAM with a GPU, else DRAM)"
+    )
     p.add_argument("--out", metavar="FILE", help="write the JSON here as well")
     p.add_argument("--seed", type=int, default=1)
 
@@ -396,6 +404,154 @@ def bench_cuda(reps: int, n: int) -> dict[str, Any]:
     return out
 
 
+def bench_nixl(
+    transfers: int = 10_000, segments: int = 16, seed: int = 1, reps: int = 15, n: int = 20000
+) -> dict[str, Any]:
+    """NIXL registration three ways over one framework-like trace: tensors carved from
+    ``segments`` segments, WRITE to a peer agent, segments freed and allocated again now and
+    then.  Register per transfer; register each segment by hand once and again when the trace
+    recycles it (the lower bound: it knows what a cache must discover); gpupin's NixlCache.
+    VRAM with a CUDA GPU, else DRAM (HostMemory).  Same transfers in each mode."""
+    from .nixl import NixlEndpoint
+
+    try:
+        from .cuda import CudaMemory
+
+        mem: Any = CudaMemory()
+        sink_mem: Any = mem
+        mem_type, seg = "VRAM", 8 * MiB
+    except Exception:  # noqa: BLE001 - no CUDA: DRAM
+        from .fake import HostMemory
+
+        mem, sink_mem = HostMemory((segments + 2) * 2 * MiB), HostMemory(4 * MiB)
+        mem_type, seg = "DRAM", 2 * MiB
+    rng = random.Random(seed)
+    sizes = [64 * 1024, 256 * 1024, 1 * MiB]
+    trace = []  # (segment, offset, size, recycle the segment after this transfer)
+    for _ in range(transfers):
+        size = rng.choice(sizes)
+        trace.append((rng.randrange(segments), rng.randrange(0, seg - size) & ~4095, size, rng.random() < 0.005))
+    tgt = NixlEndpoint("gpupin-bench-t", sink_mem, mem_type=mem_type)
+    ini = NixlEndpoint("gpupin-bench-i", mem, mem_type=mem_type)
+    sink = sink_mem.alloc(MiB)
+    out: dict[str, Any] = {"nixl_mem_type": mem_type, "nixl_transfers": transfers, "nixl_segments": segments}
+    try:
+        rb = tgt.expose(sink, MiB)
+        ini.connect(tgt.metadata())
+        agent, devid = ini.agent, ini.driver.devid
+        rdescs = {sz: agent.get_xfer_descs([(sink, sz, rb.devid)], mem_type) for sz in sizes}
+
+        def xfer(ptr: int, size: int) -> None:
+            h = agent.initialize_xfer(
+                "WRITE", agent.get_xfer_descs([(ptr, size, devid)], mem_type), rdescs[size], rb.agent
+            )
+            st = agent.transfer(h)
+            while st == "PROC":
+                tgt.progress()  # no progress threads: the target's agent moves only when polled
+                st = agent.check_xfer_state(h)
+            agent.release_xfer_handle(h)
+            if st != "DONE":
+                raise RuntimeError(f"bench transfer failed: {st}")
+
+        def run_mode(mode: str) -> dict[str, float]:
+            segs = [mem.alloc(seg) for _ in range(segments)]
+            regs: dict[int, Any] = {}
+            t_reg = t_dereg = t_look = 0.0
+            count = stale = 0
+            r0, d0, c0 = ini.driver.register_s, ini.driver.deregister_s, ini.driver.registrations
+            if mode == "hand":
+                for i, p in enumerate(segs):
+                    t = time.perf_counter()
+                    regs[i] = agent.register_memory([(p, seg, devid, "")], mem_type)
+                    t_reg += time.perf_counter() - t
+                    count += 1
+            t_all = time.perf_counter()
+            for i, off, size, recycle in trace:
+                ptr = segs[i] + off
+                if mode == "per-transfer":
+                    t = time.perf_counter()
+                    reg = agent.register_memory([(ptr, size, devid, "")], mem_type)
+                    t_reg += time.perf_counter() - t
+                    xfer(ptr, size)
+                    t = time.perf_counter()
+                    agent.deregister_memory(reg)
+                    t_dereg += time.perf_counter() - t
+                    count += 1
+                elif mode == "hand":
+                    xfer(ptr, size)
+                else:
+                    t = time.perf_counter()
+                    with ini.cache.acquire(ptr, size) as r:
+                        t_look += time.perf_counter() - t
+                        e = ini.cache._entry_of(r.token)
+                        stale += e is None or e.buffer_id != mem.buffer_id(ptr)
+                        xfer(ptr, size)
+                if recycle:
+                    if mode == "hand":
+                        t = time.perf_counter()
+                        agent.deregister_memory(regs[i])
+                        t_dereg += time.perf_counter() - t
+                    mem.free(segs[i])
+                    segs[i] = mem.alloc(seg)
+                    if mode == "hand":
+                        t = time.perf_counter()
+                        regs[i] = agent.register_memory([(segs[i], seg, devid, "")], mem_type)
+                        t_reg += time.perf_counter() - t
+                        count += 1
+            total = time.perf_counter() - t_all
+            if mode == "hand":
+                for r in regs.values():
+                    agent.deregister_memory(r)
+            if mode == "cache":
+                t_reg = ini.driver.register_s - r0
+                t_dereg = ini.driver.deregister_s - d0
+                t_look -= t_reg  # acquire() time that was registration
+                count = ini.driver.registrations - c0
+                ini.cache.purge()
+            for p in segs:
+                mem.free(p)
+            return {
+                "registrations": count,
+                "register_s": t_reg,
+                "deregister_s": t_dereg,
+                "lookup_s": t_look,
+                "total_s": total,
+                "stale": stale,
+            }
+
+        for mode in ("per-transfer", "hand", "cache"):
+            progress(f"bench: nixl {mode} ({transfers} transfers)")
+            for k, v in run_mode(mode).items():
+                out[f"nixl_{mode.replace('-', '_')}_{k}"] = v
+        per, hand, cache = "nixl_per_transfer_", "nixl_hand_", "nixl_cache_"
+        out["nixl_registration_reduction"] = out[per + "registrations"] / max(1, out[cache + "registrations"])
+        out["nixl_registration_time_reduction"] = (out[per + "register_s"] + out[per + "deregister_s"]) / max(
+            1e-9, out[cache + "register_s"] + out[cache + "deregister_s"]
+        )
+        out["nixl_cache_over_hand_total"] = out[cache + "total_s"] / out[hand + "total_s"]
+        out["nixl_stale_transfers"] = out[cache + "stale"]
+        # The hit against one bare buffer-id query (the direct CUDA query where there is one).
+        ptrs = [mem.alloc(seg) for _ in range(8)]
+        for p in ptrs:
+            ini.cache.acquire(p, 8).release()
+        query = mem.buffer_id
+        if mem_type == "VRAM":
+            from ._native import cuda_buffer_id
+
+            query = cuda_buffer_id or lib.gp_cuda_buffer_id_or_0
+        t = interleaved_ns({"hit": hit_loop(ini.cache, ptrs), "query": tag_loop(query, ptrs)}, n, reps)
+        out["nixl_hit_ns"], out["nixl_direct_query_ns"] = t["hit"], t["query"]
+        out["nixl_hit_over_direct_query"] = t["hit"] / t["query"]
+        release_all(ini.cache, ptrs)
+        for p in ptrs:
+            mem.free(p)
+    finally:
+        ini.close()
+        tgt.close()
+        sink_mem.free(sink)
+    return out
+
+
 def _gds_file(driver: Any, size: int) -> tuple[Any, str, str]:
     """A file cuFile can read for the trace: (GdsFile or None, its path, why not)."""
     from .errors import GdsError
@@ -524,9 +680,18 @@ def run(
     only_cuda: bool = False,
     only_vm: bool = False,
     gds: bool = False,
+    nixl: bool = False,
 ) -> dict[str, Any]:
     reps, n = (5, 2000) if quick else (15, 20000)
     res: dict[str, Any] = {}
+    if nixl:
+        res.update(bench_nixl(1000 if quick else 10_000, seed=seed, reps=reps, n=n))
+        res["targets"] = {
+            k: {"target": v, "measured": res.get(k), "met": _met(k, v, res.get(k))}
+            for k, v in TARGETS.items()
+            if k.startswith("nixl_")
+        }
+        return res
     if gds:
         res.update(bench_gds(1000, seed=seed, reps=reps, n=n))  # --quick: fewer timing batches only
         res["targets"] = {
@@ -585,7 +750,14 @@ def progress(msg: str) -> None:
 def _met(key: str, target: float, value: Any) -> bool | None:
     if not isinstance(value, (int, float)):
         return None
-    if key in ("trace_pin_reduction", "trace_speedup", "gds_registration_reduction", "gds_speedup"):
+    if key in (
+        "trace_pin_reduction",
+        "trace_speedup",
+        "gds_registration_reduction",
+        "gds_speedup",
+        "nixl_registration_reduction",
+        "nixl_registration_time_reduction",
+    ):
         return value >= target
     return value <= target
 
@@ -616,6 +788,7 @@ def main_args(a: argparse.Namespace) -> None:
         only_cuda=a.only_cuda,
         only_vm=a.only_vm,
         gds=getattr(a, "gds", False),
+        nixl=getattr(a, "nixl", False),
     )
     if a.out:
         with open(a.out, "w") as f:
