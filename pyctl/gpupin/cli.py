@@ -332,6 +332,7 @@ def cmd_stats(s: Session, a: argparse.Namespace) -> Result:
 
 
 def cmd_doctor(s: Session, a: argparse.Namespace) -> Result:
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs at INFO on stdout by default
     return [asdict(c) for c in doctor_mod.run_all()]
 
 
