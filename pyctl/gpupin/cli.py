@@ -332,6 +332,7 @@ def cmd_stats(s: Session, a: argparse.Namespace) -> Result:
 
 
 def cmd_doctor(s: Session, a: argparse.Namespace) -> Result:
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs at INFO on stdout by default
     return [asdict(c) for c in doctor_mod.run_all()]
 
 
@@ -385,6 +386,39 @@ def cmd_gds(s: Session, a: argparse.Namespace) -> Result:
             drv.close()
     for c in doctor_mod.check_gds(a.path) + doctor_mod.check_async():
         out[c.name] = f"{c.status}: {c.detail}" + (f" (fix: {c.fix})" if c.fix else "")
+    return out
+
+
+def cmd_nixl(s: Session, a: argparse.Namespace) -> Result:
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    from .errors import DriverNotLoaded
+    from .nixl import probe
+
+    st = probe()
+    if a.log and st.log:
+        print(st.log, file=sys.stderr, end="" if st.log.endswith("\n") else "\n", flush=True)
+    if not st.installed:
+        raise DriverNotLoaded(st.error)
+    checks = doctor_mod.check_nixl(st)
+    ordered = sorted(st.plugins, key=lambda p: (p.name != "UCX", p.name))
+    if a.json:
+        return {
+            "version": st.version,
+            "module": st.module,
+            "location": st.location,
+            "error": st.error or None,
+            "plugins": {p.name: {"loads": p.loads, "mem_types": p.mem_types, "error": p.error} for p in ordered},
+            "vram": {"usable": st.vram, "detail": st.vram_detail},
+            "selftest": {"ok": st.selftest, "detail": st.selftest_detail},
+            "checks": [asdict(c) for c in checks],
+        }
+    out: dict[str, Any] = {"NIXL": f"{st.version or 'version unknown'} ({st.module} in {st.location})"}
+    for p in ordered:
+        mem = ", ".join(p.mem_types) or "no memory types"
+        out[f"backend {p.name}"] = f"loads ({mem})" if p.loads else f"does not load: {p.error}"
+    for c in checks:
+        if c.name != "NIXL backends" and (c.name, c.status) != ("NIXL", "pass"):  # not said above yet
+            out[c.name] = f"{c.status}: {c.detail}" + (f" (fix: {c.fix})" if c.fix else "")
     return out
 
 
@@ -471,6 +505,13 @@ def build_parser() -> _Parser:
     sp.add_argument("--path", default=".", help="status: where the GDS files live (default: here)")
     sp.add_argument("--seed", type=int, default=1)
     sp.add_argument("--out", metavar="FILE", help="bench: write the JSON here as well")
+    sp = add(
+        "nixl",
+        cmd_nixl,
+        "NIXL: status (version, backends that load here, VRAM, a DRAM transfer through gpupin.nixl)",
+    )
+    sp.add_argument("op", choices=["status"])
+    sp.add_argument("--log", action="store_true", help="also print what NIXL logged meanwhile (on stderr)")
     sub.add_parser(
         "shell",
         help="interactive debugging shell (also -c 'cmd; cmd' or a script on stdin)",

@@ -26,6 +26,43 @@ def _driver() -> Any:
     return driver
 
 
+def driver_status() -> tuple[bool, str]:
+    """Whether CudaMemory can work here, and what was seen; never raises.
+
+    libcuda is asked directly (cuInit, the device count, the driver version), so a host without
+    cuda-python still learns whether it has a usable driver; then cuda-python, which CudaMemory
+    needs, is looked for.
+    """
+    import ctypes
+
+    try:
+        cu = ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        missing = str(exc).startswith("libcuda.so.1: cannot open shared object file")
+        return False, "no CUDA driver here (" + ("libcuda.so.1 not found" if missing else str(exc)) + ")"
+
+    def name(err: int) -> str:
+        text = ctypes.c_char_p()
+        if cu.cuGetErrorName(err, ctypes.byref(text)) == 0 and text.value:
+            return text.value.decode()
+        return f"CUresult {err}"
+
+    err = cu.cuInit(0)
+    if err:
+        return False, f"the CUDA driver is not usable here: cuInit returned {name(err)}"
+    count, version = ctypes.c_int(), ctypes.c_int()
+    err = cu.cuDeviceGetCount(ctypes.byref(count))
+    if err or count.value == 0:
+        return False, f"the CUDA driver sees no device ({name(err) if err else '0 devices'})"
+    cu.cuDriverGetVersion(ctypes.byref(version))
+    seen = f"CUDA driver {version.value // 1000}.{version.value % 1000 // 10}, {count.value} device(s)"
+    try:
+        _driver()
+    except DriverNotLoaded as exc:
+        return False, f"{seen}, but {exc}"
+    return True, seen
+
+
 class CudaMemory(ProviderBase):
     """CUDA device memory of one GPU's primary context."""
 

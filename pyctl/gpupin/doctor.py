@@ -1,6 +1,7 @@
-"""``gpupin doctor``: what the GPUDirect RDMA, Storage and Async documents say matters.
+"""``gpupin doctor``: what the GPUDirect RDMA, Storage and Async documents say matters, and NIXL.
 
-Read from /proc, /sys, the modprobe configuration and cufile.json.
+Read from /proc, /sys, the modprobe configuration and cufile.json; NIXL's check
+makes agents and one transfer over host memory inside this process.
 
 Each check gives pass/warn/fail/info, what was seen, and a fix.  Nothing here
 changes the system.
@@ -15,6 +16,10 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .nixl import NixlStatus
 
 SYS_PCI = Path("/sys/bus/pci/devices")
 ACS_CAP_ID = 0x000D
@@ -490,6 +495,76 @@ def check_async() -> list[Check]:
     return [*check_nvreg(), *check_stream_memops()]
 
 
+# -- NIXL (gpupin.nixl's optional engine) ---------------------------------------
+def check_nixl(status: NixlStatus | None = None) -> list[Check]:
+    """NIXL installed, its UCX backend, VRAM, and one DRAM transfer through gpupin.nixl.
+
+    ``status``: a :class:`gpupin.nixl.NixlStatus` already probed (``gpupin nixl status``
+    passes its own), else :func:`gpupin.nixl.probe` runs (under a second).
+    """
+    if status is None:
+        from .nixl import probe
+
+        status = probe()
+    from .nixl import INSTALL
+
+    if not status.installed:
+        detail = status.error.partition(f": {INSTALL}")[0]  # the command goes in the fix
+        return [Check("warn", "NIXL", detail, f"{INSTALL} (optional: only gpupin.nixl needs it)")]
+    where = f"{status.module} {status.version or '(version unknown)'} in {status.location}"
+    if status.error:
+        return [
+            Check("fail", "NIXL", f"{where}: {status.error}", "reinstall NIXL: " + INSTALL),
+        ]
+    others = [p for p in status.plugins if p.name != "UCX"]
+    out = [Check("pass", "NIXL", f"{where}; {len(status.plugins)} backend plugins")]
+    ucx = status.plugin("UCX")
+    if ucx is None or not ucx.loads:
+        why = ucx.error if ucx else "NIXL found no UCX plugin"
+        return [
+            *out,
+            Check(
+                "fail",
+                "NIXL UCX",
+                f"the UCX backend does not load: {why}",
+                "gpupin.nixl transfers through UCX: reinstall NIXL (its wheel carries UCX: " + INSTALL + "); "
+                "'gpupin nixl status --log' shows what NIXL said",
+            ),
+        ]
+    out.append(Check("pass", "NIXL UCX", "the UCX backend loads (" + ", ".join(ucx.mem_types) + ")"))
+    if status.vram:
+        out.append(Check("pass", "NIXL VRAM", f"usable: {status.vram_detail}"))
+    else:
+        if "VRAM_SEG" not in ucx.mem_types:
+            fix = "install a NIXL built with CUDA (nixl-cu13 is)"
+        elif "cuda-python" in status.vram_detail:
+            fix = "pip install 'gpupin[cuda]' (gpupin's CudaMemory, the VRAM memory of gpupin.nixl)"
+        else:
+            fix = "VRAM transfers need an NVIDIA GPU and its driver; DRAM ones work without"
+        out.append(Check("warn", "NIXL VRAM", f"not usable: {status.vram_detail}", fix))
+    if status.selftest is True:
+        out.append(Check("pass", "NIXL self-test", status.selftest_detail))
+    elif status.selftest is False:
+        out.append(
+            Check(
+                "fail",
+                "NIXL self-test",
+                f"one DRAM write through gpupin.nixl failed: {status.selftest_detail}",
+                "'gpupin nixl status --log' shows what NIXL and UCX said; tests/host/test_nixl.py runs more",
+            )
+        )
+    loading = [p.name for p in others if p.loads]
+    out.append(
+        Check(
+            "info",
+            "NIXL backends",
+            f"others that load: {', '.join(loading) or 'none'}; "
+            f"{len(others) - len(loading)} do not ('gpupin nixl status' says why)",
+        )
+    )
+    return out
+
+
 def run_all() -> list[Check]:
     return [
         check_iommu(),
@@ -499,4 +574,5 @@ def run_all() -> list[Check]:
         *check_bar1(),
         *check_gds(),
         *check_async(),
+        *check_nixl(),
     ]

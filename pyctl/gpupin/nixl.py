@@ -19,18 +19,30 @@ freed allocation.  Here:
   for that answer: a transfer into a buffer the target freed since raises :class:`StaleRemote`
   instead of reporting success.
 
+- :func:`probe` says what NIXL can do on this host (``gpupin nixl status``, ``gpupin doctor``):
+  its version, each backend plugin that loads or why not, VRAM, and :func:`selftest`, one
+  DRAM write through two endpoints in this process.
+
 NIXL is imported when a driver is made (``load_nixl``), never at ``import gpupin``.
 """
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import importlib
 import itertools
+import logging
+import os
+import re
 import struct
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ._closable import Closable
@@ -39,6 +51,7 @@ from .errors import DriverNotLoaded, GpupinError, InvalidArgument, UnknownHandle
 from .memory import MemoryProvider
 
 MEM_TYPES = ("VRAM", "DRAM")
+INSTALL = "pip install --no-deps nixl-cu13 numpy"
 
 # The protocol on NIXL notifications: a transfer's own notification, and the target's answer.
 _XFER = b"gpupin-nixl-xfer/1:"
@@ -73,8 +86,8 @@ def load_nixl() -> Any:
         if hasattr(mod, "nixl_agent"):
             return mod
     raise DriverNotLoaded(
-        "NIXL is not installed for this Python (" + "; ".join(errors) + "): pip install nixl-cu13 "
-        "(with --no-deps it needs only numpy besides; torch is optional)"
+        f"NIXL is not installed for this Python ({'; '.join(errors)}): {INSTALL} (numpy is all it "
+        "needs besides; its declared torch dependency is optional)"
     )
 
 
@@ -429,3 +442,245 @@ class NixlEndpoint(Closable):
     def close(self) -> None:
         """Deregister everything (InUse while a transfer holds a registration)."""
         self.cache.close()
+
+
+# -- what works here: 'gpupin nixl status' and 'gpupin doctor' ----------------------------------
+@dataclass
+class PluginStatus:
+    """A NIXL backend plugin on this host: whether its backend is created, its memory types
+    (the backend's when it loads, else what the plugin declares), and why it does not load."""
+
+    name: str
+    loads: bool
+    mem_types: list[str]
+    error: str = ""
+
+
+@dataclass
+class NixlStatus:
+    """What :func:`probe` found.  ``error``: why NIXL is not usable at all (not installed, or
+    no agent could be made); ``selftest`` is None when it did not run; ``log`` is what NIXL,
+    UCX and the plugins printed meanwhile."""
+
+    installed: bool
+    version: str | None = None
+    module: str = ""
+    location: str = ""
+    error: str = ""
+    plugins: list[PluginStatus] = field(default_factory=list)
+    vram: bool = False
+    vram_detail: str = ""
+    selftest: bool | None = None
+    selftest_detail: str = ""
+    log: str = ""
+
+    def plugin(self, name: str) -> PluginStatus | None:
+        return next((p for p in self.plugins if p.name == name), None)
+
+
+class _Captured:
+    """File descriptors 1 and 2 into a temporary file while NIXL runs: its C++ log, UCX's and
+    the plugins' own prints (GUSLI's go to stdout) would otherwise land in a command's output.
+    ``mark()`` and ``since(mark)`` read what came in between.  NIXL's Python logger is quieted
+    meanwhile (its warnings carry tracebacks of no use here)."""
+
+    def __enter__(self) -> _Captured:
+        _flush_all()
+        self._file = tempfile.TemporaryFile()
+        self._saved = (os.dup(1), os.dup(2))
+        os.dup2(self._file.fileno(), 1)
+        os.dup2(self._file.fileno(), 2)
+        self._logger = logging.getLogger("nixl")
+        self._level = self._logger.level
+        return self
+
+    def quiet_python_log(self) -> None:
+        """Call after NIXL's import, which sets its logger's level."""
+        self._level = self._logger.level
+        self._logger.setLevel(logging.CRITICAL)
+
+    def mark(self) -> int:
+        _flush_all()
+        return os.lseek(self._file.fileno(), 0, os.SEEK_CUR)
+
+    def since(self, mark: int) -> str:
+        end = self.mark()
+        return os.pread(self._file.fileno(), end - mark, mark).decode(errors="replace")
+
+    def __exit__(self, *exc: object) -> None:
+        self.text = self.since(0)
+        for fd, saved in zip((1, 2), self._saved, strict=True):
+            os.dup2(saved, fd)
+            os.close(saved)
+        self._file.close()
+        self._logger.setLevel(self._level)
+
+
+def _flush_all() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    libc = ctypes.CDLL(None)
+    libc.fflush(None)  # the C libraries' buffered stdout
+
+
+_GLOG_PREFIX = re.compile(r"^[IWEF]\d{4} [\d:.]+\s+\d+ [^\]]*\] ")
+_ANSI = re.compile(r"\x1b\[[\d;]*m")
+
+
+def _log_lines(text: str) -> list[str]:
+    return [_GLOG_PREFIX.sub("", _ANSI.sub("", line)).strip() for line in text.splitlines() if line.strip()]
+
+
+def _short(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _plugin_dirs(api: Any) -> list[Path]:
+    dirs = [Path(d) for d in os.environ.get("NIXL_PLUGIN_DIR", "").split(":") if d]
+    site = Path(api.__file__).resolve().parent.parent
+    return [*dirs, *sorted(site.glob(f".{api.__name__.split('.')[0]}*.libs/plugins"))]
+
+
+def _why_not(api: Any, name: str, exc: BaseException, log: str) -> str:
+    """The short reason a backend was not created, from NIXL's log, else from loading the
+    plugin's library ourselves (NIXL logs that only at INFO), else the exception."""
+    lines = _log_lines(log)
+    for line in lines:
+        m = re.search(r"Failed to create engine: (.*)", line)
+        if m:
+            return _short(m.group(1))
+    if "NotFound" in type(exc).__name__:
+        for d in _plugin_dirs(api):
+            lib = d / f"libplugin_{name}.so"
+            if lib.exists():
+                try:
+                    ctypes.CDLL(str(lib))
+                except OSError as err:
+                    m = re.match(r"(\S+): cannot open shared object file", str(err))
+                    return _short(f"needs {m.group(1)}, not found here" if m else f"its library does not load: {err}")
+                break
+    errors = [line for line in lines if "unsupported backend" not in line]
+    return _short(f"{type(exc).__name__}: {exc}" + (f" ({errors[-1]})" if errors else ""))
+
+
+def probe(*, selftest: bool = True, timeout: float = 10.0) -> NixlStatus:
+    """What NIXL can do on this host (``gpupin nixl status``, ``gpupin doctor``); never raises.
+
+    Imports NIXL (:func:`load_nixl`), makes an agent with UCX as :class:`NixlDriver` does and
+    a throwaway one on which every other plugin's backend is created, checks VRAM (UCX's
+    memory types and the CUDA driver, :func:`gpupin.cuda.driver_status`) and, with
+    ``selftest``, runs :func:`selftest` on the UCX agent.  Output that NIXL and its libraries
+    print meanwhile is captured (``NixlStatus.log``): the reasons are read from it.
+    """
+    from .cuda import driver_status
+
+    with _Captured() as cap:
+        st = _probe(cap, selftest, timeout)
+        gc.collect()  # the agents go now, while their goodbyes are still captured
+    st.log = cap.text
+    ucx = st.plugin("UCX")
+    if ucx is None or not ucx.loads:
+        st.vram_detail = "NIXL's UCX backend does not load"
+    elif "VRAM_SEG" not in ucx.mem_types:
+        st.vram_detail = f"NIXL's UCX backend has no VRAM_SEG ({', '.join(ucx.mem_types)}): built without CUDA"
+    else:
+        st.vram, seen = driver_status()
+        st.vram_detail = f"UCX lists VRAM_SEG; {seen}"
+    return st
+
+
+def _probe(cap: _Captured, selftest_too: bool, timeout: float) -> NixlStatus:
+    try:
+        api = load_nixl()
+    except DriverNotLoaded as exc:
+        return NixlStatus(False, error=str(exc))
+    cap.quiet_python_log()
+    st = NixlStatus(True, nixl_version(), api.__name__, str(Path(api.__file__).resolve().parent))
+    tag = f"{os.getpid()}-{next(_probes)}"
+    agent = None
+    mark = cap.mark()
+    try:
+        agent = api.nixl_agent(f"gpupin-probe-{tag}", api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    except Exception as exc:  # noqa: BLE001 - NIXL raises plain Exceptions of its own
+        st.plugins.append(PluginStatus("UCX", False, [], _why_not(api, "UCX", exc, cap.since(mark))))
+    else:
+        if "UCX" in agent.backends:
+            st.plugins.append(PluginStatus("UCX", True, list(agent.get_backend_mem_types("UCX"))))
+        else:
+            st.plugins.append(PluginStatus("UCX", False, [], "the agent was made without it (not in its plugin list?)"))
+    try:
+        spare = api.nixl_agent(
+            f"gpupin-probe-spare-{tag}", api.nixl_agent_config(enable_prog_thread=False, backends=[])
+        )
+        names = list(spare.get_plugin_list())
+    except Exception as exc:  # noqa: BLE001
+        st.error = _short(f"no NIXL agent could be made: {type(exc).__name__}: {exc}")
+        return st
+    if "UCX" not in names:
+        st.plugins[0] = PluginStatus("UCX", False, [], "NIXL found no UCX plugin")
+    for name in sorted(n for n in names if n != "UCX"):
+        mark = cap.mark()
+        try:
+            spare.create_backend(name, initParams={})
+        except Exception as exc:  # noqa: BLE001
+            declared = list(spare.get_plugin_mem_types(name))
+            st.plugins.append(PluginStatus(name, False, declared, _why_not(api, name, exc, cap.since(mark))))
+        else:
+            st.plugins.append(PluginStatus(name, True, list(spare.get_backend_mem_types(name))))
+    del spare
+    if selftest_too and agent is not None and st.plugins[0].loads:
+        try:
+            st.selftest_detail = selftest(agent=agent, timeout=timeout)
+            st.selftest = True
+        except Exception as exc:  # noqa: BLE001 - whatever failed is the answer
+            st.selftest, st.selftest_detail = False, _short(f"{type(exc).__name__}: {exc}", 300)
+    return st
+
+
+_probes = itertools.count(1)
+
+
+def selftest(*, size: int = 64 << 10, agent: Any = None, timeout: float = 10.0) -> str:
+    """gpupin.nixl end to end in this process: two endpoints over host memory (DRAM), one
+    write of ``size`` bytes through the caches, confirmed by the target and read back.  The
+    target's agent is ``agent`` (one with UCX) or a new one.  Returns what it did; raises
+    (NixlError, GpupinError or NIXL's own) when something did not work."""
+    from .fake import HostMemory
+
+    mt, mi = HostMemory(max(size, 1 << 20)), HostMemory(max(size, 1 << 20))
+    tag = f"{os.getpid()}-{next(_probes)}"
+    endpoints: list[NixlEndpoint] = []
+    stop = threading.Event()
+    pump: threading.Thread | None = None
+    try:
+        tgt = NixlEndpoint(f"gpupin-selftest-target-{tag}", mt, mem_type="DRAM", agent=agent)
+        endpoints.append(tgt)
+        ini = NixlEndpoint(f"gpupin-selftest-initiator-{tag}", mi, mem_type="DRAM")
+        endpoints.append(ini)
+        ini.connect(tgt.metadata())
+        tgt.connect(ini.metadata())
+        dst, src = mt.alloc(size), mi.alloc(size)
+        data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+        mi.write(src, data)
+        remote = tgt.expose(dst, size)
+        pump = threading.Thread(target=tgt.serve, args=(timeout, stop.is_set), daemon=True, name="gpupin-selftest")
+        pump.start()
+        t = time.perf_counter()
+        ini.write(src, size, remote, timeout=timeout)
+        took = time.perf_counter() - t
+        got = mt.read(dst, size)
+        if got != data:
+            bad = sum(a != b for a, b in zip(got, data, strict=True))
+            raise NixlError(f"the write of {size} bytes was confirmed, but {bad} bytes differ at the target")
+        return (
+            f"{size >> 10} KiB written over UCX between two agents in this process (DRAM), "
+            f"confirmed by the target and read back equal in {took * 1e3:.1f} ms"
+        )
+    finally:
+        stop.set()
+        if pump is not None:
+            pump.join()
+        for ep in reversed(endpoints):
+            ep.close()
+        mi.close()
+        mt.close()

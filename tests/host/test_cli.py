@@ -96,7 +96,7 @@ def test_doctor_runs_anywhere() -> None:
     names = {c["name"] for c in checks}
     assert {"IOMMU", "ACS", "PCIe path", "gpupin", "BAR1"} <= names
     assert all(c["status"] in ("pass", "warn", "fail", "info") for c in checks)
-    assert {"GDS nvidia-fs", "cufile.json", "P2PDMA", "GDS files", "stream memops"} <= names
+    assert {"GDS nvidia-fs", "cufile.json", "P2PDMA", "GDS files", "stream memops", "NIXL"} <= names
 
 
 def test_gds_status_without_cufile_says_what_is_missing() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from gpupin import doctor
 
@@ -141,3 +142,39 @@ def test_udev_entry_that_cufile_needs(tmp_path: Path) -> None:
     assert c.status == "warn" and "HANDLE_NOT_REGISTERED" in c.detail
     (udev / f"b{os.major(st.st_dev)}:{os.minor(st.st_dev)}").write_text("E:ID_FS_USAGE=filesystem\n")
     assert doctor.check_udev_for_gds(str(tmp_path), str(udev)).status == "pass"
+
+
+def test_nixl_verdicts() -> None:
+    """check_nixl on probe results: missing (warn, install), UCX not loading (fail), VRAM (warn
+    with why and a fix for each reason), the self-test (pass or fail), other backends (info)."""
+    from gpupin.nixl import INSTALL, NixlStatus, PluginStatus
+
+    missing = NixlStatus(False, error=f"NIXL is not installed for this Python (nixl_cu13: gone): {INSTALL} (...)")
+    (c,) = doctor.check_nixl(missing)
+    assert c.status == "warn" and c.detail == "NIXL is not installed for this Python (nixl_cu13: gone)"
+    assert c.fix.startswith(INSTALL)
+
+    def status(ucx: PluginStatus, **kw: Any) -> NixlStatus:
+        return NixlStatus(True, "1.5.1", "nixl_cu13", "/site/nixl_cu13", plugins=[ucx, posix, gds], **kw)
+
+    posix, gds = PluginStatus("POSIX", True, ["DRAM_SEG"]), PluginStatus("GDS", False, [], "needs libcufile.so.0")
+    broken = status(PluginStatus("UCX", False, [], "NIXL_ERR_BACKEND (no transports)"))
+    assert [(c.status, c.name) for c in doctor.check_nixl(broken)] == [("pass", "NIXL"), ("fail", "NIXL UCX")]
+    assert "no transports" in doctor.check_nixl(broken)[1].detail
+    ucx = PluginStatus("UCX", True, ["DRAM_SEG", "VRAM_SEG"])
+    good = status(ucx, vram=True, vram_detail="UCX lists VRAM_SEG; CUDA driver 13.0, 1 device(s)", selftest=True)
+    checks = {c.name: c for c in doctor.check_nixl(good)}
+    assert [c.status for c in checks.values()] == ["pass", "pass", "pass", "pass", "info"]
+    assert "1.5.1" in checks["NIXL"].detail and "others that load: POSIX; 1 do not" in checks["NIXL backends"].detail
+    for why, fix in (
+        ("UCX lists VRAM_SEG; no CUDA driver here (libcuda.so.1 not found)", "NVIDIA GPU"),
+        ("UCX lists VRAM_SEG; CUDA driver 13.0, 1 device(s), but cuda-python is not installed", "gpupin[cuda]"),
+    ):
+        checks = {c.name: c for c in doctor.check_nixl(status(ucx, vram_detail=why, selftest=False))}
+        assert checks["NIXL VRAM"].status == "warn" and why in checks["NIXL VRAM"].detail
+        assert fix in checks["NIXL VRAM"].fix
+        assert checks["NIXL self-test"].status == "fail" and "--log" in checks["NIXL self-test"].fix
+    checks = {c.name: c for c in doctor.check_nixl(status(PluginStatus("UCX", True, ["DRAM_SEG"]), vram_detail="x"))}
+    assert "built with CUDA" in checks["NIXL VRAM"].fix and "NIXL self-test" not in checks  # it did not run
+    (c,) = doctor.check_nixl(NixlStatus(True, "1.5.1", "nixl_cu13", "/x", error="no NIXL agent could be made"))
+    assert c.status == "fail" and "reinstall" in c.fix
