@@ -214,6 +214,20 @@ def scenario_churn(ep: Any, mem: Any, target: Target, *, rounds: int = 60, seed:
     return {"registrations": ep.driver.registrations, "versions": len(versions), "rounds": rounds}
 
 
+def deregistered_through_nixl(ep: Any, ptr: int, size: int, remote: Any) -> bool:
+    """Whether NIXL itself no longer knows [ptr, ptr + size) as registered: a transfer from it
+    is refused with NIXL's NOT_FOUND (not our bookkeeping's word for it)."""
+    agent = ep.agent
+    local = agent.get_xfer_descs([(ptr, size, ep.driver.devid)], ep.driver.mem_type)
+    rdesc = agent.get_xfer_descs([(remote.addr, size, remote.devid)], remote.mem_type)
+    try:
+        h = agent.initialize_xfer("WRITE", local, rdesc, remote.agent, b"")
+    except Exception as exc:  # noqa: BLE001 - NIXL's classes, matched by name
+        return "NotFound" in type(exc).__name__
+    agent.release_xfer_handle(h)
+    return False
+
+
 def RemoteBufferOf(target: Target, ptr: int, size: int) -> Any:  # noqa: N802 - a constructor
     from gpupin.nixl import RemoteBuffer
 

@@ -16,7 +16,14 @@ pytest.importorskip("nixl_cu13", reason="NIXL is not installed: run 'make setup'
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nixl_target import MiB, RemoteBufferOf, Target, scenario_churn, scenario_freed_target  # noqa: E402
+from nixl_target import (  # noqa: E402
+    MiB,
+    RemoteBufferOf,
+    Target,
+    deregistered_through_nixl,
+    scenario_churn,
+    scenario_freed_target,
+)
 
 import gpupin  # noqa: E402
 from gpupin.fake import HostMemory  # noqa: E402
@@ -48,8 +55,13 @@ def test_churn_every_byte_lands_where_named(ep: tuple[NixlEndpoint, HostMemory],
     e, mem = ep
     out = scenario_churn(e, mem, target, rounds=40)
     assert out["registrations"] < out["rounds"]  # the cache, not a registration per transfer
+    x = mem.alloc(MiB)
+    rb = RemoteBufferOf(target, target.call("alloc", MiB), MiB)
+    e.write(x, 4096, rb)
+    assert not deregistered_through_nixl(e, x, 4096, rb)  # the check can tell
     e.close()
-    assert e.driver.live == 0 and target.close() == 0
+    assert e.driver.live == 0 and deregistered_through_nixl(e, x, 4096, rb)
+    assert target.close() == 0
 
 
 def test_a_write_into_a_freed_target_buffer_is_never_reported_done(
