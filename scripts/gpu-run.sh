@@ -22,6 +22,12 @@ if [ "${GPUDIRECT_NO_UDEV_FIX:-0}" != 1 ] && [ "$(id -u)" = 0 ] && [ "${dev%%:*}
 	printf 'E:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE=%s\n' "$(stat -f -c %T .)" >"/run/udev/data/b$dev"
 	echo "gpu-run: wrote /run/udev/data/b$dev (no udev here) so that cuFile can register files"
 fi
+# NIXL for tests/gpu/test_nixl.py and 'bench --nixl'; optional.  Carry the nixl-cu13 wheel (its
+# declared torch dependency is already there; numpy too), e.g. without the 27 MiB nixl_ep_cu13
+# package gpupin does not use, to stay under the 64 MiB a call may carry.
+python3 -m pip install -q --no-index --no-deps --find-links .wheels --target /tmp/gpupin-deps nixl-cu13 \
+	>>"$OUT/pip.txt" 2>&1 || echo "gpu-run: no nixl-cu13 wheel in .wheels: the NIXL tests will skip"
+export NIXL_LOG_LEVEL=${NIXL_LOG_LEVEL:-WARN}
 export PYTHONPATH=/tmp/gpupin-deps:$ROOT/pyctl
 (cd pyctl && python3 gpupin/_build.py --no-kmod) >"$OUT/build.txt" 2>&1 || { cat "$OUT/build.txt"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
@@ -42,6 +48,14 @@ rc=${PIPESTATUS[0]}
 export PYTHONUNBUFFERED=1
 # GPUPIN_GPU_BENCH=none: the tests only.
 [ "${GPUPIN_GPU_BENCH:-all}" = none ] && exit "$rc"
+# GPUPIN_GPU_BENCH=nixl: NIXL's status and its figures, three runs (the goals are per run).
+if [ "${GPUPIN_GPU_BENCH:-all}" = nixl ]; then
+	python3 -m gpupin nixl status 2>&1 | tee "$OUT/nixl-status.txt"
+	for i in 1 2 3; do
+		python3 -m gpupin.bench --nixl --seed "$i" --out "$OUT/bench-nixl-$i.json" 2>&1 | tee "$OUT/bench-nixl-$i.txt"
+	done
+	exit "$rc"
+fi
 python3 -m gpupin gds status 2>&1 | tee "$OUT/gds-status.txt"
 python3 -m gpupin.bench --gds --out "$OUT/bench-gds.json" 2>&1 | tee "$OUT/bench-gds.txt"
 # GPUPIN_GPU_BENCH=gds: only the GDS figures (the CUDA tag-query figures take minutes)
