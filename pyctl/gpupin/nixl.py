@@ -316,6 +316,21 @@ class NixlEndpoint(Closable):
                 raise _nixl_error("add_remote_agent", exc) from None
         return name.decode() if isinstance(name, bytes) else str(name)
 
+    def _reload(self, peer: str, metadata: bytes) -> None:
+        """Load ``peer``'s metadata as of an expose().  Over VRAM, NIXL refuses to load an
+        agent's metadata again once a registration it described went (NOT_ALLOWED, seen on an
+        H200 after the target freed and registered a buffer anew): the peer is then dropped and
+        loaded afresh.  A transfer another thread has in flight with it at that moment fails."""
+        try:
+            self.connect(metadata)
+        except NixlError as exc:
+            if exc.status != "nixlNotAllowedError":
+                raise
+            with self.driver.lock:
+                self.agent.remove_remote_agent(peer)
+                self._loaded.pop(peer, None)
+            self.connect(metadata)
+
     # -- target side -----------------------------------------------------------
     def expose(self, ptr: int, size: int) -> RemoteBuffer:
         """The descriptor of [ptr, ptr + size) for a peer: its allocation is registered (through
@@ -394,7 +409,7 @@ class NixlEndpoint(Closable):
             )
         peer = remote.agent
         if remote.generation not in self._loaded.get(peer, set()):
-            self.connect(remote.metadata)  # the target's registrations as of expose()
+            self._reload(peer, remote.metadata)  # the target's registrations as of expose()
             self._loaded.setdefault(peer, set()).add(remote.generation)
         seq = next(self._seq)
         note = _XFER + struct.pack(_XFER_FMT, seq, remote.addr, remote.size, remote.buffer_id, remote.generation)
