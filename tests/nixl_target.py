@@ -195,14 +195,14 @@ def scenario_churn(ep: Any, mem: Any, target: Target, *, rounds: int = 60, seed:
         versions.add((back, mem.buffer_id(back)))
         ep.read(back, size, exposed[j], ro)
         assert mem.read(back, size) == data, f"round {n}: READ brought other bytes"
-        if rng.random() < 0.2:  # the initiator's allocator recycles a segment
+        if rng.random() < 0.2:  # the initiator's allocator recycles a segment (mostly same address)
             k = rng.randrange(3)
             mem.free(local[k])
-            assert mem.alloc(seg) == local[k], "the allocator should hand the address back"
+            local[k] = mem.alloc(seg)
         if rng.random() < 0.2:  # so does the target's; it exposes the new segment
             k = rng.randrange(3)
             target.call("free", remote[k])
-            assert target.call("alloc", seg) == remote[k]
+            remote[k] = target.call("alloc", seg)
             exposed[k] = RemoteBufferOf(target, remote[k], seg)
             target_churns += 1
     st = ep.cache.stats()
@@ -246,8 +246,17 @@ def scenario_freed_target(ep: Any, mem: Any, target: Target) -> str:
     src = mem.alloc(MiB)
     mem.write(src, b"\x5a" * MiB)
     ep.write(src, MiB, rb)  # a good write first: connected and registered on both sides
-    target.call("free", dst)
-    assert target.call("alloc", MiB) == dst
+    for _ in range(8):  # the allocator hands the freed address back (cuMemAlloc: mostly at once)
+        target.call("free", dst)
+        again = target.call("alloc", MiB)
+        if again == dst:
+            break
+        dst = again
+        target.call("fill", dst, MiB, 0)
+        rb = RemoteBufferOf(target, dst, MiB)
+        ep.write(src, MiB, rb)
+    else:
+        raise AssertionError("the target's allocator never handed the freed address back")
     target.call("fill", dst, MiB, 0)
     mem.write(src, b"\xa5" * MiB)
     try:
