@@ -430,7 +430,7 @@ def bench_nixl(
     trace = []  # (segment, offset, size, recycle the segment after this transfer)
     for _ in range(transfers):
         size = rng.choice(sizes)
-        trace.append((rng.randrange(segments), rng.randrange(0, seg - size) & ~4095, size, rng.random() < 0.005))
+        trace.append((rng.randrange(segments), rng.randrange(0, seg - size) & ~4095, size, rng.random() < 0.0025))
     tgt = NixlEndpoint("gpupin-bench-t", sink_mem, mem_type=mem_type)
     ini = NixlEndpoint("gpupin-bench-i", mem, mem_type=mem_type)
     sink = sink_mem.alloc(MiB)
