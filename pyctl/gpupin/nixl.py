@@ -317,19 +317,25 @@ class NixlEndpoint(Closable):
         return name.decode() if isinstance(name, bytes) else str(name)
 
     def _reload(self, peer: str, metadata: bytes) -> None:
-        """Load ``peer``'s metadata as of an expose().  Over VRAM, NIXL refuses to load an
-        agent's metadata again once a registration it described went (NOT_ALLOWED, seen on an
-        H200 after the target freed and registered a buffer anew): the peer is then dropped and
-        loaded afresh.  A transfer another thread has in flight with it at that moment fails."""
+        """Load ``peer``'s metadata as of an expose().
+
+        NIXL 1.5.1 over VRAM refuses to load a registration at an address it already knows
+        from an earlier registration of that peer (NIXL_ERR_NOT_ALLOWED, seen on an H200 after
+        the target freed a buffer and registered the new one at the same address), and then
+        loads nothing more of that peer (NIXL_ERR_INVALID_PARAM, also after
+        remove_remote_agent; a fresh agent can).  Said here in so many words.
+        """
         try:
             self.connect(metadata)
         except NixlError as exc:
             if exc.status != "nixlNotAllowedError":
                 raise
-            with self.driver.lock:
-                self.agent.remove_remote_agent(peer)
-                self._loaded.pop(peer, None)
-            self.connect(metadata)
+            raise NixlError(
+                f"NIXL will not load {peer}'s new registration: this agent knew an earlier one at the "
+                "same address (NIXL_ERR_NOT_ALLOWED; NIXL then loads no more of this peer's metadata). "
+                "Reach the target's reallocated buffer from a new NixlEndpoint (a new agent)",
+                exc.status,
+            ) from None
 
     # -- target side -----------------------------------------------------------
     def expose(self, ptr: int, size: int) -> RemoteBuffer:
