@@ -53,7 +53,7 @@ def ep(cuda: Any, target: Target) -> Iterator[NixlEndpoint]:
 
 
 def test_churn_every_byte_lands_where_named(ep: NixlEndpoint, cuda: Any, target: Target) -> None:
-    out = scenario_churn(ep, cuda, target, rounds=60)
+    out = scenario_churn(ep, cuda, target, rounds=60, target_churn=False)
     print(f"nixl churn on the GPU: {out}")
     assert out["registrations"] < out["rounds"]
     x = cuda.alloc(MiB)
@@ -98,7 +98,7 @@ def test_without_the_check_a_write_into_a_freed_buffer_is_lost(ep: NixlEndpoint,
 def test_with_the_check_it_is_never_reported_done(ep: NixlEndpoint, cuda: Any, target: Target) -> None:
     outcome = scenario_freed_target(ep, cuda, target)
     print(f"with gpupin's check: {outcome}")
-    assert outcome in ("stale", "delivered")
+    assert outcome.split(",")[0] in ("stale", "delivered")
 
 
 def test_bad_ranges_host_memory_and_a_gone_remote(ep: NixlEndpoint, cuda: Any, target: Target) -> None:
