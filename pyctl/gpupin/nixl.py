@@ -35,11 +35,13 @@ import itertools
 import logging
 import os
 import re
+import secrets
 import struct
 import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -186,16 +188,17 @@ class NixlDriver(LibraryDriver):
     def unpin(self, handle: Any) -> None:
         h = int(getattr(handle, "handle", handle))
         with self.lock:
-            reg = self._regs.pop(h, None)
+            reg = self._regs.get(h)
             if reg is None:
                 raise UnknownHandle(f"NIXL registration {h}: not a registration of this driver")
             t = time.perf_counter()
             try:
                 self.agent.deregister_memory(reg.dlist)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - still registered: `live` keeps counting it
                 raise _nixl_error(f"deregister_memory({reg.va:#x}, {reg.size})", exc) from None
             finally:
                 self.deregister_s += time.perf_counter() - t
+            del self._regs[h]
             self.deregistrations += 1
 
     @property
@@ -245,16 +248,15 @@ class RemoteBuffer:
     metadata: bytes
 
     def to_bytes(self) -> bytes:
-        head = struct.pack(
-            "<QQQQqH", self.addr, self.size, self.devid, self.buffer_id, self.generation, len(self.agent)
-        )
-        return head + self.agent.encode() + self.mem_type.encode().ljust(4) + self.metadata
+        name = self.agent.encode()
+        head = struct.pack("<QQQQqH", self.addr, self.size, self.devid, self.buffer_id, self.generation, len(name))
+        return head + name + self.mem_type.encode().ljust(4) + self.metadata
 
     @classmethod
     def from_bytes(cls, data: bytes) -> RemoteBuffer:
         n = struct.calcsize("<QQQQqH")
         addr, size, devid, bid, gen, alen = struct.unpack_from("<QQQQqH", data)
-        agent = data[n : n + alen].decode()
+        agent = bytes(data[n : n + alen]).decode()
         mem = data[n + alen : n + alen + 4].decode().strip()
         return cls(agent, addr, size, devid, mem, bid, gen, bytes(data[n + alen + 4 :]))
 
@@ -286,10 +288,17 @@ class NixlEndpoint(Closable):
         self.driver = NixlDriver(agent, name=name, mem_type=mem_type, devid=dev, nixl=nixl)
         self.memory = memory
         self.cache = NixlCache(self.driver, memory, max_bytes=max_bytes)
-        self._seq = itertools.count(1)
-        self._acks: dict[int, tuple[int, int]] = {}
+        # Sequence numbers start anywhere, and an answer counts only from the peer asked: two
+        # endpoints (or an application) reading one agent's notifications cannot take each
+        # other's answers for their own.
+        self._seq = itertools.count(secrets.randbits(62))
+        self._acks: dict[tuple[str, int], tuple[int, int]] = {}
+        self._waiting: set[tuple[str, int]] = set()
         self._other: list[tuple[str, bytes]] = []
         self._loaded: dict[str, set[int]] = {}  # peer -> the generations whose metadata was loaded
+        self._refused: dict[str, str] = {}  # peers NIXL loads nothing more of, and why
+        self._exposed: dict[tuple[int, int], Any] = {}  # (addr, size) -> the Registration held
+        self.unanswered = 0  # (target) transfers it could not answer: see progress()
         self._plock = threading.Lock()  # notifications are taken by one thread at a time
         self.stale_transfers = 0  # (target) transfers that arrived for a buffer freed since
         self.transfers = 0
@@ -325,34 +334,59 @@ class NixlEndpoint(Closable):
         loads nothing more of that peer (NIXL_ERR_INVALID_PARAM, also after
         remove_remote_agent; a fresh agent can).  Said here in so many words.
         """
+        if peer in self._refused:
+            raise NixlError(self._refused[peer], "nixlNotAllowedError")
         try:
             self.connect(metadata)
         except NixlError as exc:
             if exc.status != "nixlNotAllowedError":
                 raise
-            raise NixlError(
+            self._refused[peer] = (
                 f"NIXL will not load {peer}'s new registration: this agent knew an earlier one at the "
                 "same address (NIXL_ERR_NOT_ALLOWED; NIXL then loads no more of this peer's metadata). "
-                "Reach the target's reallocated buffer from a new NixlEndpoint (a new agent)",
-                exc.status,
-            ) from None
+                "Reach the target's reallocated buffer from a new NixlEndpoint (a new agent)"
+            )
+            raise NixlError(self._refused[peer], exc.status) from None
 
     # -- target side -----------------------------------------------------------
     def expose(self, ptr: int, size: int) -> RemoteBuffer:
         """The descriptor of [ptr, ptr + size) for a peer: its allocation is registered (through
-        the cache, so again only if it was freed and reallocated) and named by buffer id."""
-        with self.cache.acquire(ptr, size) as reg:
-            bid = self.cache._entry_of(reg.token).buffer_id  # type: ignore[union-attr]
-            return RemoteBuffer(
-                self.name, ptr, size, self.driver.devid, self.driver.mem_type, bid, reg.token, self.metadata()
-            )
+        the cache, so again only if it was freed and reallocated) and named by buffer id.  The
+        registration is held (never evicted) until ``unexpose`` or ``close``; exposing the same
+        range again replaces it.  Peers must be connected both ways (``connect`` with each
+        other's ``metadata()``): the target answers each transfer through NIXL."""
+        reg = self.cache.acquire(ptr, size)
+        old = self._exposed.pop((ptr, size), None)
+        self._exposed[(ptr, size)] = reg
+        if old is not None:
+            old.release()
+        bid = self.cache._entry_of(reg.token).buffer_id  # type: ignore[union-attr]
+        return RemoteBuffer(
+            self.name, ptr, size, self.driver.devid, self.driver.mem_type, bid, reg.token, self.metadata()
+        )
+
+    def unexpose(self, remote: RemoteBuffer) -> None:
+        """Let the registration of an exposed range go (the cache may evict it from now on)."""
+        reg = self._exposed.pop((remote.addr, remote.size), None)
+        if reg is not None:
+            reg.release()
 
     def progress(self) -> list[tuple[str, bytes]]:
         """Take NIXL's new notifications: answer transfers (target), file answers (initiator);
-        return the others, the application's own, as (peer, message)."""
+        return the others, the application's own, as (peer, message), also those that came
+        while a write or read waited for its answer."""
+        self._pump()
+        with self._plock:
+            out, self._other = self._other, []
+        return out
+
+    def _pump(self) -> None:
         with self._plock:
             with self.driver.lock:
-                new = self.agent.get_new_notifs()
+                try:
+                    new = self.agent.get_new_notifs()
+                except Exception as exc:  # noqa: BLE001
+                    raise _nixl_error("get_new_notifs", exc) from None
             for peer, msgs in new.items():
                 peer = peer.decode() if isinstance(peer, bytes) else str(peer)
                 for m in msgs:
@@ -361,11 +395,10 @@ class NixlEndpoint(Closable):
                         self._answer(peer, m[len(_XFER) :])
                     elif m.startswith(_ACK):
                         seq, status, bid = struct.unpack(_ACK_FMT, m[len(_ACK) :])
-                        self._acks[seq] = (status, bid)
+                        if (peer, seq) in self._waiting:  # else late (timed out) or not ours
+                            self._acks[(peer, seq)] = (status, bid)
                     else:
                         self._other.append((peer, m))
-            out, self._other = self._other, []
-            return out
 
     def _answer(self, peer: str, body: bytes) -> None:
         seq, addr, size, bid, gen = struct.unpack(_XFER_FMT, body)
@@ -377,7 +410,17 @@ class NixlEndpoint(Closable):
         if status == _ACK_STALE:
             self.stale_transfers += 1
         with self.driver.lock:
-            self.agent.send_notif(peer, _ACK + struct.pack(_ACK_FMT, seq, status, now))
+            try:
+                self.agent.send_notif(peer, _ACK + struct.pack(_ACK_FMT, seq, status, now))
+            except Exception as exc:  # noqa: BLE001 - the other answers still go
+                self.unanswered += 1
+                if self.unanswered == 1:
+                    warnings.warn(
+                        f"gpupin.nixl: cannot answer a transfer of {peer} ({type(exc).__name__} {exc}): "
+                        f"load its metadata here first (connect() with {peer}'s metadata()); it waits in vain",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
 
     def serve(self, seconds: float, until: Callable[[], bool] | None = None) -> list[tuple[str, bytes]]:
         """Run ``progress()`` for up to ``seconds`` (or until ``until()``); the app's notifications."""
@@ -420,48 +463,80 @@ class NixlEndpoint(Closable):
         seq = next(self._seq)
         note = _XFER + struct.pack(_XFER_FMT, seq, remote.addr, remote.size, remote.buffer_id, remote.generation)
         what = f"NIXL {op} of {size} bytes with {peer}"
-        with self.cache.acquire(local, size):  # held until the transfer is over
-            with self.driver.lock:
-                try:
-                    ldesc = self.agent.get_xfer_descs([(local, size, self.driver.devid)], self.driver.mem_type)
-                    rdesc = self.agent.get_xfer_descs([(remote.addr + offset, size, remote.devid)], remote.mem_type)
-                    h = self.agent.initialize_xfer(op, ldesc, rdesc, peer, note)
-                    state = self.agent.transfer(h)
-                except Exception as exc:  # noqa: BLE001
-                    raise _nixl_error(what, exc) from None
-            deadline = time.monotonic() + timeout
-            try:
-                while state == "PROC":
-                    if time.monotonic() > deadline:
-                        raise NixlError(f"{what}: not done after {timeout} s (is the peer alive?)")
-                    with self.driver.lock:
-                        state = self.agent.check_xfer_state(h)
-            finally:
-                with self.driver.lock:
-                    self.agent.release_xfer_handle(h)
-            if state != "DONE":
-                raise NixlError(f"{what} failed: {state} (the peer went away, or its registration did)", str(state))
-        self.transfers += 1
+        key = (peer, seq)
         if confirm:
-            self._confirm(seq, what, remote, deadline)
+            self._waiting.add(key)
+        try:
+            with self.cache.acquire(local, size):  # held until the transfer is over
+                # confirm=False: no check asked for (the target neither answers nor counts it).
+                self._post(op, local, size, remote, offset, note if confirm else b"", what, timeout)
+            self.transfers += 1
+            if confirm:
+                self._confirm(key, op, what, remote, time.monotonic() + timeout)
+        finally:
+            self._waiting.discard(key)
+            self._acks.pop(key, None)
 
-    def _confirm(self, seq: int, what: str, remote: RemoteBuffer, deadline: float) -> None:
+    def _post(
+        self, op: str, local: int, size: int, remote: RemoteBuffer, offset: int, note: bytes, what: str, timeout: float
+    ) -> None:
+        """One NIXL transfer, polled to its end; its handle released on every path."""
+        h = None
+        try:
+            with self.driver.lock:
+                ldesc = self.agent.get_xfer_descs([(local, size, self.driver.devid)], self.driver.mem_type)
+                rdesc = self.agent.get_xfer_descs([(remote.addr + offset, size, remote.devid)], remote.mem_type)
+                h = self.agent.initialize_xfer(op, ldesc, rdesc, remote.agent, note)
+                state = self.agent.transfer(h)
+            deadline = time.monotonic() + timeout
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise NixlError(f"{what}: not done after {timeout} s (is the peer alive?)")
+                with self.driver.lock:
+                    state = self.agent.check_xfer_state(h)
+        except NixlError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - NIXL's own classes (a peer gone: REMOTE_DISCONNECT)
+            raise _nixl_error(what, exc) from None
+        finally:
+            if h is not None:
+                with self.driver.lock:
+                    try:
+                        self.agent.release_xfer_handle(h)
+                    except Exception:  # noqa: BLE001, S110 - the transfer's own error says more
+                        pass
+        if state != "DONE":
+            raise NixlError(f"{what} failed: {state} (the peer went away, or its registration did)", str(state))
+
+    def _confirm(self, key: tuple[str, int], op: str, what: str, remote: RemoteBuffer, deadline: float) -> None:
         t = time.perf_counter()
-        while seq not in self._acks:
+        while key not in self._acks:
             if time.monotonic() > deadline:
-                raise NixlError(f"{what}: no answer from the target (it must call progress() or serve())")
-            self.progress()
+                raise NixlError(
+                    f"{what}: no answer from the target (it must call progress() or serve(), and have "
+                    "loaded this endpoint's metadata)"
+                )
+            self._pump()
         self.confirm_s += time.perf_counter() - t
-        status, now = self._acks.pop(seq)
+        status, now = self._acks.pop(key)
         if status != _ACK_OK:
+            lost = (
+                "the data did not reach it"
+                if op == "WRITE"
+                else "the bytes read are not that buffer's (the local buffer was overwritten)"
+            )
             raise StaleRemote(
                 f"{what}: the target's buffer at {remote.addr:#x} is no longer the allocation it exposed "
-                f"(buffer id {remote.buffer_id}, now {now or 'freed'}): the data did not reach it; ask the "
-                "target to expose the buffer again"
+                f"(buffer id {remote.buffer_id}, now {now or 'freed'}): {lost}; ask the target to expose the "
+                "buffer again"
             )
 
     def close(self) -> None:
-        """Deregister everything (InUse while a transfer holds a registration)."""
+        """Let go of the exposed ranges and deregister everything (InUse while a transfer holds
+        a registration)."""
+        for reg in self._exposed.values():
+            reg.release()
+        self._exposed.clear()
         self.cache.close()
 
 

@@ -109,6 +109,8 @@ def test_a_remote_that_went_away_is_a_clear_error(ep: tuple[NixlEndpoint, HostMe
 def test_remote_buffer_round_trips_through_bytes() -> None:
     rb = RemoteBuffer("peer-1", 0x7F00_0000_1000, 12345, 2, "VRAM", 77, (5 << 32) | 9, b"\x00md\xff")
     assert RemoteBuffer.from_bytes(rb.to_bytes()) == rb
+    wide = RemoteBuffer("wörker-ü", 1, 2, 0, "DRAM", 3, 4, b"md")  # a name in more bytes than letters
+    assert RemoteBuffer.from_bytes(wide.to_bytes()) == wide
 
 
 def test_one_process_two_agents_and_the_cache_counts(tmp_path: Path) -> None:
@@ -139,11 +141,108 @@ def test_one_process_two_agents_and_the_cache_counts(tmp_path: Path) -> None:
         ini.write(bufs[3], 4096, rb)  # a new buffer id: registered again
         st = ini.cache.stats()
         assert (st.pins, st.hits, st.invalidations_tag) == (5, 1, 1)
+    finally:
         stop.set()
         pump.join()
-    finally:
         ini.close()
         tgt.close()
         mi.close()
         mt.close()
     assert ini.driver.live == 0 and tgt.driver.live == 0
+
+
+class Pair:
+    """A target and an initiator endpoint in this process, the target answering from a thread."""
+
+    def __init__(self, *, connect_back: bool = True, target_max_bytes: int = 0) -> None:
+        import threading
+
+        self.mt, self.mi = HostMemory(16 << 20), HostMemory(16 << 20)
+        self.tgt = NixlEndpoint("t-pair", self.mt, mem_type="DRAM", max_bytes=target_max_bytes)
+        self.ini = NixlEndpoint("i-pair", self.mi, mem_type="DRAM")
+        self.ini.connect(self.tgt.metadata())
+        if connect_back:
+            self.tgt.connect(self.ini.metadata())
+        self.stop = threading.Event()
+        self.pump = threading.Thread(target=lambda: self.tgt.serve(120, self.stop.is_set))
+        self.pump.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.pump.join()
+        self.ini.close()
+        self.tgt.close()
+        self.mi.close()
+        self.mt.close()
+
+
+def test_answers_are_matched_to_the_endpoint_and_peer_that_asked() -> None:
+    """Two endpoints on one agent read each other's notifications: an answer for one must not
+    complete the other's transfer (both counted from 1 before: a stale write reported success)."""
+    p = Pair()
+    try:
+        other = NixlEndpoint("i-pair-2", p.mi, mem_type="DRAM", agent=p.ini.agent)  # the same agent
+        a, b = p.mt.alloc(MiB), p.mt.alloc(MiB)
+        ra, rb = p.tgt.expose(a, MiB), p.tgt.expose(b, MiB)
+        src = p.mi.alloc(MiB)
+        p.ini.write(src, 4096, ra)
+        p.mt.free(a)
+        assert p.mt.alloc(MiB) == a
+        for _ in range(3):
+            other.write(src, 4096, rb)  # good transfers, answered on the shared agent
+            other.write(src, 4096, rb, confirm=False)
+        with pytest.raises(StaleRemote, match="no longer the allocation"):
+            p.ini.write(src, 4096, ra)
+        assert p.tgt.stale_transfers == 1
+        assert not p.ini._acks and not other._acks  # nothing left behind
+    finally:
+        p.close()
+
+
+def test_application_notifications_survive_a_transfer() -> None:
+    p = Pair()
+    try:
+        dst = p.mt.alloc(MiB)
+        rb = p.tgt.expose(dst, MiB)
+        with p.tgt.driver.lock:
+            p.tgt.agent.send_notif("i-pair", b"app-hello")
+        src = p.mi.alloc(MiB)
+        p.ini.write(src, 4096, rb)  # waits for its answer, reading notifications meanwhile
+        got = p.ini.progress()
+        for _ in range(200):
+            if got:
+                break
+            got = p.ini.progress()
+        assert ("t-pair", b"app-hello") in got
+    finally:
+        p.close()
+
+
+def test_a_target_that_cannot_answer_is_named() -> None:
+    """The target never loaded the initiator's metadata: it cannot answer, and both sides say so."""
+    p = Pair(connect_back=False)
+    try:
+        rb = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        with pytest.warns(RuntimeWarning, match="load its metadata here first"):
+            with pytest.raises(NixlError, match="loaded this endpoint's metadata"):
+                p.ini.write(p.mi.alloc(MiB), 4096, rb, timeout=3)
+            p.stop.set()
+            p.pump.join()
+        assert p.tgt.unanswered >= 1 and p.ini.cache.held() == 0
+    finally:
+        p.close()
+
+
+def test_an_exposed_buffer_stays_registered_until_unexposed() -> None:
+    p = Pair(target_max_bytes=MiB)
+    try:
+        a, b = p.mt.alloc(MiB), p.mt.alloc(MiB)
+        ra = p.tgt.expose(a, MiB)
+        with pytest.raises(gpupin.BudgetExceeded):
+            p.tgt.expose(b, MiB)  # a is exposed: the LRU may not take it
+        p.ini.write(p.mi.alloc(MiB), 4096, ra)
+        p.tgt.unexpose(ra)
+        rb = p.tgt.expose(b, MiB)  # now a may go
+        assert p.tgt.cache.stats().evictions_limit == 1 and rb.addr == b
+    finally:
+        p.close()
