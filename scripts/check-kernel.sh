@@ -9,8 +9,9 @@ LOG=$(mktemp -d)
 fail=0
 
 make -s -C "$KDIR" M="$ROOT" clean >/dev/null
+# Case-insensitive: modpost says "WARNING: modpost: ..." (a missing export, a section mismatch).
 make -C "$KDIR" M="$ROOT" W=1 modules >"$LOG/w1.txt" 2>&1 || fail=1
-if grep -E "warning:|error:" "$LOG/w1.txt"; then
+if grep -iE "warning:|error:" "$LOG/w1.txt"; then
 	echo "check: W=1 build has warnings or errors" >&2
 	fail=1
 else
@@ -22,7 +23,7 @@ UC="$LOG/unicast"
 mkdir -p "$UC"
 (cd "$ROOT" && cp Kbuild "$UC/" && find kernel include tests/kmod -name '*.[ch]' -exec cp --parents {} "$UC/" \;)
 make -C "$KDIR" M="$UC" W=1 GPUPIN_NL_EVENTS=unicast NVIDIA_SRC=none modules >"$LOG/w1-unicast.txt" 2>&1 || fail=1
-if grep -E "warning:|error:" "$LOG/w1-unicast.txt"; then
+if grep -iE "warning:|error:" "$LOG/w1-unicast.txt"; then
 	echo "check: W=1 build of the unicast-events variant has warnings or errors" >&2
 	fail=1
 fi
@@ -41,8 +42,25 @@ fi
 
 files=$(cd "$ROOT" && git ls-files 'kernel/*.c' 'kernel/*.h' 'include/*.h' 'tests/kmod/*.c' 2>/dev/null)
 [ -n "$files" ] || files=$(cd "$ROOT" && find kernel include tests/kmod -name '*.[ch]')
-(cd "$ROOT" && "$CP" --strict --no-tree --terse --show-types \
-	--ignore FILE_PATH_CHANGES,SPDX_LICENSE_TAG,LINUX_VERSION_CODE -f $files) >"$LOG/checkpatch.txt" 2>&1
+# checkpatch says 1 for any finding (warnings too), more when it fails itself; a file it
+# cannot read it skips silently.  So: its own status, and a canary with a known error that
+# it must report, or the "0 errors" below would mean nothing.
+cpopts=(--strict --no-tree --terse --show-types --ignore FILE_PATH_CHANGES,SPDX_LICENSE_TAG,LINUX_VERSION_CODE)
+printf '// SPDX-License-Identifier: GPL-2.0\nint gpupin_canary(int a )\n{\n\treturn a;\n}\n' >"$LOG/canary.c"
+if [ ! -x "$CP" ]; then
+	echo "check: no checkpatch.pl at $CP: run scripts/setup.sh" >&2
+	fail=1
+elif "$CP" "${cpopts[@]}" -f "$LOG/canary.c" >"$LOG/canary.txt" 2>&1; ! grep -q ": ERROR:SPACING:" "$LOG/canary.txt"; then
+	echo "check: checkpatch.pl did not find the canary's error: it is not working" >&2
+	fail=1
+fi
+(cd "$ROOT" && "$CP" "${cpopts[@]}" -f $files) >"$LOG/checkpatch.txt" 2>&1
+status=$?
+if [ "$status" -gt 1 ]; then
+	echo "check: checkpatch.pl failed (exit status $status):" >&2
+	tail -n 5 "$LOG/checkpatch.txt" >&2
+	fail=1
+fi
 errors=$(grep -c ": ERROR:" "$LOG/checkpatch.txt")
 warnings=$(grep -c ": WARNING:\|: CHECK:" "$LOG/checkpatch.txt")
 if [ "$errors" -ne 0 ]; then
