@@ -45,6 +45,17 @@ if [ "${GPUPIN_COVERAGE:-0}" = 1 ]; then
 fi
 "${runner[@]}" -m pytest -q -p no:cacheprovider -rsP tests/gpu 2>&1 | tee "$OUT/gpu-tests.txt"
 rc=${PIPESTATUS[0]}
+# Each benchmark's own status counts too (a pipe through tee would hide it): the first failure's.
+bench() {
+	local log=$1
+	shift
+	"$@" 2>&1 | tee "$log"
+	local st=${PIPESTATUS[0]}
+	if [ "$st" -ne 0 ]; then
+		echo "gpu-run: '$*' failed with status $st" >&2
+		[ "$rc" -ne 0 ] || rc=$st
+	fi
+}
 export PYTHONUNBUFFERED=1
 # GPUPIN_GPU_BENCH=none: the tests only.
 [ "${GPUPIN_GPU_BENCH:-all}" = none ] && exit "$rc"
@@ -52,13 +63,13 @@ export PYTHONUNBUFFERED=1
 if [ "${GPUPIN_GPU_BENCH:-all}" = nixl ]; then
 	python3 -m gpupin nixl status 2>&1 | tee "$OUT/nixl-status.txt"
 	for i in 1 2 3; do
-		python3 -m gpupin.bench --nixl --seed "$i" --out "$OUT/bench-nixl-$i.json" 2>&1 | tee "$OUT/bench-nixl-$i.txt"
+		bench "$OUT/bench-nixl-$i.txt" python3 -m gpupin.bench --nixl --seed "$i" --out "$OUT/bench-nixl-$i.json"
 	done
 	exit "$rc"
 fi
 python3 -m gpupin gds status 2>&1 | tee "$OUT/gds-status.txt"
-python3 -m gpupin.bench --gds --out "$OUT/bench-gds.json" 2>&1 | tee "$OUT/bench-gds.txt"
+bench "$OUT/bench-gds.txt" python3 -m gpupin.bench --gds --out "$OUT/bench-gds.json"
 # GPUPIN_GPU_BENCH=gds: only the GDS figures (the CUDA tag-query figures take minutes)
 [ "${GPUPIN_GPU_BENCH:-all}" = gds ] ||
-	python3 -m gpupin.bench --only-cuda --out "$OUT/bench-gpu.json" 2>&1 | tee "$OUT/bench-gpu.txt"
+	bench "$OUT/bench-gpu.txt" python3 -m gpupin.bench --only-cuda --out "$OUT/bench-gpu.json"
 exit "$rc"
