@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import select
 import signal
 import threading
 import time
@@ -209,19 +210,31 @@ def test_sigkill_during_pin(gpupin_loaded: None, leakcheck: None, sim_params) ->
     n = ITER if LONG else 200
     rng = random.Random(n)
     for _ in range(n):
+        r, w = os.pipe()
         pid = os.fork()
         if pid == 0:
+            os.close(r)
+            code = 3  # ended on its own: the kill never met a PIN
             try:
                 sim = SimMemory()
                 dev = Device()
                 va = sim.alloc(4 * GPU_PAGE)
+                dev.unpin(dev.pin(va, 4 * GPU_PAGE))
+                os.write(w, b"p")  # pinning now: the kill lands in the loop (mostly in get_pages)
                 while True:
                     dev.unpin(dev.pin(va, 4 * GPU_PAGE))
             finally:
-                os._exit(0)
+                os._exit(code)
+        os.close(w)
+        ready = select.select([r], [], [], 30)[0] and os.read(r, 1) == b"p"
+        os.close(r)
         time.sleep(rng.random() * 0.02)
         os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+        _, status = os.waitpid(pid, 0)
+        assert ready, "the child never got to pinning: nothing raced"
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (
+            f"the child ended on its own (status {status}) instead of being killed while pinning"
+        )
     s = sim_stats()
     assert s.page_tables == 0 and s.bar_bytes == 0 and s.allocations == 0, s
     with Device() as dev:
