@@ -566,7 +566,7 @@ class RegistrationCache:
             if not self._evict_lru():
                 raise CacheFull(
                     f"acquire: needs {need} bytes but {st.bytes_pinned} bytes in {st.regions} regions "
-                    f"are cached and all {self._in_use()} in use (max_bytes={self.max_bytes}, "
+                    f"are cached and all {self.held()} in use (max_bytes={self.max_bytes}, "
                     f"max_regions={self.max_regions}): release registrations first"
                 )
             st.evictions_limit += 1
@@ -596,7 +596,7 @@ class RegistrationCache:
                     raise type(exc)(
                         f"pin of {size} bytes at {start:#x} failed ({kind} exhausted) and nothing is "
                         f"evictable: {st.bytes_pinned} bytes pinned in {st.regions} regions, "
-                        f"{self._in_use()} in use; release registrations or raise the limit",
+                        f"{self.held()} in use; release registrations or raise the limit",
                         exc.errno,
                     ) from exc
                 st.evictions_pressure += 1
@@ -693,9 +693,6 @@ class RegistrationCache:
             return self._drain_locked()
 
     # -- housekeeping ----------------------------------------------------------------
-    def _in_use(self) -> int:
-        return int(lib.gpc_held(self._c))
-
     def stats(self) -> CacheStats:
         with self._lock:
             acq = ffi.new("uint64_t *")
@@ -705,7 +702,7 @@ class RegistrationCache:
             st.acquires = int(acq[0]) - self._relookups
             st.hits = int(hits[0]) - self._py_tag_stale
             st.misses = st.acquires - st.hits
-            st.in_use = self._in_use()
+            st.in_use = self.held()
             return st
 
     def purge(self) -> int:

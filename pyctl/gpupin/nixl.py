@@ -215,8 +215,8 @@ class NixlCache(RegistrationCache):
     """The registration cache over NIXL: whole allocations, buffer-id checked, LRU, limits.
 
     ``acquire(ptr, size)`` registers the allocation holding ``ptr`` on first use; hold the
-    :class:`~gpupin.cache.Registration` while a transfer uses it.  ``desc(reg)`` is the NIXL
-    transfer descriptor of the registration's range.
+    :class:`~gpupin.cache.Registration` while a transfer uses it (NIXL finds the registration
+    by address: describe the transfer with ``agent.get_xfer_descs`` as usual).
     """
 
     def __init__(self, driver: NixlDriver, memory: MemoryProvider, *, max_bytes: int = 0, max_regions: int = 0) -> None:
