@@ -20,6 +20,7 @@ from typing import Any
 from . import doctor as doctor_mod
 from .device import Device, DmaMapping, Pin
 from .errors import EventsLost, GpupinError, InvalidArgument, ModuleError
+from .report import Report, format_rows
 from .sim import SimMemory, set_sim_param, sim_stats
 
 Result = Any
@@ -333,7 +334,8 @@ def cmd_stats(s: Session, a: argparse.Namespace) -> Result:
 
 def cmd_doctor(s: Session, a: argparse.Namespace) -> Result:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs at INFO on stdout by default
-    return [asdict(c) for c in doctor_mod.run_all()]
+    rows = [asdict(c) for c in doctor_mod.run_all()]
+    return Report(rows, format_rows(rows))
 
 
 def cmd_sim(s: Session, a: argparse.Namespace) -> Result:
@@ -553,6 +555,9 @@ def _plain(v: Any) -> Any:
 def render(result: Result, as_json: bool, out: Callable[[str], None] = print) -> None:
     if result is None:
         return
+    if isinstance(result, Report):
+        out(json.dumps(result.data, default=_plain, indent=2) if as_json else result.text)
+        return
     if as_json:
         out(json.dumps(result, default=_plain, indent=2, sort_keys=False))
         return
@@ -593,8 +598,9 @@ def run_command(s: Session, argv: list[str], parser: _Parser | None = None) -> i
             raise UsageError("give a command (see 'help')")
         if a.cmd == "sim":
             _fix_sim_args(a)
-        render(a.fn(s, a), getattr(a, "json", False), s.out)
-        return 0
+        result = a.fn(s, a)
+        render(result, getattr(a, "json", False), s.out)
+        return result.status if isinstance(result, Report) else 0
     except _HelpShown as h:
         return h.status
     except GpupinError as exc:
