@@ -79,8 +79,11 @@ test-vm-6.12: setup pyext
 test-gpu: pyext
 	$(VENV)/bin/pytest -q -m gpu tests/gpu
 
+# On a GPU host where modules load: gpupin selftest (loads nvidia, gpupin and the example peer
+# for PEER_PCI, prints the table, keeps them loaded), then the VM suite against them.
 test-native: pyext modules
-	GPUPIN_NATIVE=1 $(VENV)/bin/pytest -q tests/vm
+	$(VENV)/bin/python -m gpupin selftest --native --keep $(if $(PEER_PCI),--pci $(PEER_PCI))
+	GPUPIN_NATIVE=1 GPUPIN_PEER_PCI=$(PEER_PCI) $(VENV)/bin/pytest -q tests/vm
 
 test-long: setup pyext
 	GPUPIN_LONG=1 GPUPIN_CYCLES=20 GPUPIN_TEST_TIMEOUT=1800 scripts/vm-run.sh test

@@ -20,7 +20,7 @@ from typing import Any
 from . import doctor as doctor_mod
 from .device import Device, DmaMapping, Pin
 from .errors import EventsLost, GpupinError, InvalidArgument, ModuleError
-from .report import Report, format_rows
+from .report import Report, format_facts, format_rows
 from .sim import SimMemory, set_sim_param, sim_stats
 
 Result = Any
@@ -338,6 +338,16 @@ def cmd_doctor(s: Session, a: argparse.Namespace) -> Result:
     return Report(rows, format_rows(rows))
 
 
+def cmd_selftest(s: Session, a: argparse.Namespace) -> Result:
+    from . import selftest
+
+    sim = True if a.sim else False if a.native else None
+    out = selftest.run(sim=sim, pci=a.pci, load=not a.no_load, keep=a.keep)
+    rows = [asdict(r) for r in out.results]
+    text = "\n\n".join([format_facts(out.facts), format_rows(rows, detail_key="evidence"), out.summary()])
+    return Report(out.as_dict(), text, 1 if out.failed else 0)
+
+
 def cmd_sim(s: Session, a: argparse.Namespace) -> Result:
     sim = s.sim
     if a.op == "alloc":
@@ -485,6 +495,18 @@ def build_parser() -> _Parser:
     sp.add_argument("--background", action="store_true", help="shell: keep watching while you type")
     add("stats", cmd_stats, "global counters of gpupin.ko (through netlink; detached pins and their bytes too)")
     add("doctor", cmd_doctor, "check IOMMU, ACS, PCIe topology, drivers and BAR1 for GPUDirect RDMA")
+    sp = add(
+        "selftest",
+        cmd_selftest,
+        "is GPUDirect through gpupin working here? pins GPU memory through gpupin.ko and a peer "
+        "device, and checks CUDA; a table for bug reports (exit 1 if a check failed)",
+    )
+    mode = sp.add_mutually_exclusive_group()
+    mode.add_argument("--sim", action="store_true", help="through the simulator (default where no NVIDIA GPU is)")
+    mode.add_argument("--native", action="store_true", help="through nvidia.ko (default where an NVIDIA GPU is)")
+    sp.add_argument("--pci", help="PCI device the DMA mappings and the example peer are for (default: a NIC)")
+    sp.add_argument("--no-load", action="store_true", help="load no module: run what the loaded ones allow")
+    sp.add_argument("--keep", action="store_true", help="leave the modules it loaded loaded")
     sp = add(
         "sim",
         cmd_sim,

@@ -1,0 +1,99 @@
+"""The integration suite of ``gpupin selftest`` (gpupin.selftest), run by pytest.
+
+The same check functions a user's ``gpupin selftest`` runs on a GPU host, here
+over the provider-neutral fixtures: SimMemory and the simulator in the VM
+(make test-vm), CudaMemory and nvidia.ko with GPUPIN_NATIVE=1 (make
+test-native; the peer device named by GPUPIN_PEER_PCI).  In the VM every check
+must run: a skip there fails.  Then the command itself, end to end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from gpupin import Device, kmod, selftest
+from gpupin.memory import MemoryProvider
+from gpupin.peer import Peer, load_peer
+from gpupin.testing import NATIVE
+
+pytestmark = pytest.mark.vm
+
+
+@pytest.fixture
+def target(device: Device, memory: MemoryProvider) -> Iterator[selftest.Target]:
+    """What the checks run against: the provider-neutral Device and memory, and the example
+    peer driver for the PCI device it maps for (GPUPIN_PEER_PCI in native mode)."""
+    t = selftest.Target(device, memory, "nvidia" if NATIVE else "nvp2p_sim")
+    if NATIVE and not os.environ.get("GPUPIN_PEER_PCI"):
+        t.peer_why = "set GPUPIN_PEER_PCI to a NIC's PCI address to test a peer device"
+        t.pci = selftest.default_peer_pci()
+        yield t
+        return
+    if NATIVE and not kmod.is_loaded("gpupin_peer"):
+        kmod.load(kmod.module_file("gpupin_peer"), {"pci": os.environ["GPUPIN_PEER_PCI"]})
+    load_peer()
+    t.pci = kmod.parameters("gpupin_peer")["pci"]
+    with Peer() as t.peer:
+        yield t
+
+
+@pytest.mark.parametrize(
+    "check", selftest.MODULE_CHECKS, ids=[c.name.replace(" ", "_") for c in selftest.MODULE_CHECKS]
+)
+def test_module_check(target: selftest.Target, check: selftest.Check) -> None:
+    try:
+        evidence = check.fn(target)
+    except selftest.Skip as exc:
+        if not NATIVE:
+            pytest.fail(f"{check.name} skipped in the VM, where everything it needs is present: {exc}")
+        pytest.skip(str(exc))
+    assert evidence, f"{check.name} passed without saying what it saw"
+
+
+def _selftest(*args: str) -> subprocess.CompletedProcess[str]:
+    t0 = time.monotonic()
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "gpupin", "selftest", *args], capture_output=True, text=True, timeout=120
+        )
+    finally:
+        print(f"gpupin selftest {' '.join(args)}: {time.monotonic() - t0:.1f} s")
+
+
+@pytest.mark.simonly
+def test_the_command_passes_over_the_simulator(leakcheck: None) -> None:
+    """``gpupin selftest --sim`` with the modules loaded: every module check passes and says
+    what it saw, the CUDA row says why it did not run.  (The text layout is tested on the
+    host, tests/host/test_selftest_cli.py: each run here costs a minute of emulated CPU.)"""
+    load_peer()
+    pci = kmod.parameters("gpupin_peer")["pci"]
+    out = _selftest("--sim", "--pci", pci, "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads(out.stdout)
+    rows = {r["name"]: r for r in report["checks"]}
+    assert report["passed"] and report["facts"]["provider"] == "nvp2p_sim", report
+    assert pci in report["facts"]["peer device"]
+    for c in selftest.MODULE_CHECKS:
+        assert rows[c.name]["status"] == "pass" and rows[c.name]["evidence"], rows[c.name]
+    assert "page copies" in rows["peer copy"]["evidence"] or "copied" in rows["peer copy"]["evidence"]
+    assert rows["CUDA"]["status"] == "n/a"
+
+
+@pytest.mark.simonly
+def test_the_command_fails_when_a_check_fails(leakcheck: None) -> None:
+    """A PCI address that does not exist: the DMA mapping fails, the example peer is loaded
+    for another device, and the command says so and exits 1."""
+    load_peer()
+    out = _selftest("--sim", "--pci", "00fe:ff:1f.7", "--json")
+    assert out.returncode == 1, out.stdout + out.stderr
+    rows = {r["name"]: r for r in json.loads(out.stdout)["checks"]}
+    assert rows["dma map"]["status"] == "fail" and "no such PCI device" in rows["dma map"]["evidence"], rows["dma map"]
+    assert rows["peer copy"]["status"] == "skip" and "not 00fe:ff:1f.7" in rows["peer copy"]["evidence"]
+    assert rows["pin"]["status"] == "pass"
