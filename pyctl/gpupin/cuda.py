@@ -8,7 +8,9 @@ device memory only.
 from __future__ import annotations
 
 import os
-from typing import Any
+import shutil
+import subprocess
+from typing import Any, NamedTuple
 
 from ._native import cuda_buffer_id, ffi, lib
 from .errors import DriverNotLoaded, GpupinError, NotGpuMemory
@@ -24,6 +26,38 @@ def _driver() -> Any:
         except ImportError:
             raise DriverNotLoaded("cuda-python is not installed: pip install 'gpupin[cuda]' (or cuda-python)") from None
     return driver
+
+
+class GpuListing(NamedTuple):
+    """The NVIDIA GPUs a host shows without CUDA, and which listing showed them."""
+
+    source: str  # "nvidia-smi -L" or the /proc directory; "" where neither lists one
+    gpus: list[str]
+
+
+def visible_gpus(proc: str = "/proc/driver/nvidia/gpus") -> GpuListing:
+    """Whether this host has an NVIDIA GPU, asked without CUDA; never raises.
+
+    ``nvidia-smi -L`` (found on PATH) is asked first: its "GPU n: ..." lines.  Where it is
+    missing or fails, the NVIDIA driver's ``proc`` directory names each GPU by its PCI address.
+    A GPU listed here should be usable through CUDA: test suites fail, rather than skip,
+    where it is not.
+    """
+    exe = shutil.which("nvidia-smi")
+    if exe is not None:
+        try:
+            r = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            pass
+        else:
+            gpus = [line.strip() for line in r.stdout.splitlines() if line.startswith("GPU ")]
+            if r.returncode == 0 and gpus:
+                return GpuListing("nvidia-smi -L", gpus)
+    try:
+        entries = sorted(os.listdir(proc))
+    except OSError:
+        entries = []
+    return GpuListing(proc if entries else "", entries)
 
 
 def driver_status() -> tuple[bool, str]:

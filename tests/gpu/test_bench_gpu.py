@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import random
 
-import pytest
-
+from conftest import open_cufile
 from gpupin import bench
-from gpupin.errors import DriverNotLoaded, GdsError
 
 
 def test_cuda_bench_answers_every_figure(cuda) -> None:  # type: ignore[no-untyped-def]
@@ -33,12 +31,7 @@ def test_cuda_bench_answers_every_figure(cuda) -> None:  # type: ignore[no-untyp
 
 
 def test_gds_bench_registers_each_buffer_once(cuda) -> None:  # type: ignore[no-untyped-def]
-    from gpupin.gds import CuFileDriver
-
-    try:
-        CuFileDriver().close()
-    except (DriverNotLoaded, GdsError) as exc:
-        pytest.skip(f"cuFile is not usable here: {exc}")
+    open_cufile().close()  # skips where cuFile is not installed, fails where it cannot open
     ios, buffers = 200, 8
     res = bench.bench_gds(ios=ios, buffers=buffers, reps=2, n=300)
     # The trace the benchmark drew (the same generator, seeded alike, drawn first).

@@ -10,27 +10,16 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from test_cuda import Vmm, ok
 
 from gpupin.cache import CacheFull
-from gpupin.errors import DriverNotLoaded, GdsError
+from gpupin.errors import GdsError
 from gpupin.gds import CuFileDriver, GdsCache, GdsFile, GdsPolicy
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def driver(cuda) -> Iterator[CuFileDriver]:  # type: ignore[no-untyped-def]
-    try:
-        drv = CuFileDriver()
-    except (DriverNotLoaded, GdsError) as exc:
-        pytest.skip(f"cuFile is not usable here: {exc}")
-    yield drv
-    drv.close()
 
 
 def registered(drv: CuFileDriver, ptr: int, size: int) -> bool:
