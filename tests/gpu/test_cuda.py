@@ -22,16 +22,18 @@ def ok(res):  # type: ignore[no-untyped-def]
     return None
 
 
-def realloc_same_va(cuda, size: int, tries: int = 8):  # type: ignore[no-untyped-def]
-    """Allocate, free and allocate again until the same address comes back."""
+def realloc_same_va(cuda, size: int, tries: int = 8, again=None):  # type: ignore[no-untyped-def]
+    """Allocate, free and allocate again (from ``again``, another GPU's CudaMemory, if given)
+    until the same address comes back: (first address, its buffer id, second address)."""
+    second = cuda if again is None else again
     for _ in range(tries):
         a = cuda.alloc(size)
         ida = cuda.buffer_id(a)
         cuda.free(a)
-        b = cuda.alloc(size)
+        b = second.alloc(size)
         if b == a:
             return a, ida, b
-        cuda.free(b)
+        second.free(b)
     pytest.fail(f"cuMemAlloc never returned a freed address again in {tries} tries")
 
 
@@ -230,24 +232,47 @@ def test_cache_misses_on_vmm_remap_and_pool_reuse(cuda, cu) -> None:  # type: ig
         ok(cu.cuStreamDestroy(stream))
 
 
-def test_same_va_on_another_gpu(cu) -> None:  # type: ignore[no-untyped-def]
+def test_same_va_on_another_gpu(cuda, cu) -> None:  # type: ignore[no-untyped-def]
+    """Memory freed on GPU 0 and its address reused on GPU 1 (one unified address space): a new
+    buffer id, and the range is GPU 1's allocation."""
     from gpupin.cuda import CudaMemory
 
-    ok(cu.cuInit(0))
     if int(ok(cu.cuDeviceGetCount())) < 2:
         pytest.skip("needs two GPUs; this machine has one")
-    g0, g1 = CudaMemory(0), CudaMemory(1)
-    a = g0.alloc(2 * MiB)
-    id_a = g0.buffer_id(a)
-    g0.free(a)
-    b = g1.alloc(2 * MiB)
+    g1 = CudaMemory(1)
+    # cuMemAlloc allocates in the thread's current context, which each CudaMemory sets when
+    # made: make GPU 0's or GPU 1's current for each call.
+    on0, on1 = OnContext(cu, cuda), OnContext(cu, g1)
     try:
-        if b == a:
-            assert g1.buffer_id(b) != id_a
+        a, id_a, b = realloc_same_va(on0, 2 * MiB, tries=32, again=on1)
+        try:
+            assert int(ok(cu.cuPointerGetAttribute(cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, b))) == 1
+            assert on1.buffer_id(b) != id_a
+            r = g1.range_of(b)
+            assert (r.base, r.size, r.buffer_id) == (b, 2 * MiB, on1.buffer_id(b))
+        finally:
+            on1.free(b)
     finally:
-        g1.free(b)
-        g0.close()
+        ok(cu.cuCtxSetCurrent(cuda._ctx))
         g1.close()
+
+
+class OnContext:
+    """A CudaMemory whose alloc, free and buffer_id run with its own context current."""
+
+    def __init__(self, cu, mem) -> None:  # type: ignore[no-untyped-def]
+        self.cu, self.mem = cu, mem
+
+    def alloc(self, size: int) -> int:
+        ok(self.cu.cuCtxSetCurrent(self.mem._ctx))
+        return int(self.mem.alloc(size))
+
+    def free(self, ptr: int) -> None:
+        ok(self.cu.cuCtxSetCurrent(self.mem._ctx))
+        self.mem.free(ptr)
+
+    def buffer_id(self, ptr: int) -> int:
+        return int(self.mem.buffer_id(ptr))
 
 
 def test_dmabuf_export_of_each_kind(cuda, cu) -> None:  # type: ignore[no-untyped-def]
