@@ -73,15 +73,24 @@ PY=${PYTHON:-python3}
 if [ ! -x "$VENV/bin/python" ]; then
 	"$PY" -m venv "$VENV"
 fi
+# Where nvidia-smi lists a GPU, the GPU suite (make test-gpu) runs and fails without CUDA from
+# Python: the cuda extra (cuda-python) and the gds extra (cuFile's wheel, nvidia-cufile) too.
+extras=test,dev
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
+	extras=test,dev,cuda,gds
+fi
 stamp="$VENV/.gpupin-deps"
-if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
+# The stamp names the extras installed (an empty one, from before, meant test,dev).
+if [ -f "$stamp" ]; then had=$(cat "$stamp"); else had=; fi
+if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ] || [ "${had:-test,dev}" != "$extras" ]; then
 	log="$VENV/pip-install.log"
-	if ! { "$VENV/bin/pip" install --upgrade pip && "$VENV/bin/pip" install -e "$ROOT[test,dev]"; } >"$log" 2>&1; then
+	[ "$extras" = test,dev ] || echo "setup: nvidia-smi lists a GPU: installing the extras $extras (cuda-python, nvidia-cufile)"
+	if ! { "$VENV/bin/pip" install --upgrade pip && "$VENV/bin/pip" install -e "$ROOT[$extras]"; } >"$log" 2>&1; then
 		tail -n 40 "$log" >&2
 		echo "setup: pip install failed (whole log: $log)" >&2
 		exit 1
 	fi
-	touch "$stamp"
+	echo "$extras" >"$stamp"
 fi
 # NIXL (gpupin.nixl's optional engine) for its host tests, without its declared torch
 # dependency (gigabytes, unused): numpy is what it imports.
