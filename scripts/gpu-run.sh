@@ -30,9 +30,26 @@ python3 -m pip install -q --no-index --no-deps --find-links .wheels --target /tm
 export NIXL_LOG_LEVEL=${NIXL_LOG_LEVEL:-WARN}
 export PYTHONPATH=/tmp/gpupin-deps:$ROOT/pyctl
 (cd pyctl && python3 gpupin/_build.py --no-kmod) >"$OUT/build.txt" 2>&1 || { cat "$OUT/build.txt"; exit 1; }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import cuda.bindings, sys; print('cuda-bindings', cuda.bindings.__version__, 'python', sys.version.split()[0])" \
-	| tee -a "$OUT/gpu.txt"
+# Every step's own status counts (a pipe through tee would hide it): the script exits with the
+# first failure's, after running the rest.
+rc=0
+step() {
+	local log=$1 append=()
+	shift
+	if [ "$log" = -a ]; then
+		append=(-a)
+		log=$1
+		shift
+	fi
+	"$@" 2>&1 | tee "${append[@]}" "$log"
+	local st=${PIPESTATUS[0]}
+	if [ "$st" -ne 0 ]; then
+		echo "gpu-run: '$*' failed with status $st" >&2
+		[ "$rc" -ne 0 ] || rc=$st
+	fi
+}
+step "$OUT/gpu.txt" nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+step -a "$OUT/gpu.txt" python3 -c "import cuda.bindings, sys; print('cuda-bindings', cuda.bindings.__version__, 'python', sys.version.split()[0])"
 # GPUPIN_COVERAGE=1: the suite under coverage.py (needs a coverage wheel in .wheels); the data
 # goes to $OUT/coverage-gpu/, which 'make coverage' combines when it is copied to
 # results/coverage-gpu/ with the commit it measured (scripts/coverage.sh says how).
@@ -43,33 +60,21 @@ if [ "${GPUPIN_COVERAGE:-0}" = 1 ]; then
 	mkdir -p "$OUT/coverage-gpu"
 	runner=(python3 -m coverage run --rcfile="$ROOT/pyproject.toml" --data-file="$OUT/coverage-gpu/.coverage")
 fi
-"${runner[@]}" -m pytest -q -p no:cacheprovider -rsP tests/gpu 2>&1 | tee "$OUT/gpu-tests.txt"
-rc=${PIPESTATUS[0]}
-# Each benchmark's own status counts too (a pipe through tee would hide it): the first failure's.
-bench() {
-	local log=$1
-	shift
-	"$@" 2>&1 | tee "$log"
-	local st=${PIPESTATUS[0]}
-	if [ "$st" -ne 0 ]; then
-		echo "gpu-run: '$*' failed with status $st" >&2
-		[ "$rc" -ne 0 ] || rc=$st
-	fi
-}
+step "$OUT/gpu-tests.txt" "${runner[@]}" -m pytest -q -p no:cacheprovider -rsP tests/gpu
 export PYTHONUNBUFFERED=1
 # GPUPIN_GPU_BENCH=none: the tests only.
 [ "${GPUPIN_GPU_BENCH:-all}" = none ] && exit "$rc"
 # GPUPIN_GPU_BENCH=nixl: NIXL's status and its figures, three runs (the goals are per run).
 if [ "${GPUPIN_GPU_BENCH:-all}" = nixl ]; then
-	python3 -m gpupin nixl status 2>&1 | tee "$OUT/nixl-status.txt"
+	step "$OUT/nixl-status.txt" python3 -m gpupin nixl status
 	for i in 1 2 3; do
-		bench "$OUT/bench-nixl-$i.txt" python3 -m gpupin.bench --nixl --seed "$i" --out "$OUT/bench-nixl-$i.json"
+		step "$OUT/bench-nixl-$i.txt" python3 -m gpupin.bench --nixl --seed "$i" --out "$OUT/bench-nixl-$i.json"
 	done
 	exit "$rc"
 fi
-python3 -m gpupin gds status 2>&1 | tee "$OUT/gds-status.txt"
-bench "$OUT/bench-gds.txt" python3 -m gpupin.bench --gds --out "$OUT/bench-gds.json"
+step "$OUT/gds-status.txt" python3 -m gpupin gds status
+step "$OUT/bench-gds.txt" python3 -m gpupin.bench --gds --out "$OUT/bench-gds.json"
 # GPUPIN_GPU_BENCH=gds: only the GDS figures (the CUDA tag-query figures take minutes)
 [ "${GPUPIN_GPU_BENCH:-all}" = gds ] ||
-	bench "$OUT/bench-gpu.txt" python3 -m gpupin.bench --only-cuda --out "$OUT/bench-gpu.json"
+	step "$OUT/bench-gpu.txt" python3 -m gpupin.bench --only-cuda --out "$OUT/bench-gpu.json"
 exit "$rc"
