@@ -38,12 +38,15 @@ from .cache import RegistrationCache
 from .fake import FakeDevice, FakeMemory
 
 MiB = 1 << 20
+# The reuse trace's FakeDevice busy-waits this long per pin: its times are modelled (the keys
+# ending in _modelled), not measured.
+TRACE_PIN_LATENCY_S = 100e-6
 TARGETS = {
     "direct_over_cuda_python": 0.25,
     "cuda_tag_hit_over_direct_query": 1.5,
     "kernel_hit_over_dict": 1.5,
     "trace_pin_reduction": 100.0,
-    "trace_speedup": 10.0,
+    "trace_speedup_modelled": 10.0,
     "scale_100k_over_100": 1.5,
     "purge_100k_over_10k": 1.5,
     "pressure_failed_acquires": 0,
@@ -216,9 +219,15 @@ def zipf_trace(n: int, buffers: int, s: float, rng: random.Random) -> list[int]:
 
 
 def bench_trace(transfers: int, seed: int) -> dict[str, Any]:
+    """A Zipf reuse trace, pinned through the cache and pinned per transfer, over FakeDevice.
+
+    The pin counts are real; the times are not measurements of a pin: FakeDevice busy-waits a
+    modelled 100 µs per pin, so ``trace_speedup_modelled`` follows from that figure and the
+    pin counts (the VM bench times real ioctls).
+    """
     rng = random.Random(seed)
     trace = zipf_trace(transfers, 64, 1.1, rng)
-    latency = 100e-6
+    latency = TRACE_PIN_LATENCY_S
     mem = FakeMemory()
     bufs = [mem.alloc(MiB) for _ in range(64)]
 
@@ -241,10 +250,11 @@ def bench_trace(transfers: int, seed: int) -> dict[str, Any]:
         "trace_transfers": transfers,
         "trace_pins_cached": cached_pins,
         "trace_pins_plain": dev2.pin_calls,
-        "trace_seconds_cached": cached_s,
-        "trace_seconds_plain": plain_s,
+        "trace_pin_latency_modelled_us": latency * 1e6,
+        "trace_seconds_cached_modelled": cached_s,
+        "trace_seconds_plain_modelled": plain_s,
         "trace_pin_reduction": dev2.pin_calls / max(cached_pins, 1),
-        "trace_speedup": plain_s / cached_s,
+        "trace_speedup_modelled": plain_s / cached_s,
     }
 
 
@@ -752,7 +762,7 @@ def _met(key: str, target: float, value: Any) -> bool | None:
         return None
     if key in (
         "trace_pin_reduction",
-        "trace_speedup",
+        "trace_speedup_modelled",
         "gds_registration_reduction",
         "gds_speedup",
         "nixl_registration_reduction",
@@ -768,6 +778,11 @@ def format_table(res: dict[str, Any]) -> str:
         if k == "targets":
             continue
         lines.append(f"{k:<32} {v:>14.3f}" if isinstance(v, float) else f"{k:<32} {v!s:>14}")
+    if any(k.endswith("_modelled") for k in res):
+        lines.append(
+            f"(*_modelled: over FakeDevice, which busy-waits {TRACE_PIN_LATENCY_S * 1e6:.0f} µs per pin; "
+            "modelled, not measured)"
+        )
     if not res["targets"]:
         return "\n".join(lines)
     lines.append("")

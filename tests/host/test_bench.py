@@ -34,6 +34,10 @@ def test_quick_bench_prints_json_and_progress(tmp_path: object) -> None:
     assert res["pressure_failed_acquires"] == 0
     t = res["targets"]["trace_pin_reduction"]
     assert t["measured"] == res["trace_pin_reduction"] and t["met"] == (t["measured"] >= t["target"])
+    # The trace's times come from FakeDevice's busy-wait per pin: named modelled wherever they appear.
+    assert res["trace_pin_latency_modelled_us"] == 100.0
+    assert "trace_speedup_modelled" in res["targets"] and "trace_speedup" not in res
+    assert not [k for k in res if k.startswith(("trace_seconds", "trace_speedup")) and not k.endswith("_modelled")]
     assert "vm_pin_unpin_many_over_100" not in res  # the VM figures need the modules
 
 
