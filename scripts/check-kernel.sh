@@ -63,7 +63,9 @@ if [ "$status" -gt 1 ]; then
 fi
 errors=$(grep -c ": ERROR:" "$LOG/checkpatch.txt")
 warnings=$(grep -c ": WARNING:\|: CHECK:" "$LOG/checkpatch.txt")
-if [ "$errors" -ne 0 ]; then
+if [ "$status" -gt 1 ]; then
+	: # said above: no count from a checkpatch that did not run
+elif [ "$errors" -ne 0 ]; then
 	grep ": ERROR:" "$LOG/checkpatch.txt"
 	echo "check: checkpatch --strict found $errors errors" >&2
 	fail=1
