@@ -246,7 +246,10 @@ def test_same_va_on_another_gpu(cuda, cu) -> None:  # type: ignore[no-untyped-de
     try:
         a, id_a, b = realloc_same_va(on0, 2 * MiB, tries=32, again=on1)
         try:
-            assert int(ok(cu.cuPointerGetAttribute(cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, b))) == 1
+            # GPU 1's context owns it (DEVICE_ORDINAL read through cuda-python 13.3 says 0 for
+            # either GPU's memory, measured on two H200s; CONTEXT tells them apart).
+            owner = ok(cu.cuPointerGetAttribute(cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_CONTEXT, b))
+            assert int(owner) == int(g1._ctx) != int(cuda._ctx)
             assert on1.buffer_id(b) != id_a
             r = g1.range_of(b)
             assert (r.base, r.size, r.buffer_id) == (b, 2 * MiB, on1.buffer_id(b))
