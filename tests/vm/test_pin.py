@@ -1,16 +1,19 @@
-"""gpupin.ko over the simulator: pinning, rounding, invalidation, DMA, persistence."""
+"""gpupin.ko over either provider (the simulator in the VM, nvidia.ko with GPUPIN_NATIVE=1):
+pinning, rounding, invalidation, DMA, persistence; the tests taking `sim` need the simulator."""
 
 from __future__ import annotations
 
 import errno
 import mmap
 import os
+from collections import Counter
 
 import pytest
 
 import gpupin
 from conftest import GPU_PAGE, KiB, MiB
-from gpupin import Device, SimMemory, sim_stats
+from gpupin import Device, MemoryProvider, SimMemory, sim_stats
+from gpupin.testing import NATIVE
 
 pytestmark = pytest.mark.vm
 
@@ -18,7 +21,7 @@ pytestmark = pytest.mark.vm
 def test_info(device: Device) -> None:
     info = device.info()
     assert info.abi_version == gpupin.ABI_VERSION
-    assert info.provider == "nvp2p_sim" and info.simulator
+    assert info.provider == ("nvidia" if NATIVE else "nvp2p_sim") and info.simulator == (not NATIVE)
     assert info.persistent and info.dma_map
     assert info.gpu_page_size == GPU_PAGE
     assert info.file_pins == 0
@@ -178,16 +181,26 @@ def test_get_pages_are_the_simulated_pages(device: Device, sim: SimMemory) -> No
     sim.free(va)
 
 
-def test_close_releases_everything(gpupin_loaded: None, leakcheck: None) -> None:
-    with SimMemory() as sim:
-        va = sim.alloc(8 * MiB)
+def test_close_releases_everything(memory: MemoryProvider) -> None:
+    """1000 pins of one file, counted by netlink (and the simulator's page tables), all gone
+    when the file closes; over either provider."""
+    from gpupin.netlink import Netlink
+
+    va = memory.alloc(8 * MiB)
+    with Device() as other, Netlink() as nl:
         dev = Device()
+        other.pin(va, GPU_PAGE)  # another file's pin stays
         for i in range(1000):
             dev.pin(va + (i % 128) * GPU_PAGE, GPU_PAGE, user_tag=i)
-        assert sim_stats().page_tables == 1000
+        per_file = Counter(p.file_id for p in nl.list_pins() if p.pid == os.getpid())
+        assert sorted(per_file.values()) == [1, 1000], per_file
+        if not NATIVE:
+            assert sim_stats().page_tables == 1001
         dev.close()
-        assert sim_stats().page_tables == 0 and sim_stats().bar_bytes == 0
-        sim.free(va)
+        assert [p.user_tag for p in nl.list_pins() if p.pid == os.getpid()] == [0]
+        if not NATIVE:
+            assert sim_stats().page_tables == 1 and sim_stats().bar_bytes == GPU_PAGE
+    memory.free(va)
 
 
 def test_pin_foreign_or_host_memory(device: Device, sim: SimMemory) -> None:
