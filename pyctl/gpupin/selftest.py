@@ -599,7 +599,9 @@ def run(*, sim: bool | None = None, pci: str | None = None, load: bool = True, k
 
     t0 = time.monotonic()
     if sim is None:
-        sim = not doctor.gpus()
+        from .cuda import visible_gpus
+
+        sim = not doctor.gpus() and not visible_gpus().gpus
     provider = "nvp2p_sim" if sim else "nvidia"
     pci = pci or default_peer_pci()
     out = Outcome(facts(pci, provider))
