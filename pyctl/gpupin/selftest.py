@@ -479,12 +479,15 @@ def _open_target(
 ) -> Target:
     """Load what is missing (recorded in ``loaded``), open the Device, the memory and the peer
     (closed by ``stack``)."""
-    from . import kmod
-
     if not os.path.exists("/dev/gpupin"):
         why = modules_impossible() if load else "gpupin is not loaded and --no-load was given"
         if why:
             raise _NotPossible(why)
+    try:
+        from . import kmod
+    except ImportError as exc:  # a build without the libkmod bindings (_build.py --no-kmod)
+        raise _NotPossible(f"gpupin was built without its libkmod bindings ({exc})") from None
+    if not os.path.exists("/dev/gpupin"):
         if provider == "nvp2p_sim" and not kmod.is_loaded("nvp2p_sim"):
             kmod.load(kmod.module_file("nvp2p_sim"))
             loaded.append("nvp2p_sim")
