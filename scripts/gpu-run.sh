@@ -61,6 +61,9 @@ if [ "${GPUPIN_COVERAGE:-0}" = 1 ]; then
 	runner=(python3 -m coverage run --rcfile="$ROOT/pyproject.toml" --data-file="$OUT/coverage-gpu/.coverage")
 fi
 step "$OUT/gpu-tests.txt" "${runner[@]}" -m pytest -q -p no:cacheprovider -rsP tests/gpu
+# The command a user runs: here (no module loading) the module checks say why they cannot
+# run, and the CUDA checks must pass.
+step "$OUT/selftest.txt" python3 -m gpupin selftest
 export PYTHONUNBUFFERED=1
 # GPUPIN_GPU_BENCH=none: the tests only.
 [ "${GPUPIN_GPU_BENCH:-all}" = none ] && exit "$rc"

@@ -51,7 +51,15 @@ def run_gpu_run(tmp_path: Path, fail_on: str) -> tuple[int, str, list[str]]:
 
 @pytest.mark.parametrize(
     "fail_on",
-    ["--query-gpu", "import cuda.bindings", "-m pytest", "gpupin gds status", "bench --gds", "bench --only-cuda"],
+    [
+        "--query-gpu",
+        "import cuda.bindings",
+        "-m pytest",
+        "gpupin selftest",
+        "gpupin gds status",
+        "bench --gds",
+        "bench --only-cuda",
+    ],
 )
 def test_a_failing_step_fails_the_run(tmp_path: Path, fail_on: str) -> None:
     rc, out, calls = run_gpu_run(tmp_path, fail_on)
