@@ -340,16 +340,12 @@ def cuda_checks(mem: Any) -> list[tuple[str, Callable[[], str]]]:
         return "2 MiB written and read back equal"
 
     def sync_memops() -> str:
-        import ctypes
-
         a = mem.alloc(ALLOC)
         try:
             mem.enable_sync_memops(a)
-            flag = ctypes.c_uint(0)
-            res = cu.cuPointerGetAttribute(ctypes.addressof(flag), mem._sync_attr, a)
-            err = res[0] if isinstance(res, tuple) else res
+            err, value = cu.cuPointerGetAttribute(mem._sync_attr, a)
             assert err == mem._ok, f"cuPointerGetAttribute(SYNC_MEMOPS) failed: {getattr(err, 'name', err)}"
-            assert flag.value == 1, "SYNC_MEMOPS reads back 0 after it was set"
+            assert int(value) == 1, f"SYNC_MEMOPS reads back {value} after it was set"
         finally:
             mem.free(a)
         return "set on a cuMemAlloc allocation and read back as 1"
@@ -451,7 +447,7 @@ def facts(pci: str | None, provider: str) -> dict[str, str]:
     from . import doctor
 
     gpu = _nvidia_smi("--query-gpu=name,pci.bus_id,driver_version", "--format=csv,noheader")
-    bar1 = _nvidia_smi("--query-gpu=memory.total", "--format=csv,noheader")
+    bar1 = _nvidia_smi("--query-gpu=memory.total", "--format=csv,noheader").replace("\n", ", ")
     q = _nvidia_smi("-q", "-d", "MEMORY")
     if "BAR1" in q:
         tail = q.split("BAR1", 1)[1].split("\n")
