@@ -232,7 +232,7 @@ def test_unload_waits_for_a_callback_leaving_gpupin(gpupin_loaded: None, leakche
             dev.close()
             os.write(w, b"x")
             os.close(w)
-            os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, "the child that closed the file last failed"
             deadline = time.monotonic() + 10
             while gpupin.kmod.info("gpupin").refcount != 1 and time.monotonic() < deadline:
                 time.sleep(0.05)

@@ -114,7 +114,7 @@ def test_last_close_in_a_fork_child(gpupin_loaded: None, leakcheck: None) -> Non
         dev.close()
         os.write(w, b"x")
         os.close(w)
-        os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, "the child that closed the file last failed"
         _assert_detached_then_freed(sim, va, refs)
 
 

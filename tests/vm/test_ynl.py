@@ -185,7 +185,7 @@ def test_a_detached_pin_decodes_with_the_spec(ynl_lib: Any, gpupin_loaded: None,
         dev.close()
         os.write(w, b"x")
         os.close(w)
-        os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, "the child that closed the file last failed"
         mine = [m["pin"] for m in y.dump("get-pins", {"pid": os.getpid()})]
         stats = y.do("get-stats", {})["stats"]
         sim.free(va)
