@@ -18,7 +18,7 @@ from dataclasses import asdict, is_dataclass
 from typing import Any
 
 from . import doctor as doctor_mod
-from .device import Device, DmaMapping, Pin
+from .device import Device, DmaMapping, Pin, PinState
 from .errors import EventsLost, GpupinError, InvalidArgument, ModuleError
 from .report import Report, format_facts, format_rows
 from .sim import SimMemory, set_sim_param, sim_stats
@@ -256,8 +256,15 @@ def _nl_row(p: Any) -> dict[str, Any]:
     }
 
 
+def _state_row(st: PinState) -> dict[str, Any]:
+    """A pin's state with its addresses in hex, as ls and pin print them."""
+    row = asdict(st)
+    row["va"], row["aligned_va"] = hex(st.va), hex(st.aligned_va)
+    return row
+
+
 def cmd_query(s: Session, a: argparse.Namespace) -> Result:
-    return asdict(s.device.query(a.handle))
+    return _state_row(s.device.query(a.handle))
 
 
 def cmd_pages(s: Session, a: argparse.Namespace) -> Result:

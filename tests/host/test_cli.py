@@ -135,3 +135,12 @@ def test_shell_on_a_terminal(tmp_path) -> None:  # type: ignore[no-untyped-def]
         status = sh.close()
     assert status == 0
     assert "query --json 1" in hist.read_text().splitlines()
+
+
+def test_query_prints_addresses_in_hex_like_ls_and_pin() -> None:
+    from gpupin.device import PinState
+
+    st = PinState(7, "pinned", 0x7F0000010000, 4096, 0x7F0000010000, 65536, 3, 1, 0, False, 0)
+    row = cli._state_row(st)
+    assert (row["va"], row["aligned_va"]) == ("0x7f0000010000", "0x7f0000010000")
+    assert row["size"] == 4096 and row["user_tag"] == 3
