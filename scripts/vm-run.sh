@@ -34,9 +34,12 @@ if [ -f "$VM_KDIR/drivers/gpu/drm/vgem/vgem.ko" ]; then
 	VGEM_KO="$ROOT/build/vgem.ko"
 fi
 
-# The kernel's YNL client and schemas for tests/vm/test_ynl.py (copied in, like vgem).
+# The kernel's YNL client and schemas for tests/vm/test_ynl.py (copied in, like vgem): only
+# for the mode that runs it (ynl-fetch.sh downloads linux-source the first time, ~150 MB).
 YNL_DIR=
-if ynl=$("$ROOT/scripts/ynl-fetch.sh"); then
+if [ "$MODE" != test ]; then
+	:
+elif ynl=$("$ROOT/scripts/ynl-fetch.sh"); then
 	rm -rf "$ROOT/build/ynl" && mkdir -p "$ROOT/build/ynl/tools/net" "$ROOT/build/ynl/Documentation"
 	cp -r "$ynl/tools/net/ynl" "$ROOT/build/ynl/tools/net/"
 	cp -r "$ynl/Documentation/netlink" "$ROOT/build/ynl/Documentation/"
