@@ -43,7 +43,7 @@ MiB = 1 << 20
 TRACE_PIN_LATENCY_S = 100e-6
 TARGETS = {
     "direct_over_cuda_python": 0.25,
-    "cuda_tag_hit_over_direct_query": 1.5,
+    "cuda_buffer_id_hit_over_direct_query": 1.5,
     "kernel_hit_over_dict": 1.5,
     "trace_pin_reduction": 100.0,
     "trace_speedup_modelled": 10.0,
@@ -193,7 +193,7 @@ def tag_loop(buffer_id: Callable[[int], int], ptrs: list[int]) -> Callable[[int]
 def bench_hit(reps: int, n: int) -> dict[str, Any]:
     loops: dict[str, Callable[[int], None]] = {}
     caches = {}
-    for mode in ("kernel", "tag", "both"):
+    for mode in ("kernel", "buffer_id", "both"):
         cache, ptrs = _cached(100, mode)
         caches[mode] = (cache, ptrs)
         # lookup() leaves references behind; they do not change the hit path's cost.
@@ -209,7 +209,7 @@ def bench_hit(reps: int, n: int) -> dict[str, Any]:
     loops["tag_query_ns"] = tag_loop(cache.memory.buffer_id, ptrs)
     out: dict[str, Any] = dict(interleaved_ns(loops, n, reps))
     out["kernel_hit_over_dict"] = out["hit_kernel_ns"] / out["dict_lookup_ns"]
-    out["tag_hit_over_tag_query"] = out["hit_tag_ns"] / out["tag_query_ns"]
+    out["buffer_id_hit_over_query"] = out["hit_buffer_id_ns"] / out["tag_query_ns"]
     return out
 
 
@@ -396,7 +396,7 @@ def bench_cuda(reps: int, n: int) -> dict[str, Any]:
             "direct_tag_query_wrapped_ns": tag_loop(mem.buffer_id, ptrs),
             "cuda_dict_lookup_ns": dict_loop(ptrs),
         }
-        for mode in ("tag", "both"):
+        for mode in ("buffer_id", "both"):
             cache = RegistrationCache(FakeDevice(mem), mem, validate=mode)
             for p in ptrs:
                 cache.acquire(p, 8).release()
@@ -406,7 +406,7 @@ def bench_cuda(reps: int, n: int) -> dict[str, Any]:
         for cache in caches:
             cache.purge()
         out["direct_over_cuda_python"] = out["direct_tag_query_ns"] / out["cuda_python_tag_query_ns"]
-        out["cuda_tag_hit_over_direct_query"] = out["cuda_hit_tag_ns"] / out["direct_tag_query_ns"]
+        out["cuda_buffer_id_hit_over_direct_query"] = out["cuda_hit_buffer_id_ns"] / out["direct_tag_query_ns"]
     finally:
         for p in ptrs:
             mem.free(p)

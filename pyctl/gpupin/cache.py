@@ -38,6 +38,7 @@ import operator
 import os
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,7 +61,7 @@ from .memory import MemoryProvider
 
 GPU_PAGE = 1 << 16
 _ID_MASK = 0xFFFFFFFF  # a token's slot; the generation is above it (csrc/gpc.c)
-Validate = Literal["both", "kernel", "tag"]
+Validate = Literal["both", "kernel", "buffer_id", "tag"]  # "tag": the old name of "buffer_id"
 Backend = Literal["nvp2p", "dmabuf", "auto"]
 
 
@@ -86,7 +87,7 @@ class CacheStats:
     hits: int = 0
     misses: int = 0
     invalidations_kernel: int = 0
-    invalidations_tag: int = 0
+    invalidations_buffer_id: int = 0
     evictions_limit: int = 0
     evictions_pressure: int = 0
     pins: int = 0
@@ -97,6 +98,11 @@ class CacheStats:
     regions: int = 0
     in_use: int = 0
     unpin_failures: int = 0
+
+    @property
+    def invalidations_tag(self) -> int:
+        """The old name of ``invalidations_buffer_id`` (deprecated; goes in the next release)."""
+        return self.invalidations_buffer_id
 
 
 class _Entry:
@@ -278,8 +284,16 @@ class RegistrationCache:
     ) -> None:
         """``dmabuf_pci``: with the dma-buf backend, the PCI device each buffer is imported for
         (``Device.pin_dmabuf(pci=)``); an exporter that can revoke its buffers needs one."""
-        if validate not in ("both", "kernel", "tag"):
-            raise InvalidArgument(f"validate={validate!r}: use 'both', 'kernel' or 'tag'")
+        if validate == "tag":
+            warnings.warn(
+                "validate='tag' is deprecated, and goes in the next release: say validate='buffer_id' "
+                "(the provider's buffer id; the kernel's user_tag is something else)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            validate = "buffer_id"
+        if validate not in ("both", "kernel", "buffer_id"):
+            raise InvalidArgument(f"validate={validate!r}: use 'both', 'kernel' or 'buffer_id'")
         self.backend = _pick_backend(backend, device, memory)
         if dmabuf_pci is not None and self.backend != "dmabuf":
             raise InvalidArgument(f"dmabuf_pci={dmabuf_pci!r}: only for the dma-buf backend (backend={self.backend!r})")
@@ -294,7 +308,7 @@ class RegistrationCache:
         self.sync_memops = sync_memops
         self._granule = int(getattr(device, "granule", GPU_PAGE))
         check_kernel = validate in ("both", "kernel")
-        check_tag = validate in ("both", "tag")
+        check_tag = validate in ("both", "buffer_id")
         # The tag check runs in C when the provider offers the direct CUDA query.
         c_tag = check_tag and bool(getattr(memory, "direct_tag_query", False))
         self._py_tag = check_tag and not c_tag
@@ -462,7 +476,7 @@ class RegistrationCache:
                     return r
                 self._py_tag_stale += 1
                 lib.gpc_release(self._c, r)
-                self._invalidate(e, "tag")
+                self._invalidate(e, "buffer_id")
                 self._finish(e)  # if another thread made it stale first
             elif r != lib.GPC_MISS:  # an entry covers it but its word changed
                 # Another thread may have dealt with it meanwhile (its slot may hold a new
@@ -517,7 +531,7 @@ class RegistrationCache:
         while (old_tok := int(lib.gpc_overlap(self._c, lo, hi))) >= 0:
             old = self._entry_of(old_tok)
             assert old is not None
-            self._invalidate(old, "tag")
+            self._invalidate(old, "buffer_id")
         self._make_room(need)
         pin = self._pin(start, need, r.base)
         if self.validate == "kernel" and not getattr(pin, "revocable", False):
@@ -555,7 +569,7 @@ class RegistrationCache:
         raise NotRevocable(
             f"acquire: the allocation [{base:#x}, {base + size:#x}) got {kind}: its validity word never "
             "changes, so validate='kernel' would hand out a pin of the old memory after a free and a "
-            "new allocation at the same address; use buffer-id validation, validate='tag' or 'both'"
+            "new allocation at the same address; use buffer-id validation, validate='buffer_id' or 'both'"
         )
 
     def _make_room(self, need: int) -> None:
@@ -657,7 +671,7 @@ class RegistrationCache:
         if reason == "kernel":
             self._st.invalidations_kernel += 1
         else:
-            self._st.invalidations_tag += 1
+            self._st.invalidations_buffer_id += 1
         lib.gpc_remove(self._c, e.token)
         self._unindex(e)
         self._finish(e)
@@ -860,7 +874,7 @@ class LibraryRegistration:
 
 class LibraryDriver(Closable):
     """Base of the cache's devices that register memory with another library (cuFile, NIXL):
-    no invalidation records and no validity map (the cache runs with ``validate="tag"``),
+    no invalidation records and no validity map (the cache runs with ``validate="buffer_id"``),
     allocations registered at their own bounds, and one cache per driver."""
 
     granule = 1  # register allocations at their own bounds (RegistrationCache reads this)
@@ -872,7 +886,9 @@ class LibraryDriver(Closable):
         return []  # no invalidation callback: the buffer-id check is the validity
 
     def validity_map(self) -> Any:
-        raise InvalidArgument(f"{self.library} has no validity map: use the registration cache with validate='tag'")
+        raise InvalidArgument(
+            f"{self.library} has no validity map: use the registration cache with validate='buffer_id'"
+        )
 
     def dma_map(self, handle: Any, pci: str) -> Any:
         raise InvalidArgument(f"{self.library} registrations are not DMA-mapped by gpupin: {self.library} maps them")

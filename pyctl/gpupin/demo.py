@@ -127,7 +127,7 @@ def main() -> int:
         print(f"   acquire -> pin handle {reg.handle}, valid {reg.valid}")
     st = cache.stats()
     print(
-        f"   now {st.pins} pins, {st.invalidations_kernel + st.invalidations_tag} invalidation caught, "
+        f"   now {st.pins} pins, {st.invalidations_kernel + st.invalidations_buffer_id} invalidation caught, "
         f"{st.regions} regions, {st.bytes_pinned >> 20} MiB pinned"
     )
 

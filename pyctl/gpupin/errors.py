@@ -41,7 +41,7 @@ class PinInvalidated(GpupinError):
 class NotRevocable(InvalidArgument):
     """The cache was asked to trust the validity word alone (validate='kernel') for a pin
     the kernel never invalidates (persistent, or a dma-buf from a static exporter such as
-    NVIDIA's): use buffer-id validation, validate='tag' or 'both'."""
+    NVIDIA's): use buffer-id validation, validate='buffer_id' or 'both'."""
 
 
 class InUse(GpupinError):

@@ -8,7 +8,7 @@ buffers over cuFile's per-buffer limit to cuFile's own bounce buffers; do not
 register when BAR1 is scarce.  :class:`GdsCache` does that with the
 registration cache's engine: the first use registers the whole allocation, every
 later use is a hit checked against the allocation's CUDA buffer id (the C hot
-path of ``validate="tag"``), and an entry whose memory was freed and
+path of ``validate="buffer_id"``), and an entry whose memory was freed and
 reallocated is deregistered and registered again.  cuFile itself cannot tell:
 it keeps treating a freed address as registered (``MEMORY_ALREADY_REGISTERED``
 after a free and a new allocation at the same address), so without the
@@ -362,7 +362,7 @@ class GdsCache(RegistrationCache):
             memory,
             max_bytes=max_bytes,
             max_regions=max_regions,
-            validate="tag",
+            validate="buffer_id",
             whole_allocation=True,
             sync_memops=False,
         )
@@ -437,7 +437,7 @@ class GdsCache(RegistrationCache):
                 if stale is not None and self._entry_of(stale.token) is stale and not self._tag_ok(stale, ptr):
                     # cuFile finds registrations by address: an unregistered IO here would
                     # use the freed memory's registration.  Drop it now, held or not.
-                    self._invalidate(stale, "tag")
+                    self._invalidate(stale, "buffer_id")
                     # Only its own registration: another thread may have registered the new
                     # allocation at this address meanwhile (and be doing IO through it).
                     self.driver.supersede(stale.start, int(stale.pin.handle))

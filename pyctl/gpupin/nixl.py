@@ -9,7 +9,7 @@ freed allocation.  Here:
 - :class:`NixlCache` is the registration cache over a :class:`NixlDriver` (the agent behind the
   cache's device protocol: ``pin`` registers the whole allocation, ``unpin`` deregisters it).
   Every hit is checked against the allocation's buffer id (the direct CUDA query of
-  ``validate="tag"``), a freed and reallocated buffer is registered again, idle registrations
+  ``validate="buffer_id"``), a freed and reallocated buffer is registered again, idle registrations
   go least recently used first under ``max_bytes``, and one in use is never deregistered.
 - :class:`NixlEndpoint` is an agent with its cache and a small protocol on NIXL's
   notifications.  ``expose(ptr, size)`` gives a :class:`RemoteBuffer` (address, buffer id and
@@ -225,7 +225,7 @@ class NixlCache(RegistrationCache):
             memory,
             max_bytes=max_bytes,
             max_regions=max_regions,
-            validate="tag",
+            validate="buffer_id",
             whole_allocation=True,
             sync_memops=driver.mem_type == "VRAM",  # RDMA reads the GPU's writes in order
         )

@@ -22,10 +22,10 @@ def test_cuda_bench_answers_every_figure(cuda) -> None:  # type: ignore[no-untyp
         "direct_tag_query_cffi_ns",
         "direct_tag_query_wrapped_ns",
         "cuda_dict_lookup_ns",
-        "cuda_hit_tag_ns",
+        "cuda_hit_buffer_id_ns",
         "cuda_hit_both_ns",
         "direct_over_cuda_python",
-        "cuda_tag_hit_over_direct_query",
+        "cuda_buffer_id_hit_over_direct_query",
     ):
         assert isinstance(res[key], float) and res[key] > 0, (key, res[key])
 

@@ -147,7 +147,7 @@ def test_pool_reuse_gives_a_new_id(cuda, cu) -> None:  # type: ignore[no-untyped
 
 
 def test_sync_memops_once_per_allocation(cuda, cu) -> None:  # type: ignore[no-untyped-def]
-    cache = RegistrationCache(FakeDevice(cuda), cuda, validate="tag")
+    cache = RegistrationCache(FakeDevice(cuda), cuda, validate="buffer_id")
     a = cuda.alloc(4 * MiB)
     attr = cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_SYNC_MEMOPS
     assert not ok(cu.cuPointerGetAttribute(attr, a)), "a new cuMemAlloc has SYNC_MEMOPS off"
@@ -162,7 +162,7 @@ def test_sync_memops_once_per_allocation(cuda, cu) -> None:  # type: ignore[no-u
     cuda.free(a)
 
 
-@pytest.mark.parametrize("validate", ["tag", "both"])
+@pytest.mark.parametrize("validate", ["buffer_id", "both"])
 def test_cache_tag_mode_misses_on_realloc(cuda, validate: str) -> None:  # type: ignore[no-untyped-def]
     dev = FakeDevice(cuda)
     cache = RegistrationCache(dev, cuda, validate=validate)  # type: ignore[arg-type]
@@ -186,13 +186,13 @@ def test_cache_tag_mode_misses_on_realloc(cuda, validate: str) -> None:  # type:
     with cache.acquire(b, 64) as r:
         assert r.handle != h
     st = cache.stats()
-    assert st.invalidations_tag == before.invalidations_tag + 1 and st.misses == before.misses + 1
+    assert st.invalidations_buffer_id == before.invalidations_buffer_id + 1 and st.misses == before.misses + 1
     cache.purge()
     cuda.free(b)
 
 
 def test_cache_misses_on_vmm_remap_and_pool_reuse(cuda, cu) -> None:  # type: ignore[no-untyped-def]
-    cache = RegistrationCache(FakeDevice(cuda), cuda, validate="tag")
+    cache = RegistrationCache(FakeDevice(cuda), cuda, validate="buffer_id")
     v = Vmm(cu)
     try:
         with cache.acquire(v.base + v.chunk, 64) as r:
@@ -202,7 +202,7 @@ def test_cache_misses_on_vmm_remap_and_pool_reuse(cuda, cu) -> None:  # type: ig
         v.map(1)
         with cache.acquire(v.base + v.chunk, 64) as r:
             assert r.handle != h
-        assert cache.stats().invalidations_tag == 1
+        assert cache.stats().invalidations_buffer_id == 1
     finally:
         cache.purge()
         v.close()
@@ -222,9 +222,9 @@ def test_cache_misses_on_vmm_remap_and_pool_reuse(cuda, cu) -> None:  # type: ig
             ok(cu.cuStreamSynchronize(stream))
         else:
             pytest.fail("the stream-ordered pool never handed a freed block back at its address")
-        before = cache.stats().invalidations_tag
+        before = cache.stats().invalidations_buffer_id
         cache.acquire(b, 64).release()
-        assert cache.stats().invalidations_tag == before + 1
+        assert cache.stats().invalidations_buffer_id == before + 1
         cache.purge()
         ok(cu.cuMemFreeAsync(b, stream))
         ok(cu.cuStreamSynchronize(stream))

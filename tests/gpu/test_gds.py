@@ -81,7 +81,7 @@ def test_stale_registration_after_realloc_is_detected_and_repaired(cuda, driver)
         with cache.acquire(b, 64) as reg:
             assert reg._entry.buffer_id == cuda.buffer_id(b) != old_id
         st = cache.stats()
-        assert st.invalidations_tag == 1 and st.pins == 2 and st.unpins == 1
+        assert st.invalidations_buffer_id == 1 and st.pins == 2 and st.unpins == 1
         # The new registration is cuFile's current one: a second register is refused.
         assert registered(driver, b, 2 * MiB)
     finally:
@@ -130,17 +130,17 @@ def test_pool_and_vmm_memory(cuda, cu, driver) -> None:  # type: ignore[no-untyp
         b = int(ok(cu.cuMemAllocAsync(3 * 100_000, stream)))
         ok(cu.cuStreamSynchronize(stream))
         assert b == a, "the pool did not hand the freed block back"
-        before = cache.stats().invalidations_tag
+        before = cache.stats().invalidations_buffer_id
         cache.acquire(b, 64).release()
-        assert cache.stats().invalidations_tag == before + 1
+        assert cache.stats().invalidations_buffer_id == before + 1
         # VMM: each mapped chunk is an allocation of its own.
         with cache.acquire(v.base + v.chunk + 64, 64) as r:
             assert (r.aligned_va, r.aligned_size) == (v.base + v.chunk, v.chunk)
         v.unmap(1)
         v.map(1)
-        before = cache.stats().invalidations_tag
+        before = cache.stats().invalidations_buffer_id
         cache.acquire(v.base + v.chunk, 64).release()
-        assert cache.stats().invalidations_tag == before + 1
+        assert cache.stats().invalidations_buffer_id == before + 1
         cache.close()
         ok(cu.cuMemFreeAsync(b, stream))
         ok(cu.cuStreamSynchronize(stream))

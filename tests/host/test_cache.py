@@ -28,7 +28,7 @@ def counters(cache: RegistrationCache, **expected: int) -> None:
     assert got == expected
 
 
-@pytest.mark.parametrize("validate", ["kernel", "tag", "both"])
+@pytest.mark.parametrize("validate", ["kernel", "buffer_id", "both"])
 def test_hit_and_subrange_hit(validate: str) -> None:
     mem, dev, cache = make(validate=validate)
     a = mem.alloc(MiB)
@@ -124,7 +124,7 @@ def test_clean_error_when_all_in_use_under_pressure() -> None:
 
 @pytest.mark.parametrize(
     "validate,reason",
-    [("kernel", "invalidations_kernel"), ("tag", "invalidations_tag"), ("both", "invalidations_kernel")],
+    [("kernel", "invalidations_kernel"), ("buffer_id", "invalidations_buffer_id"), ("both", "invalidations_kernel")],
 )
 def test_same_va_reuse_misses(validate: str, reason: str) -> None:
     mem, dev, cache = make(validate=validate)
@@ -143,7 +143,7 @@ def test_same_va_reuse_misses(validate: str, reason: str) -> None:
 
 def test_tag_checked_at_the_pointer_not_the_base() -> None:
     """A freed allocation replaced by two smaller ones: the second starts inside the old entry."""
-    mem, dev, cache = make(validate="tag")
+    mem, dev, cache = make(validate="buffer_id")
     a = mem.alloc(2 * MiB)
     cache.acquire(a, 1).release()
     mem.free(a)
@@ -152,17 +152,17 @@ def test_tag_checked_at_the_pointer_not_the_base() -> None:
     assert (x, y) == (a, a + MiB)
     with cache.acquire(y + 10, 10) as r:
         assert r.aligned_va == y and r.aligned_size == MiB
-    counters(cache, invalidations_tag=1, misses=2)
+    counters(cache, invalidations_buffer_id=1, misses=2)
 
 
 def test_freed_allocation_is_refused() -> None:
-    mem, dev, cache = make(validate="tag")
+    mem, dev, cache = make(validate="buffer_id")
     a = mem.alloc(MiB)
     cache.acquire(a, 1).release()
     mem.free(a)
     with pytest.raises(gpupin.NotGpuMemory):
         cache.acquire(a, 1)
-    counters(cache, regions=0, unpins=1, invalidations_tag=1)
+    counters(cache, regions=0, unpins=1, invalidations_buffer_id=1)
     assert dev.live_pins == 0
 
 
@@ -305,7 +305,7 @@ def test_threads_hammering() -> None:
     assert st.in_use == 0 and st.regions <= 8
     assert st.hits + st.misses == st.acquires == 4 * 2000 - frees[0]
     assert st.pins - st.unpins == st.regions == len(dev.pins)
-    assert st.invalidations_kernel + st.invalidations_tag > 0
+    assert st.invalidations_kernel + st.invalidations_buffer_id > 0
     cache.purge()
     assert len(dev.pins) == 0 and cache.stats().bytes_pinned == 0
 
@@ -502,3 +502,17 @@ def _gaps(live: dict[int, int]) -> list[int]:
             out.append(va)
         va = b + live[b]
     return out
+
+
+def test_validate_tag_is_a_deprecated_name_of_buffer_id() -> None:
+    """validate='tag' still works for one release, with a DeprecationWarning naming the new
+    spelling; the old stats name reads the same counter."""
+    mem = FakeMemory()
+    with pytest.warns(DeprecationWarning, match="validate='buffer_id'"):
+        cache = RegistrationCache(FakeDevice(mem), mem, validate="tag")
+    assert cache.validate == "buffer_id"
+    st = cache.stats()
+    assert st.invalidations_tag == st.invalidations_buffer_id == 0
+    with pytest.raises(gpupin.InvalidArgument, match="'both', 'kernel' or 'buffer_id'"):
+        RegistrationCache(FakeDevice(mem), mem, validate="tags")  # type: ignore[arg-type]
+    cache.close()

@@ -48,7 +48,7 @@ def test_fake_device_refuses_a_fork_child_by_name() -> None:
     dev.unpin(p)
 
 
-@pytest.mark.parametrize("validate", ["kernel", "tag", "both"])
+@pytest.mark.parametrize("validate", ["kernel", "buffer_id", "both"])
 def test_cache_in_a_fork_child_pins_afresh_and_leaves_the_parents_pins(validate: str) -> None:
     mem = FakeMemory()
     dev = FakeDevice(mem)

@@ -60,7 +60,7 @@ def test_stale_registration_after_free_and_realloc_is_never_used() -> None:
     with cache.acquire(q, 8) as reg:
         assert reg._entry.buffer_id == mem.buffer_id(q)
     st = cache.stats()
-    assert st.invalidations_tag == 1 and st.pins == 2 and st.unpins == 1 and st.regions == 1
+    assert st.invalidations_buffer_id == 1 and st.pins == 2 and st.unpins == 1 and st.regions == 1
     assert cf.registered == {q: 2 * MiB} and cf.deregister_calls == 1
 
 
@@ -196,7 +196,7 @@ def test_driver_errors_and_missing_cuda_python(monkeypatch: pytest.MonkeyPatch) 
     assert ei.value.status == 5012
     with pytest.raises(UnknownHandle, match="not a registration"):
         drv.unpin(99)
-    with pytest.raises(InvalidArgument, match="validate='tag'"):
+    with pytest.raises(InvalidArgument, match="validate='buffer_id'"):
         drv.validity_map()
     real_import = builtins.__import__
 
@@ -269,7 +269,7 @@ def test_threads_using_new_buffers_at_once_never_supersede_live_ones() -> None:
     assert not errors, errors
     st = cache.stats()
     assert cache.driver.registrations == 20 and cache.driver.superseded == 0
-    assert st.invalidations_tag == 0 and st.pins == 20 and st.regions == 20
+    assert st.invalidations_buffer_id == 0 and st.pins == 20 and st.regions == 20
     assert (st.acquires, st.hits, st.misses) == (800, 780, 20)
     assert set(cf.registered) == set(ptrs)
 

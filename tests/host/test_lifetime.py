@@ -270,7 +270,7 @@ def test_blocks_sharing_a_gpu_page_do_not_invalidate_each_other() -> None:
         cache.acquire(a, 16).release()
         cache.acquire(b + 16, 16).release()
     st = cache.stats()
-    assert (st.pins, st.invalidations_tag, st.hits) == (2, 0, 4)
+    assert (st.pins, st.invalidations_buffer_id, st.hits) == (2, 0, 4)
     with pytest.raises(gpupin.InvalidArgument, match="runs past its allocation"):
         cache.acquire(a, GPU_PAGE // 2 + 16)  # inside the pinned page, past a: a miss refuses
     cache.close()
@@ -458,7 +458,7 @@ def test_forking_while_another_thread_closes_a_big_cache() -> None:
     ptrs = [mem.alloc(GPU_PAGE) for _ in range(20000)]
     died = total = 0
     for _ in range(3):
-        cache = RegistrationCache(dev, mem, validate="tag")
+        cache = RegistrationCache(dev, mem, validate="buffer_id")
         for p in ptrs:
             cache.release_token(cache.lookup(p, 1))
         t = threading.Thread(target=cache.close)

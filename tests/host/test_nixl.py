@@ -140,7 +140,7 @@ def test_one_process_two_agents_and_the_cache_counts(tmp_path: Path) -> None:
         assert mi.alloc(MiB) == bufs[3]
         ini.write(bufs[3], 4096, rb)  # a new buffer id: registered again
         st = ini.cache.stats()
-        assert (st.pins, st.hits, st.invalidations_tag) == (5, 1, 1)
+        assert (st.pins, st.hits, st.invalidations_buffer_id) == (5, 1, 1)
     finally:
         stop.set()
         pump.join()

@@ -79,7 +79,7 @@ def test_kernel_validation_refuses_a_static_dmabuf_and_leaks_nothing() -> None:
     cache = RegistrationCache(dev, mem, validate="kernel", backend="dmabuf")
     a = mem.alloc(MiB)
     fds = open_fds()
-    with pytest.raises(gpupin.NotRevocable, match=r"validate='tag' or 'both'") as ei:
+    with pytest.raises(gpupin.NotRevocable, match=r"validate='buffer_id' or 'both'") as ei:
         cache.acquire(a, 10)
     assert isinstance(ei.value, gpupin.InvalidArgument)
     assert "dma-buf" in str(ei.value) and "never" in str(ei.value)
@@ -109,7 +109,7 @@ def test_kernel_validation_refuses_a_pin_the_kernel_does_not_call_revocable() ->
         cache.acquire(mem.alloc(MiB), 1)
     assert dev.pins == {}
     # Buffer-id validation works with the same pins.
-    tagged = RegistrationCache(dev, mem, validate="tag")
+    tagged = RegistrationCache(dev, mem, validate="buffer_id")
     with tagged.acquire(mem.alloc(MiB), 1) as r:
         assert r.valid
     tagged.close()
@@ -134,7 +134,7 @@ def test_kernel_validation_with_a_revoking_exporter() -> None:
     assert dev.pins == {} and dev.bar_used == 0
 
 
-@pytest.mark.parametrize("validate", ["tag", "both"])
+@pytest.mark.parametrize("validate", ["buffer_id", "both"])
 def test_buffer_id_validation_catches_reuse_under_a_static_dmabuf(validate: str) -> None:
     """NVIDIA's case: the old pin stays 'valid' after the free; the buffer id tells, and the
     cache's unpin of the stale entry gives the held memory back."""
@@ -152,7 +152,7 @@ def test_buffer_id_validation_catches_reuse_under_a_static_dmabuf(validate: str)
         assert r.handle != old.handle and r.valid
     assert old.handle not in dev.pins and dev.bar_used == MiB  # the old memory went back
     st = cache.stats()
-    assert (st.pins, st.unpins, st.invalidations_tag, st.invalidations_kernel) == (2, 1, 1, 0)
+    assert (st.pins, st.unpins, st.invalidations_buffer_id, st.invalidations_kernel) == (2, 1, 1, 0)
     cache.close()
     assert dev.pins == {} and dev.bar_used == 0
 
