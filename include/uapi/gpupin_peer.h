@@ -62,13 +62,19 @@ struct gpupin_peer_release {
 	__u32 flags;
 };
 
-/* The peer file's view of its holds. */
+/*
+ * The peer file's view of its holds and transfers.  @ram_pages and
+ * @bar_pages count GPU pages (or parts of one) copied since open through
+ * the kernel's mapping of RAM (host pages, coherent GPU memory) and
+ * through a write-combined mapping of a PCI BAR (a GPU's BAR1).
+ */
 struct gpupin_peer_status {
 	__u32 holds;			/* references held */
 	__u32 notified;			/* of which the GPU memory went away */
 	__u64 transfers;		/* completed, since open */
 	__u64 aborted;			/* stopped by an invalidation, since open */
-	__u64 reserved[2];
+	__u64 ram_pages;
+	__u64 bar_pages;
 };
 
 #define GPUPIN_PEER_IOC_XFER _IOWR(GPUPIN_PEER_IOC_MAGIC, 0x00, struct gpupin_peer_xfer)

@@ -37,6 +37,8 @@ class PeerStatus:
     notified: int
     transfers: int
     aborted: int
+    ram_pages: int  # GPU pages (or parts) copied through RAM mappings, since open
+    bar_pages: int  # ... through write-combined BAR mappings (a GPU's BAR1)
 
 
 def _handle(pin: Pin | int) -> int:
@@ -134,4 +136,6 @@ class Peer(Closable):
         ret = self._call(lib.GPUPIN_PEER_IOC_STATUS, c, "peer status")
         if ret < 0:
             raise from_errno(-ret, "peer status")
-        return PeerStatus(int(c.holds), int(c.notified), int(c.transfers), int(c.aborted))
+        return PeerStatus(
+            int(c.holds), int(c.notified), int(c.transfers), int(c.aborted), int(c.ram_pages), int(c.bar_pages)
+        )

@@ -2,11 +2,18 @@
 /*
  * gpupin_peer: an example third-party driver built on gpupin's kernel API
  * (include/gpupin/gpupin.h).  /dev/gpupin_peer behaves like a DMA engine of
- * a PCI device: it maps the user's pin for that device and copies between
- * the pinned pages and a user buffer, one GPU page at a time.  The "engine"
- * is the CPU: it turns each bus address back into a page, which works where
- * bus addresses are physical addresses (no IOMMU, host memory - the
- * simulator in a VM) and is checked page by page against the page table.
+ * a PCI device (module parameter pci, e.g. a NIC): it maps the user's pin
+ * for that device and copies between the pinned pages and a user buffer,
+ * one GPU page at a time.  The mapping is made and its bus addresses are
+ * checked, but the "engine" is the CPU, which needs no bus address: it
+ * copies through the pages' physical addresses from the page table, as
+ * gdrcopy does.  Where such an address is RAM (the simulator's host pages,
+ * a coherent GPU's memory) through the kernel's mapping of the page; where
+ * it is not (a GPU's BAR1, the simulator's bar_device) through a
+ * write-combined ioremap of that GPU page inside a PCI memory BAR, undone
+ * before the access section ends.  With an IOMMU the bus addresses differ
+ * from the physical ones; the copy does not care.  A dma-buf pin has only
+ * bus addresses: the CPU uses them only where no IOMMU translates them.
  *
  * Loaded only by tests and the demo.  Holds (GPUPIN_PEER_IOC_HOLD) stand for
  * registered memory regions that a driver keeps between transfers.
@@ -18,11 +25,16 @@
 #include <linux/err.h>
 #include <linux/fs.h>
 #include <linux/highmem.h>
+#include <linux/io.h>
+#include <linux/iommu.h>
+#include <linux/ioport.h>
+#include <linux/mm.h>
 #include <linux/miscdevice.h>
 #include <linux/module.h>
 #include <linux/moduleparam.h>
 #include <linux/mutex.h>
 #include <linux/pci.h>
+#include <linux/sizes.h>
 #include <linux/slab.h>
 #include <linux/uaccess.h>
 #include <linux/workqueue.h>
@@ -31,6 +43,7 @@
 #include "../../include/uapi/gpupin_peer.h"
 
 #define PEER_MAX_HOLDS 1024
+#define PEER_GPU_PAGE SZ_64K	/* nv-p2p pins; dma-buf pins have CPU pages */
 
 static char *peer_pci;
 module_param_named(pci, peer_pci, charp, 0444);
@@ -49,6 +62,8 @@ struct peer_file {
 	atomic_t notified;		/* holds whose memory went away */
 	u64 transfers;
 	u64 aborted;
+	u64 ram_pages;
+	u64 bar_pages;
 };
 
 struct peer_hold {
@@ -57,9 +72,15 @@ struct peer_hold {
 	bool notified;
 };
 
-/* A transfer in progress: the notifier stops it at the next page. */
+/*
+ * A transfer in progress: the notifier stops it at the next page.  The
+ * counts are of GPU pages (or parts of one) copied through RAM and through
+ * BAR mappings.
+ */
 struct peer_xfer_state {
 	bool stop;
+	u64 ram_pages;
+	u64 bar_pages;
 };
 
 static void peer_xfer_notify(void *priv)
@@ -78,39 +99,48 @@ static void peer_hold_notify(void *priv)
 	atomic_inc(&h->pf->notified);
 }
 
-/*
- * Copy @n bytes between @bounce and the GPU page @idx of @ref, starting
- * @off bytes into it, through the DMA mapping.  Inside an access section.
- */
-static int peer_copy_page(struct gpupin_ref *ref, u32 idx, u32 off, void *bounce, u32 n,
-			  bool to_gpu)
+/* Whether the peer's bus addresses are CPU physical addresses: no IOMMU translates them. */
+static bool peer_bus_is_phys(void)
 {
-	dma_addr_t bus = gpupin_ref_dma_addr(ref, idx);
-	u64 phys = gpupin_ref_page_phys(ref, idx);
+	struct iommu_domain *dom = iommu_get_domain_for_dev(&peer_pdev->dev);
+
+	return !dom || dom->type == IOMMU_DOMAIN_IDENTITY;
+}
+
+/* Whether [@addr, @addr + @len) lies inside one memory BAR of a PCI device. */
+static bool peer_in_pci_bar(u64 addr, u32 len)
+{
+	struct pci_dev *pdev = NULL;
+	int i;
+
+	for_each_pci_dev(pdev) {
+		for (i = 0; i < PCI_STD_NUM_BARS; i++) {
+			struct resource *res = &pdev->resource[i];
+
+			if (resource_type(res) == IORESOURCE_MEM && res->start <= addr &&
+			    addr + len - 1 <= res->end) {
+				pci_dev_put(pdev);
+				return true;
+			}
+		}
+	}
+	return false;
+}
+
+/* Copy through the kernel's mapping of RAM, one CPU page at a time. */
+static int peer_copy_ram(u64 phys, void *bounce, u32 n, bool to_gpu)
+{
 	u32 done = 0;
 
-	/*
-	 * The CPU "engine" needs bus == physical, and RAM behind it.  A dma-buf
-	 * pin imported for no device has no physical address to compare: the
-	 * bus address stands for it (no IOMMU here).
-	 */
-	if (!phys)
-		phys = bus;
-	if (!bus || bus != phys) {
-		pr_warn_ratelimited("page %u: bus address is not the physical address\n", idx);
-		return -EOPNOTSUPP;
-	}
 	while (done < n) {
-		u64 pos = phys + off + done;
+		u64 pos = phys + done;
 		u32 in_page = offset_in_page(pos);
 		u32 len = min_t(u32, n - done, PAGE_SIZE - in_page);
-		struct page *page;
 		void *va;
 
 		if (!pfn_valid(PHYS_PFN(pos)))
 			return -EOPNOTSUPP;
-		page = pfn_to_page(PHYS_PFN(pos));
-		va = kmap_local_page(page);
+		va = kmap_local_page(pfn_to_page(PHYS_PFN(pos)));
 		if (to_gpu)
 			memcpy(va + in_page, bounce + done, len);
 		else
@@ -119,6 +149,83 @@ static int peer_copy_page(struct gpupin_ref *ref, u32 idx, u32 off, void *bounce
 		done += len;
 	}
 	return 0;
+}
+
+/*
+ * Copy through a write-combined mapping of one GPU page's BAR addresses, as
+ * gdrcopy maps BAR1 for user space.  The mapping lives only for this page.
+ */
+static int peer_copy_bar(u64 page, u32 page_size, u32 off, void *bounce, u32 n, bool to_gpu)
+{
+	void __iomem *io = ioremap_wc(page, page_size);
+
+	if (!io)
+		return -ENOMEM;
+	if (to_gpu) {
+		memcpy_toio(io + off, bounce, n);
+		/* Drain the write-combining buffers before the access section ends. */
+		wmb();
+	} else {
+		memcpy_fromio(bounce, io + off, n);
+	}
+	iounmap(io);
+	return 0;
+}
+
+/*
+ * Copy @n bytes between @bounce and the GPU page @idx of @ref, starting
+ * @off bytes into it, through the CPU's view of the page.  The peer's DMA
+ * mapping must exist: a real engine would be given gpupin_ref_dma_addr().
+ * Inside an access section.
+ */
+static int peer_copy_page(struct gpupin_ref *ref, const struct gpupin_ref_info *info, u32 idx,
+			  u32 off, void *bounce, u32 n, struct peer_xfer_state *st, bool to_gpu)
+{
+	bool dmabuf = info->page_size != PEER_GPU_PAGE;
+	dma_addr_t bus = gpupin_ref_dma_addr(ref, idx);
+	u64 page = gpupin_ref_page_phys(ref, idx);
+	int ret;
+
+	if (!bus) {
+		pr_warn_ratelimited("page %u: no bus address for the peer device\n", idx);
+		return -EIO;
+	}
+	if (dmabuf) {
+		/*
+		 * A dma-buf pin's addresses are bus addresses (for the device the
+		 * user imported it for, else none: the peer's own), CPU pages the
+		 * CPU can reach through them only where no IOMMU translates.
+		 */
+		if (!page)
+			page = bus;
+		if (!peer_bus_is_phys()) {
+			pr_warn_ratelimited("page %u: dma-buf bus address behind an IOMMU\n", idx);
+			return -EOPNOTSUPP;
+		}
+	}
+	switch (region_intersects(page + off, n, IORESOURCE_SYSTEM_RAM, IORES_DESC_NONE)) {
+	case REGION_INTERSECTS:
+		/* Host pages (the simulator) or coherent GPU memory (GH200). */
+		ret = peer_copy_ram(page + off, bounce, n, to_gpu);
+		if (!ret)
+			st->ram_pages++;
+		break;
+	case REGION_DISJOINT:
+		/* A GPU's BAR1 (or the simulator's bar_device): MMIO, no struct page. */
+		if (dmabuf || !peer_in_pci_bar(page, info->page_size)) {
+			ret = -EOPNOTSUPP;
+			break;
+		}
+		ret = peer_copy_bar(page, info->page_size, off, bounce, n, to_gpu);
+		if (!ret)
+			st->bar_pages++;
+		break;
+	default:
+		ret = -EOPNOTSUPP;
+	}
+	if (ret == -EOPNOTSUPP)
+		pr_warn_ratelimited("page %u: neither RAM nor inside a PCI memory BAR\n", idx);
+	return ret;
 }
 
 static int peer_transfer(struct gpupin_ref *ref, struct peer_xfer_state *st,
@@ -157,7 +264,7 @@ static int peer_transfer(struct gpupin_ref *ref, struct peer_xfer_state *st,
 			ret = arg->done ? -EIO : -ENODEV;
 			break;
 		}
-		ret = peer_copy_page(ref, idx, off, bounce, n, to_gpu);
+		ret = peer_copy_page(ref, &info, idx, off, bounce, n, st, to_gpu);
 		gpupin_access_end(ref);
 		if (ret)
 			break;
@@ -192,6 +299,8 @@ static long peer_ioctl_xfer(struct peer_file *pf, struct gpupin_peer_xfer __user
 	ret = peer_transfer(ref, &st, &arg);
 	gpupin_ref_put(ref);
 	mutex_lock(&pf->lock);
+	pf->ram_pages += st.ram_pages;
+	pf->bar_pages += st.bar_pages;
 	if (!ret)
 		pf->transfers++;
 	else if (ret == -EIO || ret == -ENODEV)
@@ -330,6 +439,8 @@ static long peer_ioctl_status(struct peer_file *pf, struct gpupin_peer_status __
 		st.holds++;
 	st.transfers = pf->transfers;
 	st.aborted = pf->aborted;
+	st.ram_pages = pf->ram_pages;
+	st.bar_pages = pf->bar_pages;
 	mutex_unlock(&pf->lock);
 	st.notified = atomic_read(&pf->notified);
 	return copy_to_user(uarg, &st, sizeof(st)) ? -EFAULT : 0;
