@@ -19,16 +19,26 @@ from .errors import DriverNotLoaded, InvalidArgument, PinInvalidated, TransferAb
 PEER_PATH = "/dev/gpupin_peer"
 
 
-def load_peer() -> None:
-    """Load gpupin_peer.ko (from the build tree, else installed) for the last PCI device."""
+def load_peer(pci: str | None = None) -> None:
+    """Load gpupin_peer.ko (from the build tree, else installed) as the DMA engine of ``pci``.
+
+    ``pci`` is a PCI address (``DDDD:BB:DD.F``, e.g. a NIC's); without it, the last PCI
+    device.  A peer already loaded for another device is reloaded for ``pci``."""
     from . import kmod
 
+    sysfs = "/sys/bus/pci/devices"
+    if pci is not None and not os.path.isdir(f"{sysfs}/{pci}"):
+        raise InvalidArgument(f"load_peer(pci={pci!r}): no such PCI device (see 'lspci -D')")
     if kmod.is_loaded("gpupin_peer"):
-        return
-    devs = sorted(os.listdir("/sys/bus/pci/devices")) if os.path.isdir("/sys/bus/pci/devices") else []
-    if not devs:
-        raise DriverNotLoaded("no PCI device for the example peer driver to map for")
-    kmod.load(kmod.module_file("gpupin_peer"), {"pci": devs[-1]})
+        if pci is None or kmod.parameters("gpupin_peer").get("pci") == pci:
+            return
+        kmod.unload("gpupin_peer")
+    if pci is None:
+        devs = sorted(os.listdir(sysfs)) if os.path.isdir(sysfs) else []
+        if not devs:
+            raise DriverNotLoaded("no PCI device for the example peer driver to map for")
+        pci = devs[-1]
+    kmod.load(kmod.module_file("gpupin_peer"), {"pci": pci})
 
 
 @dataclass(frozen=True)

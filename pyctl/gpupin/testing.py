@@ -194,10 +194,12 @@ def sim(leakcheck: None) -> Iterator[SimMemory]:
 
 @pytest.fixture
 def peer(leakcheck: None) -> Iterator[Peer]:
-    """An open /dev/gpupin_peer (the example peer driver), simulator only."""
-    if NATIVE:
-        pytest.skip("the example peer driver copies through host pages: simulator only")
-    load_peer()
+    """An open /dev/gpupin_peer (the example peer driver).  Natively it maps for the PCI
+    device named by GPUPIN_PEER_PCI (a NIC) and copies through the GPU's BAR1."""
+    pci = os.environ.get("GPUPIN_PEER_PCI") or None
+    if NATIVE and not pci:
+        pytest.skip("set GPUPIN_PEER_PCI to a NIC's PCI address (DDDD:BB:DD.F, see 'lspci -D') for the peer")
+    load_peer(pci)
     p = Peer()
     yield p
     p.close()
