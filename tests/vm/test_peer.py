@@ -1,16 +1,24 @@
 """gpupin's kernel API through the example peer driver (tests/kmod/peer.c).
 
-The peer copies between a user buffer and pinned simulated GPU memory via the
-pin's DMA mapping; the simulator poisons freed memory and counts writes after
-the free (``poison_errors``, checked by the leakcheck fixture after each test).
+The peer maps the pin for its PCI device and copies between a user buffer and
+the pinned GPU memory through the pages' physical addresses: RAM through the
+kernel's mapping (the simulator's host pages), MMIO (a GPU's BAR1, the
+simulator's ``bar_device``) through a write-combined mapping.  The simulator
+poisons freed memory and counts writes after the free (``poison_errors``,
+checked by the leakcheck fixture after each test).  The tests that take ``sim``
+need the simulator and skip natively; the ``memory`` ones run in both modes
+(natively with GPUPIN_PEER_PCI naming the peer's device, a NIC).
 """
 
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -18,10 +26,12 @@ import gpupin
 from conftest import EINVAL, GPU_PAGE, SLOW, MiB, first_pci_device, pattern, raw
 from gpupin import Device, SimMemory, kmod, sim_stats
 from gpupin._native import lib
+from gpupin.memory import MemoryProvider
 from gpupin.peer import Peer
-from gpupin.testing import ensure_loaded, load_peer
+from gpupin.testing import NATIVE, ensure_loaded, load_peer
 
-pytestmark = [pytest.mark.vm, pytest.mark.simonly]
+# Not simonly as a whole: the sim fixture skips natively, the memory tests run in both modes.
+pytestmark = [pytest.mark.vm]
 
 POISON_RUN = b"\x6b" * 64
 
@@ -40,6 +50,10 @@ def test_read_through_peer_is_byte_exact(device: Device, sim: SimMemory, peer: P
     pin = device.pin(va + lead, offset + size)
     got = peer.read(device, pin, offset, size)
     assert got == data[lead + offset : lead + offset + size]
+    # Host pages: copied through the kernel's mapping of RAM, one count per GPU page touched.
+    first, last = (lead + offset) // GPU_PAGE, (lead + offset + size - 1) // GPU_PAGE
+    st = peer.status()
+    assert (st.ram_pages, st.bar_pages) == (last - first + 1, 0)
     device.unpin(pin)
     sim.free(va)
 
@@ -57,7 +71,100 @@ def test_write_through_peer_reads_back_in_sim(device: Device, sim: SimMemory, pe
     # Nothing around the target was touched.
     assert after[:12345] == before[:12345]
     assert after[12345 + size :] == before[12345 + size :]
-    assert peer.status().transfers == 1
+    st = peer.status()
+    assert st.transfers == 1
+    assert (st.ram_pages, st.bar_pages) == ((12345 + size - 1) // GPU_PAGE - 12345 // GPU_PAGE + 1, 0)
+
+
+def test_peer_and_provider_copies_agree(device: Device, memory: MemoryProvider, peer: Peer) -> None:
+    """Both modes: what the provider writes (natively a CUDA copy) the peer reads byte for byte,
+    and what the peer writes the provider reads back; natively through the GPU's BAR1."""
+    size = 5 * GPU_PAGE
+    va = memory.alloc(size)
+    memory.enable_sync_memops(va)
+    data = pattern(size, 9)
+    memory.write(va, data)
+    pin = device.pin(va, size)
+    assert peer.read(device, pin, 0, size) == data
+    assert peer.read(device, pin, GPU_PAGE - 7, 3000) == data[GPU_PAGE - 7 : GPU_PAGE + 2993]
+    new = pattern(2 * GPU_PAGE + 99, 10)[::-1]
+    peer.write(device, pin, 777, new)
+    assert memory.read(va, size) == data[:777] + new + data[777 + len(new) :]
+    st = peer.status()
+    copied = 5 + 2 + 3  # GPU pages touched by the three transfers
+    assert st.transfers == 3 and st.ram_pages + st.bar_pages == copied, st
+    if not NATIVE:
+        assert st.bar_pages == 0, "the simulator's default pages are host RAM"
+    device.unpin(pin)
+    memory.free(va)
+
+
+def _largest_mem_bar(pci: str) -> tuple[int, int, int]:
+    """(index, start, end) of the largest memory BAR of ``pci``, as the simulator picks it."""
+    best = (-1, 0, -1)
+    with open(f"/sys/bus/pci/devices/{pci}/resource") as f:
+        for i, line in enumerate(f.read().splitlines()[:6]):  # the six standard BARs
+            start, end, flags = (int(x, 16) for x in line.split())
+            if flags & 0x200 and end - start > best[2] - best[1]:  # IORESOURCE_MEM
+                best = (i, start, end)
+    return best
+
+
+@pytest.fixture
+def peer_for(leakcheck: None) -> Iterator[Callable[[str], Peer]]:
+    """``peer_for(pci)``: a peer reloaded as the DMA engine of ``pci``; the default one after."""
+    opened: list[Peer] = []
+
+    def open_for(pci: str) -> Peer:
+        load_peer(pci)
+        opened.append(Peer())
+        return opened[-1]
+
+    yield open_for
+    for p in opened:
+        p.close()
+    load_peer(first_pci_device())
+
+
+def test_bar_pages_copied_through_mmio(
+    device: Device, sim: SimMemory, sim_params: Any, bar_device: str, virtio_pci: str, peer_for: Any
+) -> None:
+    """With the simulator's bar_device the page table holds addresses inside the ivshmem BAR
+    (wrapped modulo its size), with no struct page behind them, as a GPU's BAR1 addresses: the
+    peer copies through a write-combined mapping of them.  The memory behind that BAR is the
+    ivshmem device's, not the simulator's pages, so what the peer writes it reads back through
+    the BAR, user space sees it through the BAR's sysfs mapping, and the simulated memory keeps
+    its old bytes."""
+    sim_params(bar_device=bar_device)
+    peer = peer_for(virtio_pci)  # a 64-bit DMA mask: the BAR lies above 4 GiB
+    bar, start, end = _largest_mem_bar(bar_device)
+    n = 6
+    va = sim.alloc(n * GPU_PAGE)
+    orig = pattern(n * GPU_PAGE, 11)
+    sim.write(va, orig)
+    pin = device.pin(va, n * GPU_PAGE)
+    phys = device.get_pages(pin)
+    assert all(start <= a and a + GPU_PAGE - 1 <= end for a in phys)
+    data = pattern(n * GPU_PAGE, 12)[::-1]
+    peer.write(device, pin, 0, data)
+    # Pages whose addresses wrapped onto one BAR slot share its bytes: the last write wins.
+    slot = {a: data[i * GPU_PAGE : (i + 1) * GPU_PAGE] for i, a in enumerate(phys)}
+    want = b"".join(slot[a] for a in phys)
+    assert peer.read(device, pin, 0, n * GPU_PAGE) == want
+    assert peer.read(device, pin, GPU_PAGE - 5, GPU_PAGE + 10) == want[GPU_PAGE - 5 : 2 * GPU_PAGE + 5]
+    st = peer.status()
+    assert (st.ram_pages, st.bar_pages) == (0, n + n + 3), st
+    assert sim.read(va, n * GPU_PAGE) == orig, "the simulator's pages are not behind the BAR"
+    # The same bytes through user space's own mapping of the BAR, and back.
+    mark = pattern(4096, 13)
+    with open(f"/sys/bus/pci/devices/{bar_device}/resource{bar}", "r+b") as f:
+        with mmap.mmap(f.fileno(), end - start + 1) as bar_map:
+            for i, a in enumerate(phys):
+                assert bar_map[a - start : a - start + GPU_PAGE] == want[i * GPU_PAGE : (i + 1) * GPU_PAGE]
+            bar_map[phys[2] - start + 100 : phys[2] - start + 4196] = mark
+    assert peer.read(device, pin, 2 * GPU_PAGE + 100, 4096) == mark
+    device.unpin(pin)
+    sim.free(va)
 
 
 def test_free_while_held_notifies_and_fails_cleanly(device: Device, sim: SimMemory, peer: Peer) -> None:
