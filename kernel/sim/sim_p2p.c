@@ -88,9 +88,10 @@ static struct page *sim_pin_chunk(struct sim_pin *pin, u32 i)
 /*
  * bar_device: page tables give addresses inside a PCI device's memory BAR,
  * as a discrete GPU's do (its BAR1), instead of the host pages' own: so a
- * client's handling of MMIO pages (dma_map_resource, finding the BAR) runs.
- * The memory itself stays the host pages; nothing reads it through these
- * addresses (a CPU "DMA engine" cannot).  Set it with nothing pinned.
+ * client's handling of MMIO pages (dma_map_resource, finding the BAR, a
+ * CPU copy through ioremap_wc) runs.  The simulated memory stays the host
+ * pages: these addresses reach the device's own memory instead, shared by
+ * pages whose addresses wrap onto one slot.  Set it with nothing pinned.
  */
 static char sim_bar_device[16];
 static u64 sim_bar_start, sim_bar_len;	/* of bar_device; len 0: off */
