@@ -75,6 +75,7 @@ VNG=(env PATH="$VENV/bin:$PATH" "${TMO[@]}" "${VM_TIMEOUT:-3000}" vng -r "$VM_KI
 		"GPUPIN_GCOV=${GPUPIN_GCOV:-}" "COVERAGE_PROCESS_START=${COVERAGE_PROCESS_START:-}" \
 		"COVERAGE_FILE=${COVERAGE_FILE:-}" "GPUPIN_EXPECT_FAULT_ATTR=${GPUPIN_EXPECT_FAULT_ATTR:-}" \
 		"GPUPIN_VGEM_KO=$VGEM_KO" "GPUPIN_YNL_DIR=$YNL_DIR" "GPUPIN_TTY_SIZE=$TTY_SIZE" "GPUPIN_TERM=${TERM:-xterm}" \
+		"VENV=$VENV" \
 		"$ROOT/scripts/vm-guest.sh" "$MODE" "$RESULTS" "${@:2}")")
 if [ "$MODE" = shell ]; then
 	# Interactive: the terminal stays the guest's stdin, in raw mode so every key (Ctrl-C
