@@ -234,6 +234,17 @@ class CudaMemory(ProviderBase):
         if err != self._ok and err != self._cu.CUresult.CUDA_ERROR_NOT_SUPPORTED:
             raise GpupinError(f"cuPointerSetAttribute(SYNC_MEMOPS) on {r.base:#x} failed: {err.name}")
 
+    def sync_memops(self, ptr: int) -> bool:
+        """Whether SYNC_MEMOPS is set on the allocation holding ``ptr`` (as CUDA reads it back)."""
+        return bool(int(self._check(self._cu.cuPointerGetAttribute(self._sync_attr, ptr), "cuPointerGetAttribute")))
+
+    def dmabuf_supported(self) -> bool:
+        """Whether the device says it can export dma-bufs (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)."""
+        attr = getattr(self._cu.CUdevice_attribute, "CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED", None)
+        if attr is None:
+            return False
+        return bool(self._check(self._cu.cuDeviceGetAttribute(attr, self._dev), "cuDeviceGetAttribute"))
+
     def alloc(self, size: int) -> int:
         return int(self._check(self._cu.cuMemAlloc(size), f"cuMemAlloc({size})"))
 
