@@ -82,7 +82,7 @@ test-gpu: pyext
 # On a GPU host where modules load: gpupin selftest (loads nvidia, gpupin and the example peer
 # for PEER_PCI, prints the table, keeps them loaded), then the VM suite against them.
 test-native: pyext modules
-	$(VENV)/bin/python -m gpupin selftest --native --keep $(if $(PEER_PCI),--pci $(PEER_PCI))
+	$(VENV)/bin/python -m gpupin selftest --native --keep --require-modules $(if $(PEER_PCI),--pci $(PEER_PCI))
 	GPUPIN_NATIVE=1 GPUPIN_PEER_PCI=$(PEER_PCI) $(VENV)/bin/pytest -q tests/vm
 
 test-long: setup pyext

@@ -349,7 +349,7 @@ def cmd_selftest(s: Session, a: argparse.Namespace) -> Result:
     from . import selftest
 
     sim = True if a.sim else False if a.native else None
-    out = selftest.run(sim=sim, pci=a.pci, load=not a.no_load, keep=a.keep)
+    out = selftest.run(sim=sim, pci=a.pci, load=not a.no_load, keep=a.keep, require_modules=a.require_modules)
     rows = [asdict(r) for r in out.results]
     text = "\n\n".join([format_facts(out.facts), format_rows(rows, detail_key="evidence"), out.summary()])
     return Report(out.as_dict(), text, 1 if out.failed else 0)
@@ -511,9 +511,16 @@ def build_parser() -> _Parser:
     mode = sp.add_mutually_exclusive_group()
     mode.add_argument("--sim", action="store_true", help="through the simulator (default where no NVIDIA GPU is)")
     mode.add_argument("--native", action="store_true", help="through nvidia.ko (default where an NVIDIA GPU is)")
-    sp.add_argument("--pci", help="PCI device the DMA mappings and the example peer are for (default: a NIC)")
+    sp.add_argument(
+        "--pci", help="PCI device the DMA mappings and the example peer are for (default: an RDMA device, else a NIC)"
+    )
     sp.add_argument("--no-load", action="store_true", help="load no module: run what the loaded ones allow")
     sp.add_argument("--keep", action="store_true", help="leave the modules it loaded loaded")
+    sp.add_argument(
+        "--require-modules",
+        action="store_true",
+        help="fail unless every module check ran (not skipped, not impossible here)",
+    )
     sp = add(
         "sim",
         cmd_sim,

@@ -17,29 +17,64 @@ table a user pastes into a bug report.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import platform
+import random
 import shutil
 import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal
 
 from . import __version__
-from .device import Device
-from .errors import GpupinError, NotGpuMemory, PinInvalidated, UnknownHandle
+from .device import Device, Pin
+from .errors import GpupinError, ModuleError, NotGpuMemory, PinInvalidated, UnknownHandle
 from .memory import MemoryProvider
+
+if TYPE_CHECKING:
+    from .cuda import CudaMemory
+    from .peer import Peer
 
 KiB, MiB = 1 << 10, 1 << 20
 GPU_PAGE = 64 * KiB
 ALLOC = 2 * MiB  # CUDA aligns allocations of 2 MiB and more to 2 MiB: whole GPU pages
-CAP_SYS_MODULE = 16
+CAP_SYS_MODULE, CAP_SYS_ADMIN = 16, 21
+EKEYREJECTED = getattr(errno, "EKEYREJECTED", 129)
+Status = Literal["pass", "fail", "skip", "n/a"]
 
 
 class Skip(Exception):
     """The check cannot run here; the message says why."""
+
+
+class CheckFailed(Exception):
+    """The check ran and what it saw is wrong; the message says what."""
+
+
+def expect(cond: object, msg: str) -> None:
+    """A check's assertion (``assert`` would vanish under ``python -O``)."""
+    if not cond:
+        raise CheckFailed(msg)
+
+
+def capabilities(status: str = "/proc/self/status") -> int:
+    """This process's effective capability bits (0 where they cannot be read)."""
+    try:
+        with open(status) as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return int(line.split()[1], 16)
+    except OSError:
+        pass
+    return 0
+
+
+def has_cap(bit: int) -> bool:
+    return bool(capabilities() >> bit & 1)
 
 
 @dataclass
@@ -50,27 +85,72 @@ class Target:
     memory: MemoryProvider
     provider: str  # what gpupin.ko must report: "nvidia" or "nvp2p_sim"
     pci: str | None = None  # the PCI device DMA mappings are made for
-    peer: Any = None  # an open gpupin.peer.Peer, or None
-    peer_why: str = ""  # why there is no peer
+    peer: Peer | None = None  # the example peer driver, open
+    peer_why: str = ""  # why there is no peer: the peer check skips with it
+    peer_error: str = ""  # the peer was wanted and failed to load: the peer check fails with it
+    tag: int = field(default_factory=lambda: random.getrandbits(40) << 16)  # this run's user tags
+
+
+class _Scope:
+    """A check's allocations and pins: whatever a failing check leaves is unpinned, then
+    freed, and the records that produced drained, so the next check starts clean."""
+
+    def __init__(self, t: Target) -> None:
+        self.t = t
+        self.pins: list[Pin] = []
+        self.allocs: list[int] = []
+
+    def __enter__(self) -> _Scope:
+        return self
 
     def alloc(self, size: int = ALLOC) -> int:
-        va = self.memory.alloc(size)
-        if va % GPU_PAGE:
-            self.memory.free(va)
-            raise AssertionError(f"{self.memory.name} gave {va:#x} for {size} bytes: not 64 KiB aligned")
+        va = self.t.memory.alloc(size)
+        self.allocs.append(va)
+        expect(va % GPU_PAGE == 0, f"{self.t.memory.name} gave {va:#x} for {size} bytes: not 64 KiB aligned")
         return va
+
+    def free(self, va: int) -> None:
+        self.allocs.remove(va)
+        self.t.memory.free(va)
+
+    def pin(self, va: int, size: int, **kw: Any) -> Pin:
+        p = self.t.device.pin(va, size, **kw)
+        self.pins.append(p)
+        return p
+
+    def unpin(self, p: Pin) -> None:
+        self.pins.remove(p)
+        self.t.device.unpin(p)
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        for p in self.pins:
+            try:
+                self.t.device.unpin(p)
+            except GpupinError:
+                pass  # gone already, or invalidated and refused: the failure is reported
+        for va in self.allocs:
+            try:
+                self.t.memory.free(va)
+            except GpupinError:
+                pass
+        if self.pins or self.allocs:
+            try:
+                self.t.device.read_events()
+            except GpupinError:
+                pass
 
 
 @dataclass(frozen=True)
 class Check:
     name: str
-    fn: Callable[..., str]
+    fn: Callable[[Target], str]
     what: str  # one line: what passing shows
+    fix: str  # what to look at when it fails
 
 
 @dataclass
 class Result:
-    status: str  # pass | fail | skip | n/a
+    status: Status
     name: str
     evidence: str
     fix: str = ""
@@ -82,162 +162,176 @@ def pattern(n: int, seed: int) -> bytes:
     return (block * (n // len(block) + 1))[:n]
 
 
+def _first_diff(a: bytes, b: bytes) -> str:
+    if len(a) != len(b):
+        return f"{len(a)} bytes instead of {len(b)}"
+    i = next((i for i in range(len(a)) if a[i] != b[i]), None)
+    return "the same bytes" if i is None else f"bytes that differ from offset {i} on"
+
+
 # -- module checks: gpupin.ko over the provider ----------------------------------------
 def check_provider(t: Target) -> str:
     from . import ABI_VERSION
 
     info = t.device.info()
-    assert info.abi_version == ABI_VERSION, f"gpupin.ko speaks ABI {info.abi_version}, this package {ABI_VERSION}"
-    assert info.provider == t.provider, f"gpupin.ko pins through {info.provider!r}, expected {t.provider!r}"
-    assert info.simulator == (t.provider == "nvp2p_sim"), "the simulator capability does not match the provider"
-    assert info.gpu_page_size == GPU_PAGE, f"GPU page size {info.gpu_page_size}, expected {GPU_PAGE}"
+    expect(info.abi_version == ABI_VERSION, f"gpupin.ko speaks ABI {info.abi_version}, this package {ABI_VERSION}")
+    expect(info.provider == t.provider, f"gpupin.ko pins through {info.provider!r}, expected {t.provider!r}")
+    expect(info.simulator == (t.provider == "nvp2p_sim"), "the simulator capability does not match the provider")
+    expect(info.gpu_page_size == GPU_PAGE, f"GPU page size {info.gpu_page_size}, expected {GPU_PAGE}")
     caps = [c for c in ("persistent", "dma_map", "dmabuf") if getattr(info, c)]
     return f"gpupin {info.version}, ABI {info.abi_version}, provider {info.provider}, caps {'+'.join(caps)}"
 
 
 def check_pin(t: Target) -> str:
-    va = t.alloc()
-    try:
-        pin = t.device.pin(va + GPU_PAGE + 100, GPU_PAGE, user_tag=1)  # straddles two GPU pages
-        assert (pin.aligned_va, pin.aligned_size, pin.entries) == (va + GPU_PAGE, 2 * GPU_PAGE, 2), (
-            f"rounded to {pin.aligned_va - va:#x}+{pin.aligned_size:#x} in {pin.entries} pages"
+    with _Scope(t) as s:
+        va = s.alloc()
+        pin = s.pin(va + GPU_PAGE + 100, GPU_PAGE, user_tag=t.tag)  # straddles two GPU pages
+        expect(
+            (pin.aligned_va, pin.aligned_size, pin.entries) == (va + GPU_PAGE, 2 * GPU_PAGE, 2),
+            f"rounded to +{pin.aligned_va - va:#x}, {pin.aligned_size:#x} bytes in {pin.entries} pages",
         )
-        assert pin.page_size == GPU_PAGE and pin.is_valid(), "the pin is not valid at once"
+        expect(pin.page_size == GPU_PAGE and pin.is_valid(), "the pin is not valid at once")
         state = t.device.query(pin)
-        assert state.state == "pinned" and state.entries == 2, f"query says {state}"
-        pages = t.device.get_pages(pin)
-        assert len(pages) == 2 and len(set(pages)) == 2, f"page table {pages}"
-        assert all(p and p % GPU_PAGE == 0 for p in pages), "page addresses not 64 KiB aligned"
-        t.device.unpin(pin)
+        expect(state.state == "pinned" and state.entries == 2, f"query says {state}")
+        table = "page table not read (needs CAP_SYS_ADMIN)"
+        if has_cap(CAP_SYS_ADMIN):
+            pages = t.device.get_pages(pin)
+            expect(len(pages) == 2 and len(set(pages)) == 2, f"page table of {len(pages)} entries")
+            expect(all(p and p % GPU_PAGE == 0 for p in pages), "page addresses not 64 KiB aligned")
+            table = "2 distinct 64 KiB-aligned page addresses"
+        s.unpin(pin)
         try:
             t.device.query(pin)
-            raise AssertionError("the pin is still there after unpin")
+            raise CheckFailed("the pin is still there after unpin")
         except UnknownHandle:
             pass
         try:
-            t.device.pin(va, ALLOC + GPU_PAGE)
-            raise AssertionError("a pin running past the allocation was accepted")
+            s.pin(va, ALLOC + GPU_PAGE)
+            raise CheckFailed("a pin running past the allocation was accepted")
         except NotGpuMemory:
             pass
-    finally:
-        t.memory.free(va)
-    return "unaligned 64 KiB rounded to 2 GPU pages of 64 KiB; query, page table, unpin; overrun refused"
+    return f"unaligned 64 KiB rounded to 2 GPU pages; {table}; unpinned; an overrun refused"
 
 
-def _iommu(pci: str) -> bool:
-    return os.path.exists(f"/sys/bus/pci/devices/{pci}/iommu_group")
+def iommu_type(pci: str) -> str:
+    """What translates the device's DMA: 'none', or the IOMMU group's type (identity, DMA,
+    DMA-FQ...)."""
+    path = f"/sys/bus/pci/devices/{pci}/iommu_group"
+    if not os.path.exists(path):
+        return "none"
+    return _sysfs(f"{path}/type") or "unknown"
 
 
 def check_dma_map(t: Target) -> str:
     if not t.pci:
-        raise Skip("no PCI device to map for: name one with --pci (a NIC)")
-    va = t.alloc()
-    try:
-        pin = t.device.pin(va, 8 * GPU_PAGE)
+        raise Skip("no PCI device to map for: name one with --pci (the NIC or device that will DMA)")
+    if not has_cap(CAP_SYS_ADMIN):
+        raise Skip("DMA mappings need CAP_SYS_ADMIN: run as root")
+    with _Scope(t) as s:
+        va = s.alloc()
+        pin = s.pin(va, 8 * GPU_PAGE, user_tag=t.tag)
         m = t.device.dma_map(pin, t.pci)
         addrs = t.device.dma_addrs(m)
         phys = t.device.get_pages(pin)
-        assert len(addrs) == 8 and all(addrs), f"{len(addrs)} bus addresses, some zero: {addrs}"
-        assert t.device.query(pin).dma_mappings == 1, "query does not count the mapping"
+        expect(len(addrs) == 8 and all(addrs), f"{len(addrs)} bus addresses, some zero: {addrs}")
+        expect(t.device.query(pin).dma_mappings == 1, "query does not count the mapping")
         same = sum(a == p for a, p in zip(addrs, phys, strict=True))
+        kind = iommu_type(t.pci)
+        if kind.startswith("DMA"):
+            expect(same < 8, f"the IOMMU ({kind}) translates for {t.pci}, yet every bus address is physical")
         t.device.dma_unmap(m)
-        t.device.unpin(pin)
-    finally:
-        t.memory.free(va)
-    iommu = "IOMMU group" if _iommu(t.pci) else "no IOMMU"
-    return f"8 pages mapped for {t.pci} ({iommu}); {same} of 8 bus addresses equal the physical ones"
+    pair = f"e.g. {phys[0]:#x} -> {addrs[0]:#x}" if has_cap(CAP_SYS_ADMIN) else ""
+    return f"8 pages mapped for {t.pci} (IOMMU: {kind}); {same} of 8 bus addresses are physical; {pair}"
 
 
 def check_peer_copy(t: Target) -> str:
+    if t.peer_error:
+        raise CheckFailed(t.peer_error)
     if t.peer is None:
         raise Skip(t.peer_why or "no example peer driver")
     size = 4 * GPU_PAGE + 3000
-    va = t.alloc()
-    try:
+    with _Scope(t) as s:
+        va = s.alloc()
         t.memory.enable_sync_memops(va)  # the peer's accesses and CUDA's copies are ordered
-        pin = t.device.pin(va, ALLOC)
+        pin = s.pin(va, ALLOC, user_tag=t.tag)
         before = t.peer.status()
         data = pattern(size, 1)
         t.memory.write(va + 500, data)
         got = t.peer.read(t.device, pin, 500, size)
-        assert got == data, f"the peer read {_first_diff(got, data)} from what CUDA wrote"
+        if got != data:
+            raise CheckFailed(f"the peer read {_first_diff(got, data)} of what {t.memory.name} wrote")
         data = pattern(size, 2)
         t.peer.write(t.device, pin, GPU_PAGE + 7, data)
         got = t.memory.read(va + GPU_PAGE + 7, size)
-        assert got == data, f"CUDA read {_first_diff(got, data)} from what the peer wrote"
+        if got != data:
+            raise CheckFailed(f"{t.memory.name} read {_first_diff(got, data)} of what the peer wrote")
         after = t.peer.status()
-        t.device.unpin(pin)
-    finally:
-        t.memory.free(va)
-    paths = [
-        f"{getattr(after, k) - getattr(before, k)} page copies through {name}"
-        for k, name in (("bar_pages", "BAR mappings"), ("ram_pages", "RAM"))
-        if hasattr(after, k) and getattr(after, k) != getattr(before, k)
-    ]
-    how = "; ".join(paths) if paths else "copied"
+    bar, ram = after.bar_pages - before.bar_pages, after.ram_pages - before.ram_pages
+    expect(bar + ram >= 10, f"the peer counted {bar + ram} page copies for at least 10 pages' worth")
+    if t.provider == "nvidia":
+        expect(bar and not ram, f"{ram} page copies went through RAM mappings: a GPU's BAR1 pages are MMIO")
+    how = f"{bar} page copies through write-combined BAR mappings, {ram} through RAM"
     return f"{size} bytes each way between the peer and {t.memory.name} match byte for byte ({how})"
-
-
-def _first_diff(a: bytes, b: bytes) -> str:
-    if len(a) != len(b):
-        return f"{len(a)} bytes instead of {len(b)}"
-    i = next(i for i in range(len(a)) if a[i] != b[i])
-    return f"bytes that differ at offset {i}"
 
 
 def check_invalidation(t: Target) -> str:
     from .netlink import Netlink
 
-    va = t.alloc()
-    freed = False
-    with Netlink() as nl:
+    tag = t.tag | 1
+    with _Scope(t) as s, Netlink() as nl:
         nl.subscribe()
-        try:
-            pin = t.device.pin(va, 4 * GPU_PAGE, user_tag=0x5E1F)
-            assert t.device.wait_invalidations(0) == [], "records queued before the free"
-            t0 = time.monotonic()
-            t.memory.free(va)
-            freed = True
-            assert not pin.is_valid(), "the validity word still says valid after the free"
-            events = t.device.wait_invalidations(5)
-            took = time.monotonic() - t0
-            assert [(e.handle, e.user_tag, e.reason) for e in events] == [(pin.handle, 0x5E1F, "freed")], (
-                f"invalidation records {events}"
-            )
-            seen = next(
-                (
-                    e
-                    for e in nl.events(timeout=5)
-                    if e["event"] == "invalidated" and e.get("handle") == pin.handle and e.get("pid") == os.getpid()
-                ),
-                None,
-            )
-            assert seen, "no netlink 'invalidated' event for the pin within 5 s"
-            assert t.device.query(pin).state == "invalidated", "query does not say invalidated"
+        va = s.alloc()
+        r = t.memory.range_of(va)
+        if (r.base, r.size) != (va, ALLOC):
+            raise Skip(f"{t.memory.name} placed 2 MiB inside a larger allocation: its free would not free it")
+        pin = s.pin(va, 4 * GPU_PAGE, user_tag=tag)
+        expect(t.device.wait_invalidations(0) == [], "records were queued before the free")
+        t0 = time.monotonic()
+        s.free(va)
+        deadline = t0 + 1.0
+        while pin.is_valid() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        expect(not pin.is_valid(), "the validity word still says valid 1 s after the free: the free callback never ran")
+        events = t.device.wait_invalidations(5)
+        took = time.monotonic() - t0
+        expect(
+            [(e.handle, e.user_tag, e.reason) for e in events] == [(pin.handle, tag, "freed")],
+            f"invalidation records {events}",
+        )
+        # Matched by handle and tag: the pid in events is the initial namespace's.
+        seen = next(
+            (
+                e
+                for e in nl.events(timeout=5)
+                if e["event"] == "invalidated" and e.get("handle") == pin.handle and e.get("user_tag") == tag
+            ),
+            None,
+        )
+        expect(seen, "no netlink 'invalidated' event for the pin within 5 s")
+        expect(t.device.query(pin).state == "invalidated", "query does not say invalidated")
+        if has_cap(CAP_SYS_ADMIN):
             try:
                 t.device.get_pages(pin)
-                raise AssertionError("get_pages of an invalidated pin succeeded")
+                raise CheckFailed("get_pages of an invalidated pin succeeded")
             except PinInvalidated:
                 pass
-            t.device.unpin(pin)
-        finally:
-            if not freed:
-                t.memory.free(va)
+        s.unpin(pin)
     return f"free -> validity word, record (reason freed) and netlink event, in {took * 1000:.1f} ms"
 
 
 def check_persistent(t: Target) -> str:
     if not t.device.info().persistent:
-        raise Skip("gpupin.ko reports no persistent pins here")
-    va = t.alloc()
-    try:
-        pin = t.device.pin(va, 2 * GPU_PAGE, persistent=True)
-        assert pin.persistent and t.device.query(pin).persistent, "the pin is not persistent"
-        assert t.device.wait_invalidations(0) == [], "a persistent pin queued a record"
-        t.device.unpin(pin)
-    finally:
-        t.memory.free(va)
-    return "pinned without a free callback, queried, unpinned"
+        raise CheckFailed("gpupin.ko reports no persistent pins over this driver")
+    with _Scope(t) as s:
+        va = s.alloc()
+        pin = s.pin(va, 2 * GPU_PAGE, persistent=True, user_tag=t.tag)
+        expect(pin.persistent and t.device.query(pin).persistent, "the pin is not persistent")
+        s.free(va)  # NVIDIA keeps the pages of a persistent pin until it is put: no callback
+        expect(pin.is_valid(), "the free invalidated a persistent pin")
+        expect(t.device.query(pin).state == "pinned", "a persistent pin changed state at the free")
+        expect(t.device.wait_invalidations(0) == [], "the free of a persistently pinned buffer queued a record")
+        s.unpin(pin)
+    return "pinned without a free callback; the buffer's free left it valid; unpinned"
 
 
 def check_bad_input(t: Target) -> str:
@@ -246,14 +340,15 @@ def check_bad_input(t: Target) -> str:
     from ._native import ffi, lib
 
     fd = t.device.fileno()
+    pins_before = t.device.info().file_pins
     got = []
     try:
         fcntl.ioctl(fd, 0xC008C7FF, bytearray(8))  # gpupin's magic, a number it does not have
         got.append(("unknown command", 0, -errno.ENOTTY))
     except OSError as exc:
         got.append(("unknown command", -(exc.errno or 0), -errno.ENOTTY))
-    va = t.alloc()
-    try:
+    with _Scope(t) as s:
+        va = s.alloc()
         for what, fields in (
             ("unknown flag", {"flags": 1 << 31}),
             ("non-zero pad", {"pad": 1}),
@@ -264,69 +359,103 @@ def check_bad_input(t: Target) -> str:
             for k, v in {"va": va, "size": GPU_PAGE, **fields}.items():
                 setattr(c, k, v)
             got.append((what, lib.gpupin_call(fd, lib.GPUPIN_IOC_PIN, c), -errno.EINVAL))
-    finally:
-        t.memory.free(va)
     wrong = [f"{w}: {r} (expected {e})" for w, r, e in got if r != e]
-    assert not wrong, "; ".join(wrong)
-    assert t.device.info().file_pins == 0, "a refused request left a pin behind"
+    expect(not wrong, "; ".join(wrong))
+    expect(t.device.info().file_pins == pins_before, "a refused request left a pin behind")
     return f"{len(got)} malformed requests refused (ENOTTY, EINVAL x{len(got) - 1}); nothing pinned"
 
 
 def check_close(t: Target) -> str:
     from .netlink import Netlink
 
-    pid = os.getpid()
-    va = t.alloc()
-    dev = Device()
-    try:
-        with Netlink() as nl:
-            before = {p.file_id for p in nl.list_pins() if p.pid == pid}
+    tag = t.tag | 2
+    with _Scope(t) as s, Netlink() as nl:
+        va = s.alloc()
+        with Device() as dev:
             for i in range(64):
-                dev.pin(va + (i % 32) * GPU_PAGE, GPU_PAGE, user_tag=i)
-            files = {p.file_id for p in nl.list_pins() if p.pid == pid} - before
-            listed = [p for p in nl.list_pins() if p.file_id in files]
-            assert len(listed) == 64, f"netlink lists {len(listed)} of the 64 pins"
-            dev.close()
-            left = [p for p in nl.list_pins() if p.file_id in files]
-        assert not left, f"{len(left)} pins left after their file closed"
-    finally:
-        dev.close()
-        t.memory.free(va)
+                dev.pin(va + (i % 32) * GPU_PAGE, GPU_PAGE, user_tag=tag)
+            # This run's tag finds them (pids in dumps are the initial namespace's).
+            listed = [p for p in nl.list_pins() if p.user_tag == tag]
+            expect(len(listed) == 64, f"netlink lists {len(listed)} of the 64 pins")
+            expect(len({p.file_id for p in listed}) == 1, "the 64 pins are listed under several files")
+        left = [p for p in nl.list_pins() if p.user_tag == tag]
+        expect(not left, f"{len(left)} pins left after their file closed")
     return "64 pins listed over netlink, all gone when their file closed"
 
 
 MODULE_CHECKS = (
-    Check("provider", check_provider, "gpupin.ko runs over the expected driver with this ABI"),
-    Check("pin", check_pin, "pin, round to 64 KiB GPU pages, query, page table, unpin"),
-    Check("dma map", check_dma_map, "a pin mapped for the named PCI device"),
-    Check("peer copy", check_peer_copy, "a peer device reads and writes the pinned memory"),
-    Check("invalidation", check_invalidation, "a free reaches the validity word, records, netlink"),
-    Check("persistent pin", check_persistent, "a pin without a free callback"),
-    Check("bad input", check_bad_input, "malformed requests are refused"),
-    Check("close", check_close, "closing the file releases every pin"),
+    Check(
+        "provider",
+        check_provider,
+        "gpupin.ko runs over the expected driver with this ABI",
+        "load gpupin.ko built for this package and driver (make modules; gpupin status)",
+    ),
+    Check(
+        "pin",
+        check_pin,
+        "pin, round to 64 KiB GPU pages, query, page table, unpin",
+        "see dmesg; 'gpupin doctor' checks BAR1 and the driver",
+    ),
+    Check(
+        "dma map",
+        check_dma_map,
+        "a pin mapped for the named PCI device",
+        "see dmesg and 'gpupin doctor' (IOMMU, ACS, the PCIe path between the GPU and the device)",
+    ),
+    Check(
+        "peer copy",
+        check_peer_copy,
+        "a peer device reads and writes the pinned memory",
+        "build the example peer (make modules) and name its device with --pci; see dmesg",
+    ),
+    Check(
+        "invalidation",
+        check_invalidation,
+        "a free reaches the validity word, records, netlink",
+        "see dmesg: the driver's free callback, gpupin's event queue and netlink family",
+    ),
+    Check(
+        "persistent pin",
+        check_persistent,
+        "a pin without a free callback outlives the buffer's free",
+        "persistent pins need the nv-p2p persistent API (not on vGPU/MIG guests): see dmesg",
+    ),
+    Check(
+        "bad input",
+        check_bad_input,
+        "malformed requests are refused",
+        "a gpupin.ko that accepts malformed requests: report it with this table",
+    ),
+    Check(
+        "close",
+        check_close,
+        "closing the file releases every pin",
+        "report it with this table and dmesg",
+    ),
 )
 
 
 # -- CUDA checks: no kernel module needed ----------------------------------------------
-def _cuda() -> Any:
+def _cuda() -> CudaMemory:
     from .cuda import CudaMemory
 
     return CudaMemory()
 
 
-def cuda_checks(mem: Any) -> list[tuple[str, Callable[[], str]]]:
-    cu = mem._cu
-
+def cuda_checks(mem: CudaMemory) -> list[tuple[str, Callable[[], str]]]:
     def alloc_ids() -> str:
         a = mem.alloc(ALLOC)
-        ida = mem.buffer_id(a)
-        r = mem.range_of(a + 4096)
-        mem.free(a)
+        try:
+            ida, r = mem.buffer_id(a), mem.range_of(a + 4096)
+        finally:
+            mem.free(a)
         b = mem.alloc(ALLOC)
-        idb = mem.buffer_id(b)
-        mem.free(b)
-        assert (r.base, r.size) == (a, ALLOC), f"range_of gives {r.base:#x}+{r.size:#x}"
-        assert ida != idb and ida and idb, f"buffer ids {ida} and {idb}: a new allocation kept its id"
+        try:
+            idb = mem.buffer_id(b)
+        finally:
+            mem.free(b)
+        expect((r.base, r.size) == (a, ALLOC), f"range_of gives {r.base:#x}+{r.size:#x}")
+        expect(ida != idb and ida and idb, f"buffer ids {ida} and {idb}: a new allocation kept its id")
         return f"2 MiB allocations; range found; buffer ids {ida} -> {idb}" + (" (same address)" if a == b else "")
 
     def copies() -> str:
@@ -334,7 +463,7 @@ def cuda_checks(mem: Any) -> list[tuple[str, Callable[[], str]]]:
         try:
             data = pattern(ALLOC, 3)
             mem.write(a, data)
-            assert mem.read(a, ALLOC) == data, "what was written is not what is read back"
+            expect(mem.read(a, ALLOC) == data, "what was written is not what is read back")
         finally:
             mem.free(a)
         return "2 MiB written and read back equal"
@@ -342,25 +471,24 @@ def cuda_checks(mem: Any) -> list[tuple[str, Callable[[], str]]]:
     def sync_memops() -> str:
         a = mem.alloc(ALLOC)
         try:
+            expect(not mem.sync_memops(a), "a new cuMemAlloc allocation has SYNC_MEMOPS set already")
             mem.enable_sync_memops(a)
-            err, value = cu.cuPointerGetAttribute(mem._sync_attr, a)
-            assert err == mem._ok, f"cuPointerGetAttribute(SYNC_MEMOPS) failed: {getattr(err, 'name', err)}"
-            assert int(value) == 1, f"SYNC_MEMOPS reads back {value} after it was set"
+            expect(mem.sync_memops(a), "SYNC_MEMOPS reads back 0 after it was set")
         finally:
             mem.free(a)
-        return "set on a cuMemAlloc allocation and read back as 1"
+        return "off on a new cuMemAlloc allocation; set, and read back as 1"
 
     def dmabuf() -> str:
+        if not mem.dmabuf_supported():
+            raise Skip("the device says it cannot export dma-bufs (DMA_BUF_SUPPORTED 0)")
         a = mem.alloc(ALLOC)
         try:
-            try:
-                fd = mem.export_dmabuf(a)
-            except GpupinError as exc:
-                raise Skip(f"this driver does not export dma-bufs: {exc}") from None
+            fd = mem.export_dmabuf(a)
             size = os.lseek(fd, 0, os.SEEK_END)
             os.close(fd)
         finally:
             mem.free(a)
+        expect(size == ALLOC, f"the dma-buf is {size} bytes for a {ALLOC}-byte allocation")
         return f"a 2 MiB allocation exported as a dma-buf of {size} bytes"
 
     return [
@@ -378,7 +506,7 @@ def run_check(fn: Callable[[], str], name: str) -> Result:
         r = Result("pass", name, fn())
     except Skip as exc:
         r = Result("skip", name, str(exc))
-    except AssertionError as exc:
+    except (CheckFailed, AssertionError) as exc:
         r = Result("fail", name, str(exc) or "assertion failed")
     except Exception as exc:  # a check's error is its result, not the command's
         r = Result("fail", name, f"{type(exc).__name__}: {exc}")
@@ -386,22 +514,18 @@ def run_check(fn: Callable[[], str], name: str) -> Result:
     return r
 
 
-def modules_impossible() -> str | None:
+def modules_impossible(
+    status: str = "/proc/self/status", disabled: str = "/proc/sys/kernel/modules_disabled"
+) -> str | None:
     """Why kernel modules cannot be loaded by this process, or None."""
     if not os.path.exists("/proc/modules"):
         return "this kernel has no module support"
     if os.geteuid() != 0:
         return "loading modules needs root"
-    try:
-        with open("/proc/sys/kernel/modules_disabled") as f:
-            if f.read().strip() == "1":
-                return "module loading is disabled on this host (kernel.modules_disabled=1)"
-    except OSError:
-        pass
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("CapEff:") and not int(line.split()[1], 16) >> CAP_SYS_MODULE & 1:
-                return "this process lacks CAP_SYS_MODULE (a container, or a lent machine without module loading)"
+    if _sysfs(disabled) == "1":
+        return "module loading is disabled on this host (kernel.modules_disabled=1)"
+    if not capabilities(status) >> CAP_SYS_MODULE & 1:
+        return "this process lacks CAP_SYS_MODULE (a container, or a lent machine without module loading)"
     return None
 
 
@@ -413,6 +537,18 @@ def _sysfs(path: str) -> str:
         return ""
 
 
+def _loaded(module: str) -> bool:
+    return os.path.isdir(f"/sys/module/{module}")
+
+
+def normalize_pci(pci: str) -> str:
+    """``DDDD:BB:DD.F`` (sysfs's spelling) for a PCI address given with or without its domain."""
+    from .device import parse_pci
+
+    domain, bus, devfn = parse_pci(pci)
+    return f"{domain:04x}:{bus:02x}:{devfn >> 3:02x}.{devfn & 7}"
+
+
 def pci_name(pci: str) -> str:
     base = f"/sys/bus/pci/devices/{pci}"
     if not os.path.isdir(base):
@@ -422,16 +558,17 @@ def pci_name(pci: str) -> str:
     return f"{pci} [{ids}] class {_sysfs(base + '/class')}, {drv}"
 
 
-def default_peer_pci() -> str | None:
-    """A NIC if there is one, else the last PCI device (what the example peer maps for)."""
+def default_peer_pci(ib: str = "/sys/class/infiniband") -> str | None:
+    """The device to map for when none is named: an RDMA device's PCI function, else the
+    first NIC, else None (the PCI checks then skip and say to name one)."""
     from . import doctor
 
+    for name in sorted(os.listdir(ib)) if os.path.isdir(ib) else []:
+        dev = os.path.realpath(f"{ib}/{name}/device")
+        if os.path.exists(f"{dev}/vendor"):
+            return os.path.basename(dev)
     nics = doctor.nics()
-    if nics:
-        return nics[0].name
-    root = "/sys/bus/pci/devices"
-    devs = sorted(os.listdir(root)) if os.path.isdir(root) else []
-    return devs[-1] if devs else None
+    return nics[0].name if nics else None
 
 
 def _nvidia_smi(*args: str) -> str:
@@ -447,22 +584,24 @@ def facts(pci: str | None, provider: str) -> dict[str, str]:
     from . import doctor
 
     gpu = _nvidia_smi("--query-gpu=name,pci.bus_id,driver_version", "--format=csv,noheader")
-    bar1 = _nvidia_smi("--query-gpu=memory.total", "--format=csv,noheader").replace("\n", ", ")
+    mem = _nvidia_smi("--query-gpu=memory.total", "--format=csv,noheader").replace("\n", ", ")
     q = _nvidia_smi("-q", "-d", "MEMORY")
-    if "BAR1" in q:
+    bar1 = ""
+    if "BAR1" in q:  # the first GPU's; nvidia-smi -q lists each
         tail = q.split("BAR1", 1)[1].split("\n")
         total = next((ln.split(":", 1)[1].strip() for ln in tail if ln.strip().startswith("Total")), "")
-        bar1 = f"{total} (GPU memory {bar1})" if total else bar1
+        bar1 = f"{total} on the first GPU (GPU memory {mem})" if total else ""
     version = _sysfs("/proc/driver/nvidia/version").split("\n")[0]
+    kind = f"{iommu_type(pci)} for {pci}" if pci else "no device named"
     return {
         "gpupin": __version__,
         "kernel": platform.release(),
         "GPU": gpu.replace("\n", "; ") or "none seen by nvidia-smi",
         "driver": version or "nvidia.ko not loaded",
-        "BAR1": bar1 or "unknown (no nvidia-smi)",
-        "IOMMU": doctor.check_iommu().detail,
+        "BAR1": bar1 or "unknown (no nvidia-smi, or it shows no BAR1)",
+        "IOMMU": f"{doctor.check_iommu().detail}; group type {kind}",
         "provider": provider,
-        "peer device": pci_name(pci) if pci else "none",
+        "peer device": pci_name(pci) if pci else "none: name one with --pci",
     }
 
 
@@ -470,8 +609,44 @@ class _NotPossible(Exception):
     pass
 
 
+def _kmod() -> Any:
+    try:
+        from . import kmod
+    except ModuleError as exc:  # a build without the libkmod bindings (_build.py --no-kmod)
+        raise _NotPossible(f"gpupin was built without its libkmod bindings ({exc})") from None
+    return kmod
+
+
+def _load(kmod: Any, what: str, params: dict[str, str] | None = None) -> None:
+    """Load a module; a kernel that refuses unsigned modules makes the checks not possible."""
+    try:
+        kmod.load(what, params)
+    except ModuleError as exc:
+        if exc.errno == EKEYREJECTED or "Key was rejected" in str(exc):
+            raise _NotPossible(
+                f"this kernel refuses {what}: it only loads signed modules (Secure Boot or lockdown); "
+                "install gpupin through its DKMS package with an enrolled MOK key"
+            ) from None
+        raise
+
+
+def load_nvidia(load: bool) -> str:
+    """Load nvidia.ko where it is missing and loading is possible (before CUDA starts and the
+    facts are read); what happened, for the JSON."""
+    if _loaded("nvidia"):
+        return "loaded already"
+    why = modules_impossible() if load else "--no-load"
+    if why:
+        return f"not loaded: {why}"
+    try:
+        _load(_kmod(), "nvidia")  # stays loaded: CUDA uses it
+    except (_NotPossible, ModuleError) as exc:
+        return f"failed to load: {exc}"
+    return "loaded by selftest"
+
+
 def _open_target(
-    provider: str, pci: str | None, load: bool, cuda_mem: Any, loaded: list[str], stack: ExitStack
+    provider: str, pci: str | None, load: bool, cuda_mem: CudaMemory | None, loaded: list[str], stack: ExitStack
 ) -> Target:
     """Load what is missing (recorded in ``loaded``), open the Device, the memory and the peer
     (closed by ``stack``)."""
@@ -479,17 +654,13 @@ def _open_target(
         why = modules_impossible() if load else "gpupin is not loaded and --no-load was given"
         if why:
             raise _NotPossible(why)
-    try:
-        from . import kmod
-    except ImportError as exc:  # a build without the libkmod bindings (_build.py --no-kmod)
-        raise _NotPossible(f"gpupin was built without its libkmod bindings ({exc})") from None
-    if not os.path.exists("/dev/gpupin"):
-        if provider == "nvp2p_sim" and not kmod.is_loaded("nvp2p_sim"):
-            kmod.load(kmod.module_file("nvp2p_sim"))
+        kmod = _kmod()
+        if provider == "nvp2p_sim" and not _loaded("nvp2p_sim"):
+            _load(kmod, kmod.module_file("nvp2p_sim"))
             loaded.append("nvp2p_sim")
-        if provider == "nvidia" and not kmod.is_loaded("nvidia"):
-            kmod.load("nvidia")  # stays loaded: CUDA uses it
-        kmod.load(kmod.module_file("gpupin"))
+        if provider == "nvidia" and not _loaded("nvidia"):
+            raise ModuleError("nvidia is not loaded and could not be loaded (see the driver fact)")
+        _load(kmod, kmod.module_file("gpupin"))
         loaded.append("gpupin")
     device = stack.enter_context(Device())
     memory: Any
@@ -505,14 +676,19 @@ def _open_target(
     if not pci:
         t.peer_why = "no PCI device for the example peer: name one with --pci"
         return t
-    if not kmod.is_loaded("gpupin_peer"):
+    if not _loaded("gpupin_peer"):
         why = modules_impossible() if load else "gpupin_peer is not loaded and --no-load was given"
         if why:
             t.peer_why = f"gpupin_peer cannot be loaded: {why}"
             return t
-        kmod.load(kmod.module_file("gpupin_peer"), {"pci": pci})
+        try:
+            kmod = _kmod()
+            _load(kmod, kmod.module_file("gpupin_peer"), {"pci": pci})
+        except (_NotPossible, ModuleError) as exc:
+            t.peer_error = f"gpupin_peer failed to load for {pci}: {exc}"
+            return t
         loaded.append("gpupin_peer")
-    mapped = kmod.parameters("gpupin_peer").get("pci", "")
+    mapped = _sysfs("/sys/module/gpupin_peer/parameters/pci")
     if mapped and mapped != pci:
         t.peer_why = f"gpupin_peer is loaded for {mapped}, not {pci}: unload it, or pass --pci {mapped}"
         return t
@@ -522,49 +698,51 @@ def _open_target(
     return t
 
 
+@dataclass
+class _Setup:
+    target: Target | None
+    why: str = ""  # why there is no target
+    status: Status = "n/a"  # n/a: not possible here; fail: tried and failed
+
+
 @contextmanager
 def _module_target(
-    provider: str, pci: str | None, load: bool, keep: bool, cuda_mem: Any
-) -> Iterator[tuple[Target | None, str, str]]:
-    """(target, "", "") or (None, why not, "n/a" or "fail"): a load or open that was tried
-    and failed is a failure; unloads afterwards what it loaded, unless ``keep``."""
-    from .errors import DriverNotLoaded, ModuleError
+    provider: str, pci: str | None, load: bool, keep: bool, cuda_mem: CudaMemory | None, out: Outcome
+) -> Iterator[_Setup]:
+    """The target, or why not; unloads afterwards what it loaded (unless ``keep``), and
+    records in ``out`` what it loaded and any unload that failed."""
+    from .errors import DriverNotLoaded
 
     loaded: list[str] = []
     with ExitStack() as stack:
         try:
-            target: Target | None = _open_target(provider, pci, load, cuda_mem, loaded, stack)
-            why, status = "", ""
+            setup = _Setup(_open_target(provider, pci, load, cuda_mem, loaded, stack))
         except _NotPossible as exc:
-            target, why, status = None, str(exc), "n/a"
+            setup = _Setup(None, str(exc), "n/a")
         except (ModuleError, DriverNotLoaded, GpupinError, OSError) as exc:
-            target, why, status = None, f"{type(exc).__name__}: {exc}", "fail"
+            setup = _Setup(None, f"{type(exc).__name__}: {exc}", "fail")
+        out.loaded = list(loaded)
         try:
-            yield target, why, status
+            yield setup
         finally:
             stack.close()
             for name in [] if keep else reversed(loaded):
-                _unload(name)
-
-
-def _unload(name: str) -> None:
-    from . import kmod
-
-    try:
-        kmod.unload(name)
-    except GpupinError:
-        pass
+                try:
+                    _kmod().unload(name)
+                except (_NotPossible, GpupinError) as exc:
+                    out.unload_errors.append(f"{name}: {exc}")
 
 
 @dataclass
 class Outcome:
     facts: dict[str, str]
+    provider: str = ""
     results: list[Result] = field(default_factory=list)
     facts_seconds: float = 0.0
-
-    @property
-    def failed(self) -> bool:
-        return any(r.status == "fail" for r in self.results)
+    require_modules: bool = False
+    nvidia: str = ""  # what happened to nvidia.ko
+    loaded: list[str] = field(default_factory=list)  # modules this run loaded
+    unload_errors: list[str] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         n = {"pass": 0, "fail": 0, "skip": 0, "n/a": 0}
@@ -572,28 +750,70 @@ class Outcome:
             n[r.status] += 1
         return n
 
+    @property
+    def module_checks_ran(self) -> bool:
+        names = {c.name for c in MODULE_CHECKS}
+        return all(r.status in ("pass", "fail") for r in self.results if r.name in names)
+
+    @property
+    def failed(self) -> bool:
+        if any(r.status == "fail" for r in self.results) or self.unload_errors:
+            return True
+        return self.require_modules and not self.module_checks_ran
+
     def summary(self) -> str:
         n = self.counts()
-        verdict = "FAILED" if self.failed else "passed" if n["pass"] else "ran no check"
-        return (
+        if self.failed:
+            verdict = "FAILED"
+            if self.require_modules and not self.module_checks_ran and not n["fail"]:
+                verdict += " (--require-modules: some module checks did not run)"
+        elif not n["pass"]:
+            verdict = "ran no check"
+        elif self.module_checks_ran:
+            verdict = "passed"
+        else:
+            verdict = "passed what it could run"
+        text = (
             f"selftest {verdict}: {n['pass']} passed, {n['fail']} failed, {n['skip']} skipped, "
             f"{n['n/a']} not possible here"
         )
+        if self.unload_errors:
+            text += "\nmodules it loaded and could not unload: " + "; ".join(self.unload_errors)
+        return text
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "facts": self.facts,
+            "provider": self.provider,
             "checks": [asdict(r) for r in self.results],
+            "counts": self.counts(),
             "passed": not self.failed,
+            "nvidia": self.nvidia,
+            "loaded": self.loaded,
+            "unload_errors": self.unload_errors,
             "facts_seconds": self.facts_seconds,
         }
 
 
-def run(*, sim: bool | None = None, pci: str | None = None, load: bool = True, keep: bool = False) -> Outcome:
+def _run_module_check(c: Check, target: Target) -> Result:
+    r = run_check(functools.partial(c.fn, target), c.name)
+    if r.status == "fail":
+        r.fix = c.fix
+    return r
+
+
+def run(
+    *,
+    sim: bool | None = None,
+    pci: str | None = None,
+    load: bool = True,
+    keep: bool = False,
+    require_modules: bool = False,
+) -> Outcome:
     """Run every check that can run here.  ``sim``: pin through the simulator (default: when
-    no NVIDIA GPU is on the PCI bus); ``pci``: the device to map for (default: a NIC, else
-    the last PCI device); ``load``: load the modules that are missing; ``keep``: leave them
-    loaded afterwards."""
+    no NVIDIA GPU is seen); ``pci``: the device to map for (default: an RDMA device, else a
+    NIC); ``load``: load the modules that are missing; ``keep``: leave them loaded afterwards;
+    ``require_modules``: a module check that could not run fails the outcome."""
     from . import doctor
 
     t0 = time.monotonic()
@@ -602,8 +822,9 @@ def run(*, sim: bool | None = None, pci: str | None = None, load: bool = True, k
 
         sim = not doctor.gpus() and not visible_gpus().gpus
     provider = "nvp2p_sim" if sim else "nvidia"
-    pci = pci or default_peer_pci()
-    out = Outcome(facts(pci, provider))
+    pci = normalize_pci(pci) if pci else default_peer_pci()
+    nvidia = "" if sim else load_nvidia(load)  # first: CUDA and the facts need it
+    out = Outcome(facts(pci, provider), provider, require_modules=require_modules, nvidia=nvidia)
     out.facts_seconds = round(time.monotonic() - t0, 3)
     cuda_mem, cuda_why = None, ""
     if not sim:
@@ -611,13 +832,12 @@ def run(*, sim: bool | None = None, pci: str | None = None, load: bool = True, k
             cuda_mem = _cuda()
         except GpupinError as exc:
             cuda_why = str(exc)
-    with _module_target(provider, pci, load, keep, cuda_mem) as (target, why, status):
-        if target is None:
-            what = "not possible here" if status == "n/a" else "could not set up"
-            out.results += [Result(status, c.name, f"{what}: {why}") for c in MODULE_CHECKS]
+    with _module_target(provider, pci, load, keep, cuda_mem, out) as setup:
+        if setup.target is None:
+            what = "not possible here" if setup.status == "n/a" else "could not set up"
+            out.results += [Result(setup.status, c.name, f"{what}: {setup.why}") for c in MODULE_CHECKS]
         else:
-            for c in MODULE_CHECKS:
-                out.results.append(run_check(lambda c=c: c.fn(target), c.name))  # type: ignore[misc]
+            out.results += [_run_module_check(c, setup.target) for c in MODULE_CHECKS]
     if sim:
         out.results.append(Result("n/a", "CUDA", "the simulator run: no CUDA checks"))
     elif cuda_mem is None:
@@ -629,8 +849,7 @@ def run(*, sim: bool | None = None, pci: str | None = None, load: bool = True, k
         out.results.append(Result("fail", "CUDA", cuda_why, fix))
     else:
         try:
-            for name, fn in cuda_checks(cuda_mem):
-                out.results.append(run_check(fn, name))
+            out.results += [run_check(fn, name) for name, fn in cuda_checks(cuda_mem)]
         finally:
             cuda_mem.close()
     return out

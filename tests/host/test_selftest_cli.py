@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -67,11 +68,50 @@ def test_check_errors_become_results() -> None:
     assert got[0].evidence == "OSError: [Errno 5] Input/output error" and got[2].evidence == "3 != 4"
 
 
-def test_modules_impossible_names_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_modules_impossible_names_the_reason(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     exists = selftest.os.path.exists
     monkeypatch.setattr(selftest.os.path, "exists", lambda p: p == "/proc/modules" or exists(p))
     monkeypatch.setattr(selftest.os, "geteuid", lambda: 1000)
     assert selftest.modules_impossible() == "loading modules needs root"
     monkeypatch.setattr(selftest.os, "geteuid", lambda: 0)
-    why = selftest.modules_impossible()
-    assert why is None or "modules_disabled" in why or "CAP_SYS_MODULE" in why
+    status, disabled = tmp_path / "status", tmp_path / "disabled"
+    status.write_text("Name:\tpython\nCapEff:\t000001ffffffffff\n")
+    disabled.write_text("0\n")
+    assert selftest.modules_impossible(str(status), str(disabled)) is None
+    disabled.write_text("1\n")
+    assert "modules_disabled=1" in str(selftest.modules_impossible(str(status), str(disabled)))
+    disabled.write_text("0\n")
+    status.write_text("CapEff:\t000001fffffeffff\n")  # every capability but CAP_SYS_MODULE (16)
+    assert "CAP_SYS_MODULE" in str(selftest.modules_impossible(str(status), str(disabled)))
+
+
+def test_require_modules_fails_where_the_module_checks_could_not_run() -> None:
+    r = gpupin("selftest", "--sim", "--no-load", "--require-modules", "--json")
+    assert r.returncode == 1, r.stdout + r.stderr
+    report = json.loads(r.stdout)
+    assert report["passed"] is False and report["counts"]["n/a"] == len(selftest.MODULE_CHECKS) + 1
+
+
+def test_checks_fail_under_python_O_too() -> None:
+    """A check's assertions are not ``assert`` statements: -O does not make them pass."""
+    code = (
+        "from gpupin import selftest\n"
+        "r = selftest.run_check(lambda: selftest.expect(1 == 2, 'one is not two') or 'seen', 'x')\n"
+        "print(r.status, r.evidence)\n"
+    )
+    r = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "fail one is not two", r.stdout + r.stderr
+
+
+def test_pci_addresses_get_their_domain() -> None:
+    assert selftest.normalize_pci("41:00.1") == "0000:41:00.1"
+    assert selftest.normalize_pci("0001:c1:1f.7") == "0001:c1:1f.7"
+
+
+def test_default_peer_prefers_an_rdma_device(tmp_path: Path) -> None:
+    dev = tmp_path / "pci" / "0000:41:00.0"
+    dev.mkdir(parents=True)
+    (dev / "vendor").write_text("0x15b3\n")
+    (tmp_path / "ib" / "mlx5_0").mkdir(parents=True)
+    (tmp_path / "ib" / "mlx5_0" / "device").symlink_to(dev)
+    assert selftest.default_peer_pci(str(tmp_path / "ib")) == "0000:41:00.0"

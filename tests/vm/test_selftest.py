@@ -9,8 +9,10 @@ must run: a skip there fails.  Then the command itself, end to end.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -29,16 +31,15 @@ pytestmark = pytest.mark.vm
 @pytest.fixture
 def target(device: Device, memory: MemoryProvider) -> Iterator[selftest.Target]:
     """What the checks run against: the provider-neutral Device and memory, and the example
-    peer driver for the PCI device it maps for (GPUPIN_PEER_PCI in native mode)."""
+    peer driver for the PCI device it maps for (GPUPIN_PEER_PCI; natively it must be set)."""
     t = selftest.Target(device, memory, "nvidia" if NATIVE else "nvp2p_sim")
-    if NATIVE and not os.environ.get("GPUPIN_PEER_PCI"):
+    pci = os.environ.get("GPUPIN_PEER_PCI") or None
+    if NATIVE and not pci:
         t.peer_why = "set GPUPIN_PEER_PCI to a NIC's PCI address to test a peer device"
         t.pci = selftest.default_peer_pci()
         yield t
         return
-    if NATIVE and not kmod.is_loaded("gpupin_peer"):
-        kmod.load(kmod.module_file("gpupin_peer"), {"pci": os.environ["GPUPIN_PEER_PCI"]})
-    load_peer()
+    load_peer(pci)
     t.pci = kmod.parameters("gpupin_peer")["pci"]
     with Peer() as t.peer:
         yield t
@@ -74,7 +75,7 @@ def test_the_command_passes_over_the_simulator(leakcheck: None) -> None:
     host, tests/host/test_selftest_cli.py: each run here costs a minute of emulated CPU.)"""
     load_peer()
     pci = kmod.parameters("gpupin_peer")["pci"]
-    out = _selftest("--sim", "--pci", pci, "--json")
+    out = _selftest("--sim", "--pci", pci, "--json", "--require-modules")
     assert out.returncode == 0, out.stdout + out.stderr
     report = json.loads(out.stdout)
     rows = {r["name"]: r for r in report["checks"]}
@@ -82,7 +83,10 @@ def test_the_command_passes_over_the_simulator(leakcheck: None) -> None:
     assert pci in report["facts"]["peer device"]
     for c in selftest.MODULE_CHECKS:
         assert rows[c.name]["status"] == "pass" and rows[c.name]["evidence"], rows[c.name]
-    assert "page copies" in rows["peer copy"]["evidence"] or "copied" in rows["peer copy"]["evidence"]
+    assert re.search(
+        r"\(0 page copies through write-combined BAR mappings, [1-9]\d* through RAM\)", rows["peer copy"]["evidence"]
+    ), rows["peer copy"]
+    assert report["counts"] == {"pass": len(selftest.MODULE_CHECKS), "fail": 0, "skip": 0, "n/a": 1}
     assert rows["CUDA"]["status"] == "n/a"
 
 
@@ -95,5 +99,26 @@ def test_the_command_fails_when_a_check_fails(leakcheck: None) -> None:
     assert out.returncode == 1, out.stdout + out.stderr
     rows = {r["name"]: r for r in json.loads(out.stdout)["checks"]}
     assert rows["dma map"]["status"] == "fail" and "no such PCI device" in rows["dma map"]["evidence"], rows["dma map"]
+    assert "gpupin doctor" in rows["dma map"]["fix"]
     assert rows["peer copy"]["status"] == "skip" and "not 00fe:ff:1f.7" in rows["peer copy"]["evidence"]
     assert rows["pin"]["status"] == "pass"
+
+
+def test_a_failing_check_leaves_nothing_behind(target: selftest.Target) -> None:
+    """A check that fails after pinning unpins and frees what it made, so the checks after
+    it start clean (a left pin would be invalidated by its free and fail the next ones)."""
+    if target.peer is None:
+        pytest.skip(target.peer_why)
+
+    class ZeroReadingPeer:  # reads zeros where the memory holds the pattern
+        def __getattr__(self, name: str) -> object:
+            return getattr(target.peer, name)
+
+        def read(self, device: Device, pin: object, offset: int, size: int) -> bytes:
+            return bytes(size)
+
+    lying = dataclasses.replace(target, peer=ZeroReadingPeer())
+    with pytest.raises(selftest.CheckFailed, match="the peer read bytes that differ from offset 0"):
+        selftest.check_peer_copy(lying)
+    assert target.device.info().file_pins == 0 and target.device.read_events() == []
+    assert selftest.check_invalidation(target)
