@@ -11,6 +11,17 @@ parameters for one test, restored afterwards).  ``ShellOnPty`` runs
 
 Where the modules cannot be loaded the tests skip with the reason, unless
 GPUPIN_REQUIRE_VM=1 (set by the VM harness), where that is a failure.
+
+One suite, two providers: a test that needs nothing of the simulator takes
+``memory`` and runs in both modes (guard a check of simulator counters inside
+it with ``if not NATIVE:``).  A test that does need the simulator (a module
+parameter or knob, its counters as the thing checked, its dma-buf exporter,
+fault injection, behaviour nvidia.ko has no equivalent for, or a forked child
+touching device memory: CUDA contexts do not survive fork) is marked
+``@pytest.mark.simonly(reason="...")`` (or ``simonly("...")``) saying which;
+in native mode it skips with that reason.  A ``simonly`` without a reason is
+warned of at collection and fails tests/host/test_simonly_reasons.py;
+``simonly_reason`` reads the reason.
 """
 
 from __future__ import annotations
@@ -60,14 +71,28 @@ def pytest_configure(config: pytest.Config) -> None:
         "vm: needs gpupin.ko and the simulator loaded (runs in the VM)",
         "gpu: needs an NVIDIA GPU with the CUDA driver",
         "native: needs gpupin.ko over a real nvidia.ko",
-        "simonly: needs the simulator (skipped in native mode)",
+        "simonly(reason): needs the simulator, reason says why (skipped in native mode)",
     ):
         config.addinivalue_line("markers", line)
 
 
+def simonly_reason(mark: pytest.Mark) -> str | None:
+    """The reason a ``simonly`` mark gives (``reason=`` or its one argument), or None."""
+    reason = mark.kwargs.get("reason", mark.args[0] if mark.args else None)
+    return reason.strip() or None if isinstance(reason, str) else None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Warn of every ``simonly`` without a reason (tests/host/test_simonly_reasons.py fails on them)."""
+    for item in items:
+        if any(simonly_reason(m) is None for m in item.iter_markers("simonly")):
+            item.warn(pytest.PytestWarning("simonly without a reason: write pytest.mark.simonly(reason=...)"))
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    if NATIVE and item.get_closest_marker("simonly"):
-        pytest.skip("needs the nvp2p_sim simulator; this run uses the real nvidia.ko (GPUPIN_NATIVE=1)")
+    mark = item.get_closest_marker("simonly")
+    if NATIVE and mark is not None:
+        pytest.skip(f"simulator only: {simonly_reason(mark)} (this run uses the real nvidia.ko, GPUPIN_NATIVE=1)")
 
 
 def in_child(fn: Callable[[], int], timeout: float | None = None) -> int:
