@@ -27,6 +27,9 @@ libc.read.restype = ctypes.c_ssize_t
 SLOW = 10 if os.path.exists("/sys/kernel/debug/kmemleak") else 1
 KiB = 1 << 10
 GPU_PAGE = 64 * KiB
+# The smallest allocation that starts on a GPU page over either provider: cuMemAlloc aligns
+# allocations of 2 MiB and more to 2 MiB, smaller ones only to 256 bytes.
+GPU_ALLOC = 2 * MiB if NATIVE else GPU_PAGE
 
 
 def raw(fd: int, cmd: int, ctype: str, /, **fields: Any) -> tuple[int, Any]:
@@ -55,6 +58,14 @@ def first_pci_device() -> str:
 
 @pytest.fixture
 def pci() -> str:
+    """A PCI device to DMA-map for: the VM's last one; natively the peer the user names
+    (GPUPIN_PEER_PCI, a NIC: ``make test-native PEER_PCI=...``), as nvidia.ko checks the
+    topology between the GPU and the peer."""
+    if NATIVE:
+        named = os.environ.get("GPUPIN_PEER_PCI", "")
+        if not named:
+            pytest.skip("GPUPIN_PEER_PCI is not set: name a peer PCI device (a NIC) to DMA-map for")
+        return named
     return first_pci_device()
 
 
