@@ -3,7 +3,7 @@ each record goes to exactly one reader, and the file's flags never change.
 
 A reader asleep in read() is the hang of the issue: every thread is joined with a timeout, one
 still running fails the test, and is woken then (the file made non-blocking again, a record
-queued) so that none outlives it."""
+queued) so that none outlives it.  Over either provider."""
 
 from __future__ import annotations
 
@@ -16,21 +16,21 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from conftest import GPU_PAGE, SLOW
-from gpupin import Device, Event, Pin, SimMemory
+from conftest import GPU_ALLOC, GPU_PAGE, SLOW
+from gpupin import Device, Event, MemoryProvider, Pin
 from gpupin.cache import RegistrationCache
 from gpupin.testing import PausedThread, after_poll, after_read
 
-pytestmark = [pytest.mark.vm, pytest.mark.simonly]
+pytestmark = pytest.mark.vm
 JOIN = 10.0 * SLOW  # seconds a thread may take before it counts as hung
 
 
 class Waker:
     """A pin whose memory is freed only to wake readers asleep in read()."""
 
-    def __init__(self, device: Device, sim: SimMemory) -> None:
-        self.device, self.sim = device, sim
-        self.va = sim.alloc(GPU_PAGE)
+    def __init__(self, device: Device, memory: MemoryProvider) -> None:
+        self.device, self.memory = device, memory
+        self.va = memory.alloc(GPU_ALLOC)
         self.pin = device.pin(self.va, GPU_PAGE)
         self.freed = False
 
@@ -43,7 +43,7 @@ class Waker:
         if names and not self.freed:
             # The kernel checks O_NONBLOCK again after a wake-up: every sleeper returns.
             os.set_blocking(self.device.fileno(), False)
-            self.sim.free(self.va)
+            self.memory.free(self.va)
             self.freed = True
             for t in threads:
                 t.join(JOIN)
@@ -52,12 +52,12 @@ class Waker:
     def close(self) -> None:
         self.device.unpin(self.pin)
         if not self.freed:
-            self.sim.free(self.va)
+            self.memory.free(self.va)
 
 
 @pytest.fixture
-def waker(device: Device, sim: SimMemory) -> Iterator[Waker]:
-    w = Waker(device, sim)
+def waker(device: Device, memory: MemoryProvider) -> Iterator[Waker]:
+    w = Waker(device, memory)
     yield w
     w.close()
 
@@ -66,21 +66,21 @@ def handles(events: list[Event]) -> list[int]:
     return [e.handle for e in events]
 
 
-def freed_pins(device: Device, sim: SimMemory, n: int) -> list[Pin]:
+def freed_pins(device: Device, memory: MemoryProvider, n: int) -> list[Pin]:
     """``n`` pins whose memory is freed: ``n`` records queued."""
-    vas = [sim.alloc(GPU_PAGE) for _ in range(n)]
+    vas = [memory.alloc(GPU_ALLOC) for _ in range(n)]
     pins = [device.pin(va, GPU_PAGE) for va in vas]
     for va in vas:
-        sim.free(va)
+        memory.free(va)
     return pins
 
 
 def test_a_reader_is_not_left_asleep_when_another_empties_the_queue(
-    device: Device, sim: SimMemory, waker: Waker
+    device: Device, memory: MemoryProvider, waker: Waker
 ) -> None:
     """B has read 64 records (one read's worth) when A reads the other 36: B's next read must
     say EAGAIN, not sleep until a record that may never come."""
-    pins = freed_pins(device, sim, 100)
+    pins = freed_pins(device, memory, 100)
     b = PausedThread(device.read_events, Device.read_events, after_read, JOIN)
     b.start_and_pause()
     a_got = device.read_events()
@@ -94,15 +94,17 @@ def test_a_reader_is_not_left_asleep_when_another_empties_the_queue(
         device.unpin(p)
 
 
-def test_a_cache_draining_is_not_left_asleep_by_a_user_waiting(device: Device, sim: SimMemory, waker: Waker) -> None:
+def test_a_cache_draining_is_not_left_asleep_by_a_user_waiting(
+    device: Device, memory: MemoryProvider, waker: Waker
+) -> None:
     """The issue as a user meets it: the cache drains records under its lock while the user's
     wait_invalidations() takes the rest; the drain must end, and the cache still close."""
-    cache = RegistrationCache(device, sim, validate="kernel")
-    vas = [sim.alloc(GPU_PAGE) for _ in range(100)]
+    cache = RegistrationCache(device, memory, validate="kernel")
+    vas = [memory.alloc(GPU_ALLOC) for _ in range(100)]
     for va in vas:
         cache.acquire(va, GPU_PAGE).release()
     for va in vas:
-        sim.free(va)
+        memory.free(va)
     drain = PausedThread(cache.drain, Device.read_events, after_read, JOIN)
     drain.start_and_pause()  # inside drain(), the cache's lock held, 64 records read
     user = device.wait_invalidations(0)
@@ -116,10 +118,12 @@ def test_a_cache_draining_is_not_left_asleep_by_a_user_waiting(device: Device, s
     assert not os.get_blocking(device.fileno())
 
 
-def test_wait_goes_on_when_another_thread_takes_the_records(device: Device, sim: SimMemory, waker: Waker) -> None:
+def test_wait_goes_on_when_another_thread_takes_the_records(
+    device: Device, memory: MemoryProvider, waker: Waker
+) -> None:
     """A's poll sees a record that B then reads: A waits on, and gets the next record."""
-    first = freed_pins(device, sim, 1)[0]
-    va = sim.alloc(GPU_PAGE)
+    first = freed_pins(device, memory, 1)[0]
+    va = memory.alloc(GPU_ALLOC)
     second = device.pin(va, GPU_PAGE)
     a = PausedThread(lambda: device.wait_invalidations(JOIN), Device.wait_invalidations, after_poll, JOIN)
     a.start_and_pause()
@@ -127,7 +131,7 @@ def test_wait_goes_on_when_another_thread_takes_the_records(device: Device, sim:
     a.resume()
     a.join(0.3)
     assert a.is_alive(), f"wait_invalidations({JOIN}) returned {a.result} before its timeout, with no record"
-    sim.free(va)
+    memory.free(va)
     assert not waker.hung([a])
     assert a.error is None and handles(a.result) == [second.handle], (a.result, a.error)
     device.unpin(first)
@@ -136,12 +140,12 @@ def test_wait_goes_on_when_another_thread_takes_the_records(device: Device, sim:
 
 @pytest.mark.parametrize("seed", range(3))
 def test_threads_racing_for_records_get_each_exactly_once(
-    device: Device, sim: SimMemory, waker: Waker, seed: int
+    device: Device, memory: MemoryProvider, waker: Waker, seed: int
 ) -> None:
     """Readers (read_events, wait_invalidations with a short timeout) race a thread freeing
     pinned memory: none hangs, each record goes to exactly one, the file stays non-blocking."""
-    rng, n = random.Random(seed), 1000  # 64 MiB of the 256 MiB simulated BAR
-    vas = [sim.alloc(GPU_PAGE) for _ in range(n)]
+    rng, n = random.Random(seed), 1000  # 64 MiB pinned: within the 256 MiB simulated BAR
+    vas = [memory.alloc(GPU_ALLOC) for _ in range(n)]
     pins = {device.pin(va, GPU_PAGE).handle for va in vas}
     stop = threading.Event()
     got: dict[str, list[int]] = {}
@@ -167,7 +171,7 @@ def test_threads_racing_for_records_get_each_exactly_once(
 
     def free() -> None:
         for i, va in enumerate(vas):
-            sim.free(va)
+            memory.free(va)
             if i % 50 == 0:
                 time.sleep(rng.random() / 1000)
 
