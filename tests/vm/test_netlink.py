@@ -1,4 +1,5 @@
-"""The generic-netlink family: introspection, events, privilege, strict validation."""
+"""The generic-netlink family: introspection, events, privilege, strict validation; over
+either provider except where a test forks, reloads the module or sets a simulator knob."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ from pyroute2.netlink import genlmsg
 
 import gpupin
 from conftest import GPU_PAGE, SLOW, MiB
-from gpupin import Device, SimMemory, kmod, netlink
+from gpupin import Device, MemoryProvider, SimMemory, kmod, netlink
 from gpupin.testing import ensure_loaded
 
-pytestmark = [pytest.mark.vm, pytest.mark.simonly]
+pytestmark = pytest.mark.vm
+FORKS = pytest.mark.simonly(reason="forks a child that holds pins on device memory: CUDA contexts do not survive fork")
+RELOADS = pytest.mark.simonly(reason="unloads gpupin.ko and loads a build of it made against the simulator")
 NOBODY = 65534
 
 
@@ -32,13 +35,13 @@ def collect(nl: netlink.Netlink, n: int) -> list[dict]:  # type: ignore[type-arg
     return list(nl.events(timeout=10, count=n))
 
 
-def test_event_order_and_content(device: Device, sim: SimMemory, pci: str) -> None:
+def test_event_order_and_content(device: Device, memory: MemoryProvider, pci: str) -> None:
     with netlink.Netlink() as nl:
         nl.subscribe()
-        va = sim.alloc(2 * GPU_PAGE)
+        va = memory.alloc(2 * MiB)
         pin = device.pin(va + 100, GPU_PAGE, user_tag=0x5EED)
         device.dma_map(pin, pci)
-        sim.free(va)
+        memory.free(va)
         device.unpin(pin)
         evs = collect(nl, 3)
     assert [e["event"] for e in evs] == ["pinned", "invalidated", "unpinned"]
@@ -51,6 +54,7 @@ def test_event_order_and_content(device: Device, sim: SimMemory, pci: str) -> No
     assert evs[2]["reason"] == "unpin"
 
 
+@FORKS
 def test_process_exit_and_budget_events(gpupin_loaded: None, leakcheck: None, sim_params) -> None:  # type: ignore[no-untyped-def]
     sim_params("gpupin", max_pinned_bytes=GPU_PAGE)
     with netlink.Netlink() as nl:
@@ -74,6 +78,7 @@ def test_process_exit_and_budget_events(gpupin_loaded: None, leakcheck: None, si
     assert evs[2]["reason"] == "process_exit"
 
 
+@pytest.mark.simonly(reason="sets the simulator's BAR size (bar_size) for 10,000 pins")
 def test_dump_of_10000_pins(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
     sim_params(bar_size=1 << 30)
     va = sim.alloc(GPU_PAGE)
@@ -87,8 +92,8 @@ def test_dump_of_10000_pins(device: Device, sim: SimMemory, sim_params) -> None:
     sim.free(va)
 
 
-def test_get_pin_and_stats(device: Device, sim: SimMemory, pci: str) -> None:
-    va = sim.alloc(MiB)
+def test_get_pin_and_stats(device: Device, memory: MemoryProvider, pci: str) -> None:
+    va = memory.alloc(2 * MiB)
     pin = device.pin(va, MiB, persistent=True)
     device.dma_map(pin, pci)
     with netlink.Netlink() as nl:
@@ -100,7 +105,7 @@ def test_get_pin_and_stats(device: Device, sim: SimMemory, pci: str) -> None:
     device.unpin(pin)
     after = netlink.stats()
     assert after["unpins"] == before["unpins"] + 1 and after["dma_maps"] >= 1
-    sim.free(va)
+    memory.free(va)
 
 
 class badmsg(genlmsg):  # noqa: N801
@@ -143,6 +148,7 @@ def test_subscribe_where_the_group_exists_says_join_it(gpupin_loaded: None) -> N
     assert ei.value.errno == errno.EOPNOTSUPP
 
 
+@FORKS
 def test_unprivileged_sees_only_its_own(device: Device, sim: SimMemory) -> None:
     va = sim.alloc(GPU_PAGE)
     mine = device.pin(va, GPU_PAGE)
@@ -181,6 +187,7 @@ def test_unprivileged_sees_only_its_own(device: Device, sim: SimMemory) -> None:
     sim.free(va)
 
 
+@RELOADS
 def test_unload_with_listener_subscribed(gpupin_loaded: None) -> None:
     nl = netlink.Netlink()
     nl.subscribe()
@@ -237,6 +244,7 @@ def assert_departed_subscriber_port_gets_nothing(portid: int) -> None:
     assert os.waitstatus_to_exitcode(status) == 0, "a departed subscriber's port id still gets events"
 
 
+@RELOADS
 def test_unicast_events_fallback(gpupin_loaded: None, leakcheck: None) -> None:
     """The build for kernels without GENL_MCAST_CAP_NET_ADMIN: SUBSCRIBE + unicast, admin only."""
     from gpupin.kmod import ko_dir
@@ -321,6 +329,7 @@ def _pin_and_unpin() -> None:
         sim.free(va)
 
 
+@RELOADS
 def test_unicast_subscriber_is_its_socket_not_its_port_id(gpupin_loaded: None, leakcheck: None) -> None:
     """Between a subscriber's netlink_remove() and NETLINK_URELEASE another socket may bind its port id.
 
@@ -398,6 +407,7 @@ def _wait_for_stat(name: str, want: int) -> dict[str, int]:
     return st
 
 
+@FORKS
 def test_detached_pins_are_dumped_and_counted(gpupin_loaded: None, leakcheck: None) -> None:
     """A pin released where its pages cannot be put (a fork child's last close) is out of
     its file's handle table but holds its pages and budget until the GPU memory is freed:
@@ -423,6 +433,7 @@ def test_detached_pins_are_dumped_and_counted(gpupin_loaded: None, leakcheck: No
         assert [p for p in netlink.list_pins() if p.pid == os.getpid()] == []
 
 
+@FORKS
 def test_dump_of_many_detached_pins_resumes(gpupin_loaded: None, leakcheck: None, sim_params) -> None:  # type: ignore[no-untyped-def]
     """More detached pins than one dump message holds or one batch takes: each listed once, in order,
     after the pins still in a handle table."""
