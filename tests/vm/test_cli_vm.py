@@ -12,7 +12,15 @@ import pytest
 from conftest import SLOW, first_pci_device
 from gpupin.testing import ShellOnPty
 
-pytestmark = [pytest.mark.vm, pytest.mark.simonly]
+pytestmark = [
+    pytest.mark.vm,
+    pytest.mark.simonly(
+        reason=(
+            "drives the CLI's simulator commands (sim alloc, pin --sim-alloc, sim set): the CLI allocates no CUDA"
+            " memory"
+        )
+    ),
+]
 
 
 def gp(*args: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -17,7 +17,15 @@ from gpupin.cache import RegistrationCache
 from gpupin.netlink import Netlink
 from gpupin.peer import Peer
 
-pytestmark = [pytest.mark.vm, pytest.mark.simonly]
+pytestmark = [
+    pytest.mark.vm,
+    pytest.mark.simonly(
+        reason=(
+            "imports the simulator's dma-buf exporters (static and revocable) and vgem, read through the example "
+            "peer driver"
+        )
+    ),
+]
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 

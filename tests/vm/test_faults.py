@@ -20,7 +20,12 @@ from gpupin import Device, EventsLost, GpupinError, SimMemory, sim_stats
 from gpupin.netlink import Netlink
 from gpupin.peer import Peer
 
-pytestmark = [pytest.mark.vm, pytest.mark.simonly]
+pytestmark = [
+    pytest.mark.vm,
+    pytest.mark.simonly(
+        reason="each injected failure is checked against the simulator's counters and the example peer driver's holds"
+    ),
+]
 
 PARAM = "/sys/module/gpupin/parameters/fail_alloc_nth"
 ATTR = "/sys/kernel/debug/gpupin/fail_alloc"

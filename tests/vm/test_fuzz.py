@@ -30,7 +30,12 @@ from gpupin import Device, SimMemory, sim_stats
 from gpupin._native import ffi, lib
 from gpupin.testing import load_peer
 
-pytestmark = [pytest.mark.vm, pytest.mark.simonly]
+pytestmark = [
+    pytest.mark.vm,
+    pytest.mark.simonly(
+        reason="fuzzes the simulator's allocator and the example peer driver alongside gpupin from forked processes"
+    ),
+]
 LONG = os.environ.get("GPUPIN_LONG") == "1"
 CALLS = int(os.environ.get("GPUPIN_FUZZ_CALLS", 100_000 if LONG else 10_000))
 PROCS = 4

@@ -12,7 +12,12 @@ from gpupin import Device, SimMemory, kmod, sim_stats
 from gpupin.kmod import ko_dir
 from gpupin.testing import ensure_loaded
 
-pytestmark = [pytest.mark.vm, pytest.mark.simonly]
+pytestmark = [
+    pytest.mark.vm,
+    pytest.mark.simonly(
+        reason="loads and unloads nvp2p_sim and gpupin.ko from the build tree, made against the simulator"
+    ),
+]
 
 
 def unload_all() -> None:

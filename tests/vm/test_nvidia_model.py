@@ -17,7 +17,15 @@ from gpupin import Device, SimMemory, kmod, sim_stats
 from gpupin.peer import Peer
 from gpupin.testing import ensure_loaded
 
-pytestmark = [pytest.mark.vm, pytest.mark.simonly]
+pytestmark = [
+    pytest.mark.vm,
+    pytest.mark.simonly(
+        reason=(
+            "models NVIDIA's driver through simulator knobs (bar_device, reuse_freed_tables, fail_put_nth, "
+            "latencies) and its counters"
+        )
+    ),
+]
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 

@@ -21,7 +21,15 @@ from conftest import GPU_PAGE, MiB, in_child
 from gpupin import Device, SimMemory, sim_stats
 from gpupin.cache import RegistrationCache
 
-pytestmark = [pytest.mark.vm, pytest.mark.simonly]
+pytestmark = [
+    pytest.mark.vm,
+    pytest.mark.simonly(
+        reason=(
+            "forks children or passes files to processes that touch device memory (CUDA contexts do not survive "
+            "fork) and counts the simulator's pages after their death"
+        )
+    ),
+]
 NOBODY = 65534
 
 

@@ -21,7 +21,15 @@ from gpupin import Device, SimMemory, sim_stats
 from gpupin.netlink import Netlink
 from gpupin.peer import Peer
 
-pytestmark = [pytest.mark.vm, pytest.mark.simonly]
+pytestmark = [
+    pytest.mark.vm,
+    pytest.mark.simonly(
+        reason=(
+            "races checked through the simulator's counters, race_put_pages and pin_latency_us knobs, forked "
+            "children and the example peer driver"
+        )
+    ),
+]
 LONG = os.environ.get("GPUPIN_LONG") == "1"
 ITER = 10_000
 BATCH = 500

@@ -18,7 +18,10 @@ import pytest
 from conftest import SLOW
 from gpupin import bench, vmscale
 
-pytestmark = [pytest.mark.vm, pytest.mark.simonly]
+pytestmark = [
+    pytest.mark.vm,
+    pytest.mark.simonly(reason="sets the simulator's BAR size and pin latency, and the demo runs on the simulator"),
+]
 
 PINS = 2000
 SLOTS = 256

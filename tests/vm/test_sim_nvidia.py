@@ -20,7 +20,12 @@ from conftest import GPU_PAGE, MiB, in_child, raw
 from gpupin import Device, SimMemory, kmod, sim_stats
 from gpupin._native import lib
 
-pytestmark = [pytest.mark.vm, pytest.mark.simonly]
+pytestmark = [
+    pytest.mark.vm,
+    pytest.mark.simonly(
+        reason="tests the simulator's own model of NVIDIA's driver (its exporters, device node, table reuse)"
+    ),
+]
 
 # <drm/drm.h>: DRM_IOWR(0x2e, struct drm_prime_handle), DRM_IOW(0x09, struct drm_gem_close)
 DRM_IOCTL_PRIME_FD_TO_HANDLE = 0xC00C642E
