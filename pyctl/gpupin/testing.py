@@ -92,7 +92,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_runtest_setup(item: pytest.Item) -> None:
     mark = item.get_closest_marker("simonly")
     if NATIVE and mark is not None:
-        pytest.skip(f"simulator only: {simonly_reason(mark)} (this run uses the real nvidia.ko, GPUPIN_NATIVE=1)")
+        why = simonly_reason(mark) or "no reason given"
+        pytest.skip(f"simulator only: {why} (this run uses the real nvidia.ko, GPUPIN_NATIVE=1)")
 
 
 def in_child(fn: Callable[[], int], timeout: float | None = None) -> int:
