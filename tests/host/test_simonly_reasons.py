@@ -23,9 +23,6 @@ print("SIMONLY " + json.dumps(found))
 sys.exit(rc)
 """
 
-# Reason-less marks of files another branch owns; each entry goes once that file gives its reason.
-NOT_YET = {"tests/vm/test_peer.py", "tests/vm/test_selftest.py"}
-
 
 def _collect() -> dict[str, list[str | None]]:
     out = subprocess.run(
@@ -40,7 +37,7 @@ def _collect() -> dict[str, list[str | None]]:
 def test_every_simonly_mark_says_why() -> None:
     found = _collect()
     assert len(found) > 100, f"collected only {len(found)} VM tests"
-    missing = sorted(n for n, reasons in found.items() if None in reasons and n.split("::")[0] not in NOT_YET)
+    missing = sorted(n for n, reasons in found.items() if None in reasons)
     assert not missing, f"simonly without a reason: {missing}"
 
 

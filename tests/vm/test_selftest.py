@@ -68,7 +68,7 @@ def _selftest(*args: str) -> subprocess.CompletedProcess[str]:
         print(f"gpupin selftest {' '.join(args)}: {time.monotonic() - t0:.1f} s")
 
 
-@pytest.mark.simonly
+@pytest.mark.simonly(reason="runs the command with --sim; natively make test-native runs it with --native")
 def test_the_command_passes_over_the_simulator(leakcheck: None) -> None:
     """``gpupin selftest --sim`` with the modules loaded: every module check passes and says
     what it saw, the CUDA row says why it did not run.  (The text layout is tested on the
@@ -90,7 +90,7 @@ def test_the_command_passes_over_the_simulator(leakcheck: None) -> None:
     assert rows["CUDA"]["status"] == "n/a"
 
 
-@pytest.mark.simonly
+@pytest.mark.simonly(reason="runs the command with --sim, against a PCI address that does not exist")
 def test_the_command_fails_when_a_check_fails(leakcheck: None) -> None:
     """A PCI address that does not exist: the DMA mapping fails, the example peer is loaded
     for another device, and the command says so and exits 1."""
