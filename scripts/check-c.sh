@@ -4,7 +4,8 @@
 # (-Wall -Wextra -Werror) and run through GCC's static analyser (-fanalyzer:
 # leaks, double frees, NULL dereferences, use of uninitialised values).
 set -euo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=scripts/lib.sh
+. "$(dirname "$0")/lib.sh"
 PY=${PY:-$ROOT/.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 pyinc=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')

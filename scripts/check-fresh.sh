@@ -7,25 +7,11 @@
 # GPUPIN_FRESH_DEMO=1 also runs `make demo` in the chroot (boots the VM).
 # Usage: check-fresh.sh   (root; ~5 min, the base system cached)
 set -euo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=scripts/lib.sh
+. "$(dirname "$0")/lib.sh"
 CACHE=${GPUPIN_CACHE:-/var/cache/gpupin}/fresh
 BASE=$CACHE/bookworm-minbase.tar
-die() { echo "check-fresh: $*" >&2; exit 1; }
 [ "$(id -u)" -eq 0 ] || die "needs root (debootstrap, chroot)"
-command -v debootstrap >/dev/null || {
-	echo "check-fresh: installing debootstrap"
-	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap >/dev/null
-}
-
-mkdir -p "$CACHE"
-if [ ! -s "$BASE" ] || [ -n "$(find "$BASE" -mtime +7)" ]; then
-	echo "check-fresh: debootstrap --variant=minbase bookworm (once a week)"
-	tmp=$(mktemp -d /var/tmp/gpupin-base.XXXXXX)
-	debootstrap --variant=minbase bookworm "$tmp" http://deb.debian.org/debian >"$CACHE/debootstrap.log" 2>&1 ||
-		{ tail -n 20 "$CACHE/debootstrap.log"; rm -rf "$tmp"; die "debootstrap failed"; }
-	tar -C "$tmp" -cf "$BASE.new" . && mv "$BASE.new" "$BASE"
-	rm -rf "$tmp"
-fi
 
 R=$(mktemp -d /var/tmp/gpupin-fresh.XXXXXX)
 cleanup() {
@@ -33,7 +19,7 @@ cleanup() {
 	rm -rf --one-file-system "$R"
 }
 trap cleanup EXIT
-tar -C "$R" -xf "$BASE"
+cached_chroot "$R" "$BASE" bookworm http://deb.debian.org/debian "$CACHE/debootstrap.log"
 mount -t proc proc "$R/proc"
 mount -t sysfs sys "$R/sys"
 mount --bind /dev "$R/dev"

@@ -3,7 +3,8 @@
 # checkpatch --strict with no errors.  Usage: check-kernel.sh KDIR
 set -uo pipefail
 KDIR=$1
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=scripts/lib.sh
+. "$(dirname "$0")/lib.sh"
 CP="$ROOT/.cache/checkpatch/checkpatch.pl"
 LOG=$(mktemp -d)
 fail=0
@@ -20,8 +21,7 @@ fi
 
 # The unicast-events variant (kernels without GENL_MCAST_CAP_NET_ADMIN) must be clean too.
 UC="$LOG/unicast"
-mkdir -p "$UC"
-(cd "$ROOT" && cp Kbuild "$UC/" && find kernel include tests/kmod -name '*.[ch]' -exec cp --parents {} "$UC/" \;)
+copy_module_sources "$UC"
 make -C "$KDIR" M="$UC" W=1 GPUPIN_NL_EVENTS=unicast NVIDIA_SRC=none modules >"$LOG/w1-unicast.txt" 2>&1 || fail=1
 if grep -iE "warning:|error:" "$LOG/w1-unicast.txt"; then
 	echo "check: W=1 build of the unicast-events variant has warnings or errors" >&2

@@ -7,17 +7,13 @@
 # headers + compiler) is cached for a week in $GPUPIN_CACHE/newest-sid.tar.
 # Usage: check-newest.sh   (root; ~6 min the first time, ~1 min cached)
 set -euo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=scripts/lib.sh
+. "$(dirname "$0")/lib.sh"
 CACHE=${GPUPIN_CACHE:-/var/cache/gpupin}
 BASE=$CACHE/newest-sid.tar
 SUITE=${GPUPIN_NEWEST_SUITE:-sid}
 MIRROR=${GPUPIN_NEWEST_MIRROR:-http://deb.debian.org/debian}
-die() { echo "check-newest: $*" >&2; exit 1; }
 [ "$(id -u)" -eq 0 ] || die "needs root (debootstrap, chroot)"
-command -v debootstrap >/dev/null || {
-	echo "check-newest: installing debootstrap"
-	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap >/dev/null
-}
 
 R=$(mktemp -d /var/tmp/gpupin-newest.XXXXXX)
 cleanup() {
@@ -34,34 +30,27 @@ leave() {
 	umount -l "$R/dev" "$R/proc"
 }
 
-mkdir -p "$CACHE"
-if [ ! -s "$BASE" ] || [ -n "$(find "$BASE" -mtime +7)" ]; then
-	echo "check-newest: debootstrap --variant=minbase $SUITE, then its linux-headers-amd64 (once a week)"
-	log=$CACHE/newest-sid.log
-	debootstrap --variant=minbase --keyring=/usr/share/keyrings/debian-archive-keyring.gpg \
-		"$SUITE" "$R" "$MIRROR" >"$log" 2>&1 || { tail -n 20 "$log" >&2; die "debootstrap failed ($log)"; }
+# The headers depend on the compiler their kernel was built with (linux-compiler-gcc-N-x86).
+# Check-Valid-Until off: the registry here may serve a snapshot older than its Valid-Until
+# (the signatures are still checked).
+add_headers() {
+	echo "check-newest: then $SUITE's linux-headers-amd64"
 	enter
-	# The headers depend on the compiler their kernel was built with (linux-compiler-gcc-N-x86).
-	# Check-Valid-Until off: the registry here may serve a snapshot older than its Valid-Until
-	# (the signatures are still checked).
 	chroot "$R" /bin/sh -c 'export DEBIAN_FRONTEND=noninteractive
 		apt-get -o Acquire::Check-Valid-Until=false update -qq &&
 		apt-get install -y -qq --no-install-recommends linux-headers-amd64 make libc6-dev && apt-get clean' \
 		>>"$log" 2>&1 || { tail -n 20 "$log" >&2; die "installing the headers failed ($log)"; }
 	leave
-	tar -C "$R" -cf "$BASE.new" . && mv "$BASE.new" "$BASE"
-else
-	tar -C "$R" -xf "$BASE"
-fi
+}
+log=$CACHE/newest-sid.log
+cached_chroot "$R" "$BASE" "$SUITE" "$MIRROR" "$log" add_headers
 enter
 
 kdir=$(ls -d "$R"/usr/src/linux-headers-*-amd64 | sort -V | tail -n 1)
 kdir=${kdir#"$R"}
 cc=$(sed -n 's/^CONFIG_CC_VERSION_TEXT="\(.*\)"/\1/p' "$R$kdir/.config")
 echo "check-newest: building against ${kdir#/usr/src/linux-headers-} ($cc)"
-mkdir -p "$R/src/gpupin"
-(cd "$ROOT" && git ls-files -z -co --exclude-standard -- Kbuild kernel include tests/kmod |
-	tar --null -T - -cf -) | tar -C "$R/src/gpupin" -xf -
+copy_module_sources "$R/src/gpupin"
 log=$(mktemp /var/tmp/gpupin-newest-build.XXXXXX)
 if ! chroot "$R" make -C "$kdir" M=/src/gpupin W=1 NVIDIA_SRC=none KCFLAGS=-Werror modules >"$log" 2>&1; then
 	cat "$log" >&2

@@ -19,29 +19,22 @@ KDIR=${1:?usage: check-nvidia.sh KDIR [SUITE...]}
 shift
 SUITES=("$@")
 [ ${#SUITES[@]} -gt 0 ] || SUITES=(bookworm trixie)
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=scripts/lib.sh
+. "$(dirname "$0")/lib.sh"
 CACHE=${GPUPIN_CACHE:-/var/cache/gpupin}/nvidia
 KDIR=${KDIR%/}
 KVER=$(basename "${KDIR%/build}")
 KVER=${KVER#linux-headers-}
 JOBS=$(nproc)
 
-die() { echo "check-nvidia: $*" >&2; exit 1; }
-for tool in apt-get dpkg-deb modprobe modinfo make gcc; do
-	command -v "$tool" >/dev/null || die "'$tool' is missing (run 'make setup')"
-done
+need apt-get dpkg-deb modprobe modinfo make gcc
 [ -e "/lib/modules/$KVER/build" ] ||
 	die "/lib/modules/$KVER/build is missing: install linux-headers-$KVER (make setup)"
 
 APT="$CACHE/apt"
-mkdir -p "$APT/lists/partial" "$APT/archives/partial"
-cat >"$APT/sources.list" <<EOF
-deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian bookworm contrib
-deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian trixie contrib
-EOF
-APTO=(-o "Dir::Etc::SourceList=$APT/sources.list" -o Dir::Etc::SourceParts=/dev/null
-	-o "Dir::State::Lists=$APT/lists" -o "Dir::Cache=$APT" -o Debug::NoLocking=1
-	-o APT::Sandbox::User=root -qq)
+private_apt "$APT" \
+	"deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian bookworm contrib" \
+	"deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian trixie contrib"
 
 # Refresh the private lists at most once a day.
 if [ -z "$(find "$APT/lists" -maxdepth 1 -name '*Packages*' -mtime -1 2>/dev/null)" ]; then
@@ -117,8 +110,7 @@ for suite in "${SUITES[@]}"; do
 	# gpupin against it, in a private copy so the tree's simulator build stays.
 	b="$dir/gpupin"
 	rm -rf "$b" && mkdir -p "$b"
-	(cd "$ROOT" && cp Kbuild "$b/" && find kernel include tests/kmod -name '*.[ch]' -exec cp --parents {} "$b/" \;)
-	mkdir -p "$b/scripts" && cp "$ROOT/scripts/dkms-build.sh" "$b/scripts/"
+	copy_module_sources "$b" scripts/dkms-build.sh
 	# As DKMS builds it on a user's host: Debian's layout (the header, no
 	# Module.symvers), CRCs read out of the nvidia.ko built above.
 	rm -f "$src/Module.symvers"

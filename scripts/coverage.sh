@@ -11,7 +11,8 @@
 # --summary' prints the last summary, saying so first where it was measured at another commit
 # than HEAD (make test does; it measures nothing, so neither staleness nor goals fail it).
 set -euo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=scripts/lib.sh
+. "$(dirname "$0")/lib.sh"
 VENV=${VENV:-$ROOT/.venv}
 OUT=${COVERAGE_OUT:-$ROOT/results/coverage}
 head=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)

@@ -9,7 +9,8 @@
 # 'make clean' of an external module deletes every object file below the
 # module's directory.
 set -euo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=scripts/lib.sh
+. "$(dirname "$0")/lib.sh"
 VENV=${VENV:-$ROOT/.venv}
 CACHE=${GPUPIN_DEBUG_CACHE:-/var/cache/gpupin}
 VARIANT=${1:-debug}

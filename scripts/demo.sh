@@ -2,7 +2,8 @@
 # make demo: on this host if it can load modules into its own kernel (root,
 # headers for the running kernel, loading enabled), else inside a VM.
 set -euo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=scripts/lib.sh
+. "$(dirname "$0")/lib.sh"
 VENV=${VENV:-$ROOT/.venv}
 if [ "$(id -u)" -eq 0 ] && [ -d "/lib/modules/$(uname -r)/build" ] && \
    [ "$(cat /proc/sys/kernel/modules_disabled 2>/dev/null || echo 1)" = 0 ] && [ "${GPUPIN_DEMO_VM:-0}" != 1 ]; then

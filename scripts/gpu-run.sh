@@ -3,7 +3,8 @@
 # carried wheels (.wheels/), builds the cffi extension, runs tests/gpu and the GPU
 # benchmark.  Results go to $OUT (or ./results).
 set -uo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=scripts/lib.sh
+. "$(dirname "$0")/lib.sh"
 OUT=${OUT:-$ROOT/results}
 mkdir -p "$OUT"
 cd "$ROOT"

@@ -3,7 +3,8 @@
 # linux-image-6.12.*+deb12-amd64 next to its 6.1).  Installs its image and headers
 # (as root, once) and prints its version.  make test-vm-6.12 boots it.
 set -euo pipefail
-die() { echo "kernel-6.12: $*" >&2; exit 1; }
+# shellcheck source=scripts/lib.sh
+. "$(dirname "$0")/lib.sh"
 installed() {
 	local h v
 	for h in $(ls -d /usr/src/linux-headers-6.12.*-amd64 2>/dev/null | sort -rV); do

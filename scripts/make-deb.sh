@@ -8,7 +8,8 @@
 #                    and with NVIDIA's kernel module packages)
 # The Python package is the wheel of `make wheel`.
 set -euo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=scripts/lib.sh
+. "$(dirname "$0")/lib.sh"
 OUT=${OUT:-$ROOT/dist}
 VER=$(sed -n 's/^PACKAGE_VERSION="\(.*\)"/\1/p' "$ROOT/dkms.conf")
 grep -q "^version = \"$VER\"" "$ROOT/pyproject.toml" ||
@@ -23,9 +24,8 @@ pkg() {
 	local r="$WORK/$name" src
 	src="$r/usr/src/$dname-$VER"
 	mkdir -p "$src" "$r/DEBIAN" "$r/usr/lib/udev/rules.d" "$r/etc/modprobe.d" "$r/usr/share/doc/$name"
-	(cd "$ROOT" && git ls-files -co --exclude-standard Kbuild kernel include tests/kmod scripts/dkms-build.sh |
-		grep -v '\.o$' | { if [ "$sim" = 1 ]; then cat; else grep -v '^kernel/sim/'; fi } |
-		while read -r f; do install -D -m "$([ -x "$f" ] && echo 755 || echo 644)" "$f" "$src/$f"; done)
+	copy_module_sources "$src" scripts/dkms-build.sh kernel/sim/FIDELITY.md
+	[ "$sim" = 1 ] || rm -r "$src/kernel/sim"
 	install -m 644 "$conf" "$src/dkms.conf"
 	install -m 644 "$ROOT/packaging/99-gpupin.rules" "$r/usr/lib/udev/rules.d/99-gpupin.rules"
 	install -m 644 "$ROOT/packaging/gpupin.modprobe.conf" "$r/etc/modprobe.d/gpupin.conf"

@@ -2,7 +2,8 @@
 # Install what gpupin's build and tests need on Debian 12 (as root), and the
 # Python virtualenv.  Idempotent: does nothing that is already done.
 set -euo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=scripts/lib.sh
+. "$(dirname "$0")/lib.sh"
 VENV=${VENV:-$ROOT/.venv}
 
 PKGS=(build-essential python3 python3-venv python3-dev libkmod-dev libffi-dev kmod

@@ -9,11 +9,11 @@
 #     and srcversion) and a smoke suite runs against them;
 #  5. the package is purged and DKMS's modules are gone again.
 set -euo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=scripts/lib.sh
+. "$(dirname "$0")/lib.sh"
 VM_KVER=${VM_KVER:-$("$ROOT/scripts/vm-kver.sh")}
 LOG=$(mktemp -d)
 trap 'dpkg -P gpupin-sim-dkms gpupin-dkms >/dev/null 2>&1 || true; rm -rf "$LOG"' EXIT
-die() { echo "test-deb: $*" >&2; exit 1; }
 [ "$(id -u)" -eq 0 ] || die "needs root (dpkg -i)"
 command -v dkms >/dev/null || die "dkms is missing (make setup installs it)"
 

@@ -4,11 +4,11 @@
 # source tree: it must import its compiled cffi extensions from the venv,
 # find installed modules by name (modprobe/depmod), and run host-side code.
 set -euo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=scripts/lib.sh
+. "$(dirname "$0")/lib.sh"
 PY=${PYTHON:-python3}
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
-die() { echo "test-wheel: $*" >&2; exit 1; }
 
 rm -f "$ROOT"/dist/gpupin-*.whl
 "$ROOT/.venv/bin/python" -m pip wheel -q --no-deps -w "$ROOT/dist" "$ROOT" >"$TMP/build.txt" 2>&1 ||

@@ -4,7 +4,8 @@
 MODE=$1
 RESULTS=$2
 shift 2
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=scripts/lib.sh
+. "$(dirname "$0")/lib.sh"
 VENV=${VENV:-$ROOT/.venv}
 # PYTHONUNBUFFERED: pytest's progress reaches results/pytest.txt as it happens (long runs).
 export PATH="$VENV/bin:$PATH" GPUPIN_KO_DIR="$ROOT" GPUPIN_REQUIRE_VM=1 PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1

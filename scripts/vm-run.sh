@@ -5,7 +5,8 @@
 # Oops, list or refcount corruption, or taint beyond O|E.
 set -euo pipefail
 MODE=${1:-test}
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=scripts/lib.sh
+. "$(dirname "$0")/lib.sh"
 VENV=${VENV:-$ROOT/.venv}
 RESULTS=${RESULTS:-$ROOT/results}
 VM_KVER=${VM_KVER:-$("$ROOT/scripts/vm-kver.sh")}
@@ -21,8 +22,7 @@ make -s -C "$ROOT" modules KDIR="$VM_KDIR" >/dev/null
 # A variant with unicast events (the path for kernels without GENL_MCAST_CAP_NET_ADMIN).
 UC="$ROOT/build/unicast"
 rm -rf "$UC"
-mkdir -p "$UC"
-(cd "$ROOT" && cp Kbuild "$UC/" && find kernel include tests/kmod -name '*.[ch]' -exec cp --parents {} "$UC/" \;)
+copy_module_sources "$UC"
 make -s -C "$VM_KDIR" M="$UC" GPUPIN_NL_EVENTS=unicast NVIDIA_SRC=none modules >/dev/null
 
 # vgem (a second dma-buf exporter for the tests): from a kernel tree's build when booting one,

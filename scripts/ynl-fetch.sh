@@ -6,26 +6,21 @@
 # and cached under $GPUPIN_CACHE/ynl.  Prints the directory holding
 # tools/net/ynl.  Used by the VM suite's tests/vm/test_ynl.py.
 set -euo pipefail
+# shellcheck source=scripts/lib.sh
+. "$(dirname "$0")/lib.sh"
 CACHE=${GPUPIN_CACHE:-/var/cache/gpupin}/ynl
 SUITE=${YNL_SUITE:-trixie}
 PKG=${YNL_PACKAGE:-linux-source-6.12}
-die() { echo "ynl-fetch: $*" >&2; exit 1; }
 
 tree="$CACHE/${PKG}"
 if [ -e "$tree/.unpacked" ]; then
 	echo "$tree"
 	exit 0
 fi
-for tool in apt-get dpkg-deb tar xz; do
-	command -v "$tool" >/dev/null || die "'$tool' is missing (run 'make setup')"
-done
-APT="$CACHE/apt"
-mkdir -p "$APT/lists/partial" "$APT/archives/partial" "$CACHE/dl"
-echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian $SUITE main" \
-	>"$APT/sources.list"
-APTO=(-o "Dir::Etc::SourceList=$APT/sources.list" -o Dir::Etc::SourceParts=/dev/null
-	-o "Dir::State::Lists=$APT/lists" -o "Dir::Cache=$APT" -o Debug::NoLocking=1
-	-o APT::Sandbox::User=root -qq)
+need apt-get dpkg-deb tar xz
+mkdir -p "$CACHE/dl"
+private_apt "$CACHE/apt" \
+	"deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian $SUITE main"
 apt-get "${APTO[@]}" update || die "apt-get update of the private $SUITE source list failed"
 echo "ynl-fetch: downloading $PKG from $SUITE (about 150 MB, once)" >&2
 rm -f "$CACHE/dl/${PKG}"_*.deb

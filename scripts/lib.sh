@@ -1,0 +1,76 @@
+# SPDX-License-Identifier: (GPL-2.0 OR MIT)
+# Sourced by the shell scripts of this tree (not run): what more than one of
+# them needs, written once.  Sets ROOT (the tree's top) and PROG (the script's
+# name, the prefix of its messages); defines die, need, copy_module_sources,
+# private_apt and cached_chroot.  It sets no shell options: each script keeps
+# its own.  packaging/dkms-build.sh does not source it (it runs on users' hosts
+# from the DKMS source dir, where only the module sources are installed).
+# shellcheck shell=bash
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PROG=$(basename "$0" .sh)
+
+# die MESSAGE...: say it on stderr, prefixed with the script's name, and exit 1.
+die() {
+	echo "$PROG: $*" >&2
+	exit 1
+}
+
+# need TOOL...: die naming the first TOOL that is not on PATH.
+need() {
+	local tool
+	for tool in "$@"; do
+		command -v "$tool" >/dev/null || die "'$tool' is missing (run 'make setup')"
+	done
+}
+
+# copy_module_sources DEST [FILE...]: what Kbuild builds from (Kbuild and the
+# *.c/*.h files under kernel/, include/ and tests/kmod/), and each FILE (paths
+# relative to ROOT), into DEST with their paths relative to ROOT kept.  The
+# copy is a separate kbuild M= dir (another configuration, another kernel, a
+# chroot, a package) that leaves the tree's own build alone.
+copy_module_sources() {
+	local dest=$1
+	shift
+	mkdir -p "$dest"
+	(cd "$ROOT" && { find kernel include tests/kmod -name '*.[ch]' -print0 && printf '%s\0' Kbuild "$@"; } |
+		tar --null -T - -cf -) | tar -C "$dest" -xf -
+}
+
+# private_apt DIR SOURCES-LINE...: an apt configuration of its own in DIR (the
+# sources list, lists and package cache), leaving the machine's apt setup
+# alone; sets the array APTO, the options to pass apt-get and apt-cache.
+private_apt() {
+	local dir=$1
+	shift
+	mkdir -p "$dir/lists/partial" "$dir/archives/partial"
+	printf '%s\n' "$@" >"$dir/sources.list"
+	# shellcheck disable=SC2034 # the caller's
+	APTO=(-o "Dir::Etc::SourceList=$dir/sources.list" -o Dir::Etc::SourceParts=/dev/null
+		-o "Dir::State::Lists=$dir/lists" -o "Dir::Cache=$dir" -o Debug::NoLocking=1
+		-o APT::Sandbox::User=root -qq)
+}
+
+# cached_chroot DIR TARBALL SUITE MIRROR LOG [COMMAND...]: fill the empty DIR
+# with a minimal Debian SUITE (debootstrap --variant=minbase): unpacked from
+# TARBALL when that is less than a week old, else debootstrapped from MIRROR
+# (its output in LOG), COMMAND run (to add packages; it says its own errors),
+# and TARBALL written again.  Needs root.
+cached_chroot() {
+	local dir=$1 tarball=$2 suite=$3 mirror=$4 log=$5
+	shift 5
+	if [ -s "$tarball" ] && [ -z "$(find "$tarball" -mtime +7)" ]; then
+		tar -C "$dir" -xf "$tarball"
+		return
+	fi
+	command -v debootstrap >/dev/null || {
+		echo "$PROG: installing debootstrap"
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap >/dev/null
+	}
+	mkdir -p "$(dirname "$tarball")"
+	echo "$PROG: debootstrap --variant=minbase $suite (once a week)"
+	debootstrap --variant=minbase --keyring=/usr/share/keyrings/debian-archive-keyring.gpg \
+		"$suite" "$dir" "$mirror" >"$log" 2>&1 || { tail -n 20 "$log" >&2; die "debootstrap failed ($log)"; }
+	[ $# -eq 0 ] || "$@"
+	tar -C "$dir" -cf "$tarball.new" . && mv "$tarball.new" "$tarball"
+}
