@@ -54,13 +54,13 @@ check: setup check-kernel check-py
 
 check-kernel: setup
 	$(MAKE) modules KDIR=$(KDIR) >/dev/null
-	scripts/check-kernel.sh "$(KDIR)"
+	scripts/ci/check-kernel.sh "$(KDIR)"
 
 check-py: pyext
 	$(VENV)/bin/ruff check pyctl tests scripts
 	$(VENV)/bin/ruff format --check pyctl tests scripts
 	$(VENV)/bin/mypy pyctl/gpupin
-	scripts/check-c.sh
+	scripts/ci/check-c.sh
 
 test-host: pyext
 	$(VENV)/bin/pytest -q tests/host
@@ -69,11 +69,11 @@ test-vm: setup pyext
 	scripts/vm-run.sh test
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests/pty
 
-# The second kernel of the matrix: Debian 12's 6.12 (installed by scripts/kernel-6.12.sh):
+# The second kernel of the matrix: Debian 12's 6.12 (installed by scripts/ci/kernel-6.12.sh):
 # the modules built W=1 against its headers, the whole VM suite booting it.
 test-vm-6.12: setup pyext
-	kver=$$(scripts/kernel-6.12.sh) && \
-		scripts/check-kernel.sh /usr/src/linux-headers-$$kver && \
+	kver=$$(scripts/ci/kernel-6.12.sh) && \
+		scripts/ci/check-kernel.sh /usr/src/linux-headers-$$kver && \
 		VM_KVER=$$kver RESULTS=$(CURDIR)/results/6.12 scripts/vm-run.sh test
 
 test-gpu: pyext
@@ -108,7 +108,7 @@ demo: setup pyext
 # downloaded through a private apt configuration, built once and cached in /var/cache/gpupin)
 # and check its nvidia_p2p_* CRCs against the driver's Module.symvers.
 check-nvidia: setup
-	scripts/check-nvidia.sh "$(KDIR)"
+	scripts/ci/check-nvidia.sh "$(KDIR)"
 
 # Debian packages (gpupin-dkms, gpupin-sim-dkms) in dist/; see scripts/make-deb.sh.
 deb:
@@ -121,27 +121,27 @@ wheel: setup
 # Install the .deb, let DKMS build for the VM's kernel, modprobe there, run a smoke suite,
 # purge; then the wheel in a clean venv, used from outside the source tree.
 test-deb: setup
-	scripts/test-deb.sh
-	scripts/test-wheel.sh
+	scripts/ci/test-deb.sh
+	scripts/ci/test-wheel.sh
 
 # A fresh Debian 12 (debootstrap minbase chroot): setup.sh installs everything, --verify finds
 # every tool, the modules build.  GPUPIN_FRESH_DEMO=1 also runs 'make demo' there.
 check-fresh:
-	scripts/check-fresh.sh
+	scripts/ci/check-fresh.sh
 
 test: check check-nvidia check-newest test-host test-vm test-vm-6.12 test-deb check-fresh
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		$(MAKE) test-gpu; else echo "test-gpu: skipped, no NVIDIA driver on this host"; fi
-	@scripts/coverage.sh --summary
+	@scripts/ci/coverage.sh --summary
 
 # W=1 -Werror against unstable's newest linux-headers-amd64, in a cached Debian unstable chroot.
 check-newest:
-	scripts/check-newest.sh
+	scripts/ci/check-newest.sh
 
 # Kernel (gcov kernel built once, ~13 min, cached) and Python line/branch coverage of the
 # host and VM suites: results/coverage/. Not part of 'make test' (it prints the last summary).
 coverage: setup pyext
-	scripts/coverage.sh
+	scripts/ci/coverage.sh
 
 install: modules
 	$(KMAKE) modules_install

@@ -21,7 +21,7 @@ if [ "${GPUPIN_KMEMLEAK:-}" = 1 ]; then
 	echo clear > "$KML"
 fi
 # make coverage sets COVERAGE_PROCESS_START: every Python started here runs under coverage.py
-# (the venv's gpupin-coverage.pth, written by scripts/coverage.sh).
+# (the venv's gpupin-coverage.pth, written by scripts/ci/coverage.sh).
 case "$MODE" in
 test)
 	python -m pytest -q -rP -p no:cacheprovider -o junit_family=xunit2 --timeout="${GPUPIN_TEST_TIMEOUT:-600}" \

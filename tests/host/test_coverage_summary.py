@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SUMMARY = ROOT / "scripts" / "coverage-summary.py"
+SUMMARY = ROOT / "scripts" / "ci" / "coverage-summary.py"
 
 
 def reports(out: Path, *, ko_lines: int, ko_branches: int, sim_lines: int, py_lines: int) -> None:
@@ -77,7 +77,7 @@ def test_a_missing_report_misses_its_goals(tmp_path: Path) -> None:
 def summary_mode(out: Path) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, COVERAGE_OUT=str(out))
     return subprocess.run(
-        ["bash", str(ROOT / "scripts" / "coverage.sh"), "--summary"],
+        ["bash", str(ROOT / "scripts" / "ci" / "coverage.sh"), "--summary"],
         env=env,
         capture_output=True,
         text=True,

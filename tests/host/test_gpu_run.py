@@ -1,4 +1,4 @@
-"""scripts/gpu-run.sh exits with the first failing step's status, every step through tee.
+"""scripts/gpu/gpu-run.sh exits with the first failing step's status, every step through tee.
 
 The script runs in a copy of its tree with ``python3`` and ``nvidia-smi`` stubbed on PATH: the
 stub fails (status 3) when its arguments contain $FAIL_ON, and succeeds otherwise.
@@ -25,9 +25,10 @@ exit 0
 
 def run_gpu_run(tmp_path: Path, fail_on: str) -> tuple[int, str, list[str]]:
     tree = tmp_path / "tree"
-    (tree / "scripts").mkdir(parents=True)
+    (tree / "scripts" / "gpu").mkdir(parents=True)
     (tree / "pyctl").mkdir()
-    shutil.copy(ROOT / "scripts" / "gpu-run.sh", tree / "scripts" / "gpu-run.sh")
+    shutil.copy(ROOT / "scripts" / "lib.sh", tree / "scripts" / "lib.sh")
+    shutil.copy(ROOT / "scripts" / "gpu" / "gpu-run.sh", tree / "scripts" / "gpu" / "gpu-run.sh")
     bindir = tmp_path / "bin"
     bindir.mkdir()
     for name in ("python3", "nvidia-smi"):
@@ -44,7 +45,7 @@ def run_gpu_run(tmp_path: Path, fail_on: str) -> tuple[int, str, list[str]]:
         GPUPIN_GPU_BENCH="all",
     )
     r = subprocess.run(
-        ["bash", str(tree / "scripts" / "gpu-run.sh")], env=env, capture_output=True, text=True, timeout=60
+        ["bash", str(tree / "scripts" / "gpu" / "gpu-run.sh")], env=env, capture_output=True, text=True, timeout=60
     )
     return r.returncode, r.stdout + r.stderr, calls.read_text().splitlines()
 

@@ -8,7 +8,7 @@
 # Usage: check-newest.sh   (root; ~6 min the first time, ~1 min cached)
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
-. "$(dirname "$0")/lib.sh"
+. "$(dirname "$0")/../lib.sh"
 CACHE=${GPUPIN_CACHE:-/var/cache/gpupin}
 BASE=$CACHE/newest-sid.tar
 SUITE=${GPUPIN_NEWEST_SUITE:-sid}

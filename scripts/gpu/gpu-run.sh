@@ -4,7 +4,7 @@
 # benchmark.  Results go to $OUT (or ./results).
 set -uo pipefail
 # shellcheck source=scripts/lib.sh
-. "$(dirname "$0")/lib.sh"
+. "$(dirname "$0")/../lib.sh"
 OUT=${OUT:-$ROOT/results}
 mkdir -p "$OUT"
 cd "$ROOT"
@@ -53,7 +53,7 @@ step "$OUT/gpu.txt" nvidia-smi --query-gpu=name,driver_version,memory.total --fo
 step -a "$OUT/gpu.txt" python3 -c "import cuda.bindings, sys; print('cuda-bindings', cuda.bindings.__version__, 'python', sys.version.split()[0])"
 # GPUPIN_COVERAGE=1: the suite under coverage.py (needs a coverage wheel in .wheels); the data
 # goes to $OUT/coverage-gpu/, which 'make coverage' combines when it is copied to
-# results/coverage-gpu/ with the commit it measured (scripts/coverage.sh says how).
+# results/coverage-gpu/ with the commit it measured (scripts/ci/coverage.sh says how).
 runner=(python3)
 if [ "${GPUPIN_COVERAGE:-0}" = 1 ]; then
 	python3 -m pip install -q --no-index --find-links .wheels --target /tmp/gpupin-deps coverage \

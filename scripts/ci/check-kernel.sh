@@ -4,7 +4,7 @@
 set -uo pipefail
 KDIR=$1
 # shellcheck source=scripts/lib.sh
-. "$(dirname "$0")/lib.sh"
+. "$(dirname "$0")/../lib.sh"
 CP="$ROOT/.cache/checkpatch/checkpatch.pl"
 LOG=$(mktemp -d)
 fail=0

@@ -10,7 +10,7 @@
 #  5. the package is purged and DKMS's modules are gone again.
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
-. "$(dirname "$0")/lib.sh"
+. "$(dirname "$0")/../lib.sh"
 VM_KVER=${VM_KVER:-$("$ROOT/scripts/vm-kver.sh")}
 LOG=$(mktemp -d)
 trap 'dpkg -P gpupin-sim-dkms gpupin-dkms >/dev/null 2>&1 || true; rm -rf "$LOG"' EXIT

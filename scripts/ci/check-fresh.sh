@@ -8,7 +8,7 @@
 # Usage: check-fresh.sh   (root; ~5 min, the base system cached)
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
-. "$(dirname "$0")/lib.sh"
+. "$(dirname "$0")/../lib.sh"
 CACHE=${GPUPIN_CACHE:-/var/cache/gpupin}/fresh
 BASE=$CACHE/bookworm-minbase.tar
 [ "$(id -u)" -eq 0 ] || die "needs root (debootstrap, chroot)"

@@ -20,7 +20,7 @@ shift
 SUITES=("$@")
 [ ${#SUITES[@]} -gt 0 ] || SUITES=(bookworm trixie)
 # shellcheck source=scripts/lib.sh
-. "$(dirname "$0")/lib.sh"
+. "$(dirname "$0")/../lib.sh"
 CACHE=${GPUPIN_CACHE:-/var/cache/gpupin}/nvidia
 KDIR=${KDIR%/}
 KVER=$(basename "${KDIR%/build}")

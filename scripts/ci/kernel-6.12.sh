@@ -4,7 +4,7 @@
 # (as root, once) and prints its version.  make test-vm-6.12 boots it.
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
-. "$(dirname "$0")/lib.sh"
+. "$(dirname "$0")/../lib.sh"
 installed() {
 	local h v
 	for h in $(ls -d /usr/src/linux-headers-6.12.*-amd64 2>/dev/null | sort -rV); do

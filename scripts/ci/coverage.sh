@@ -12,7 +12,7 @@
 # than HEAD (make test does; it measures nothing, so neither staleness nor goals fail it).
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
-. "$(dirname "$0")/lib.sh"
+. "$(dirname "$0")/../lib.sh"
 VENV=${VENV:-$ROOT/.venv}
 OUT=${COVERAGE_OUT:-$ROOT/results/coverage}
 head=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)
@@ -80,7 +80,7 @@ done
 
 # Python started by a test with its own environment writes .coverage.* into the tree.
 # The GPU suite runs on a lent GPU host, not here: its data is combined when a run of
-# 'GPUPIN_COVERAGE=1 scripts/gpu-run.sh' was copied to results/coverage-gpu/ (with a file
+# 'GPUPIN_COVERAGE=1 scripts/gpu/gpu-run.sh' was copied to results/coverage-gpu/ (with a file
 # 'commit' naming what it measured) and pyctl/ has not changed since.
 gpu=()
 GPU_COV=$ROOT/results/coverage-gpu
@@ -102,7 +102,7 @@ cd "$ROOT"
 "$VENV/bin/coverage" report --data-file="$OUT/.coverage" >"$OUT/python-report.txt" || rc=1
 
 goals=0
-"$VENV/bin/python" "$ROOT/scripts/coverage-summary.py" "$OUT" "$head" "$(( $(date +%s) - start ))" \
+"$VENV/bin/python" "$ROOT/scripts/ci/coverage-summary.py" "$OUT" "$head" "$(( $(date +%s) - start ))" \
 	>"$OUT/summary.txt" || goals=$?
 cat "$OUT/summary.txt"
 if [ "$goals" -ne 0 ]; then

@@ -5,7 +5,7 @@
 # leaks, double frees, NULL dereferences, use of uninitialised values).
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
-. "$(dirname "$0")/lib.sh"
+. "$(dirname "$0")/../lib.sh"
 PY=${PY:-$ROOT/.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 pyinc=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')

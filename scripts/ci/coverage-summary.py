@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """One line per file and the totals against issue 17's goals, from the reports of
-scripts/coverage.sh (gcovr's JSON summary and coverage.py's JSON).
+scripts/ci/coverage.sh (gcovr's JSON summary and coverage.py's JSON).
 
 usage: coverage-summary.py OUT COMMIT SECONDS
 
