@@ -36,7 +36,7 @@ help:
 modules:
 	@test -n "$(KDIR)" || { echo "no kernel headers: run 'make setup' (or set KDIR=)"; exit 1; }
 	@if [ -z "$(NVIDIA_SRC)" ] && ls /usr/src/nvidia-*/nvidia/nv-p2p.h >/dev/null 2>&1; then \
-		scripts/dkms-build.sh "$(KDIR_KVER)" "$(KDIR)"; \
+		packaging/dkms-build.sh "$(KDIR_KVER)" "$(KDIR)"; \
 	else $(KMAKE) modules; fi
 
 clean:
@@ -110,9 +110,9 @@ demo: setup pyext
 check-nvidia: setup
 	scripts/ci/check-nvidia.sh "$(KDIR)"
 
-# Debian packages (gpupin-dkms, gpupin-sim-dkms) in dist/; see scripts/make-deb.sh.
+# Debian packages (gpupin-dkms, gpupin-sim-dkms) in dist/; see packaging/make-deb.sh.
 deb:
-	scripts/make-deb.sh
+	packaging/make-deb.sh
 
 # The Python package as a wheel in dist/ (the cffi extensions compiled in).
 wheel: setup

@@ -10,7 +10,7 @@
 #  2. unpacks it and builds nvidia.ko for KDIR's kernel (cached by driver and
 #     kernel version; 4-5 min on 2 cores the first time),
 #  3. builds gpupin.ko against it with W=1 (no warnings allowed) the way DKMS
-#     does on a user's host (scripts/dkms-build.sh: Debian's layout has no
+#     does on a user's host (packaging/dkms-build.sh: Debian's layout has no
 #     Module.symvers, so the CRCs are read out of that nvidia.ko), and
 #  4. checks every nvidia_p2p_* CRC gpupin.ko imports against the driver's
 #     Module.symvers, and that modinfo says `depends: nvidia`.
@@ -110,12 +110,12 @@ for suite in "${SUITES[@]}"; do
 	# gpupin against it, in a private copy so the tree's simulator build stays.
 	b="$dir/gpupin"
 	rm -rf "$b" && mkdir -p "$b"
-	copy_module_sources "$b" scripts/dkms-build.sh
+	copy_module_sources "$b" packaging/dkms-build.sh
 	# As DKMS builds it on a user's host: Debian's layout (the header, no
 	# Module.symvers), CRCs read out of the nvidia.ko built above.
 	rm -f "$src/Module.symvers"
 	if ! KBUILD_EXTRA_WARN=1 NVIDIA_SRC="$src" NVIDIA_KO="$out/nvidia.ko" \
-		"$b/scripts/dkms-build.sh" "$KVER" "$KDIR" >"$dir/gpupin-build.log" 2>&1; then
+		"$b/packaging/dkms-build.sh" "$KVER" "$KDIR" >"$dir/gpupin-build.log" 2>&1; then
 		tail -n 20 "$dir/gpupin-build.log"
 		fail=1
 		summary+=("$suite $ver: gpupin.ko does not build")
@@ -152,12 +152,12 @@ for suite in "${SUITES[@]}"; do
 	# is a clear failure, and only with GPUPIN_ALLOW_UNVERSIONED=1 the last
 	# resort, unversioned imports said loudly, with a softdep so modprobe
 	# still loads nvidia first.
-	if NVIDIA_SRC="$src" NVIDIA_KO=none "$b/scripts/dkms-build.sh" "$KVER" "$KDIR" >"$dir/gpupin-unversioned.log" 2>&1 ||
+	if NVIDIA_SRC="$src" NVIDIA_KO=none "$b/packaging/dkms-build.sh" "$KVER" "$KDIR" >"$dir/gpupin-unversioned.log" 2>&1 ||
 		! grep -q "CRCs are unknown" "$dir/gpupin-unversioned.log"; then
 		echo "check-nvidia: dkms-build.sh built without CRCs unasked ($dir/gpupin-unversioned.log)" >&2
 		bad=1
 	fi
-	if ! GPUPIN_ALLOW_UNVERSIONED=1 NVIDIA_SRC="$src" NVIDIA_KO=none "$b/scripts/dkms-build.sh" "$KVER" "$KDIR" \
+	if ! GPUPIN_ALLOW_UNVERSIONED=1 NVIDIA_SRC="$src" NVIDIA_KO=none "$b/packaging/dkms-build.sh" "$KVER" "$KDIR" \
 		>"$dir/gpupin-unversioned.log" 2>&1 ||
 		! grep -q "WARNING: unversioned nvidia_p2p_" "$dir/gpupin-unversioned.log" ||
 		[ "$(modinfo -F softdep "$b/gpupin.ko")" != "pre: nvidia" ]; then

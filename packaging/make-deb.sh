@@ -9,9 +9,9 @@
 # The Python package is the wheel of `make wheel`.
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
-. "$(dirname "$0")/lib.sh"
+. "$(dirname "$0")/../scripts/lib.sh"
 OUT=${OUT:-$ROOT/dist}
-VER=$(sed -n 's/^PACKAGE_VERSION="\(.*\)"/\1/p' "$ROOT/dkms.conf")
+VER=$(sed -n 's/^PACKAGE_VERSION="\(.*\)"/\1/p' "$ROOT/packaging/gpupin.dkms.conf")
 grep -q "^version = \"$VER\"" "$ROOT/pyproject.toml" ||
 	{ echo "make-deb: dkms.conf says $VER but pyproject.toml differs" >&2; exit 1; }
 WORK=$(mktemp -d)
@@ -24,7 +24,7 @@ pkg() {
 	local r="$WORK/$name" src
 	src="$r/usr/src/$dname-$VER"
 	mkdir -p "$src" "$r/DEBIAN" "$r/usr/lib/udev/rules.d" "$r/etc/modprobe.d" "$r/usr/share/doc/$name"
-	copy_module_sources "$src" scripts/dkms-build.sh kernel/sim/FIDELITY.md
+	copy_module_sources "$src" packaging/dkms-build.sh kernel/sim/FIDELITY.md
 	[ "$sim" = 1 ] || rm -r "$src/kernel/sim"
 	install -m 644 "$conf" "$src/dkms.conf"
 	install -m 644 "$ROOT/packaging/99-gpupin.rules" "$r/usr/lib/udev/rules.d/99-gpupin.rules"
@@ -74,7 +74,7 @@ PRERM
 	echo "make-deb: $OUT/${name}_${VER}_all.deb"
 }
 
-pkg gpupin-dkms gpupin "$ROOT/dkms.conf" 0 \
+pkg gpupin-dkms gpupin "$ROOT/packaging/gpupin.dkms.conf" 0 \
 	"pin NVIDIA GPU memory for third-party devices (DKMS kernel module)" \
 	"gpupin-sim-dkms"
 pkg gpupin-sim-dkms gpupin-sim "$ROOT/packaging/gpupin-sim.dkms.conf" 1 \

@@ -1,7 +1,8 @@
 #!/bin/bash
 # SPDX-License-Identifier: (GPL-2.0 OR MIT)
 # Build gpupin.ko against the NVIDIA driver installed for one kernel: what
-# DKMS runs (dkms.conf), usable by hand.  Usage: dkms-build.sh KVER KDIR
+# DKMS runs (packaging/gpupin.dkms.conf, installed as dkms.conf), usable by
+# hand.  Usage: dkms-build.sh KVER KDIR
 #
 # gpupin must import nvidia_p2p_* with the CRCs of the nvidia.ko it will load
 # next to, and Kbuild needs them at modpost time.  In order of preference:
@@ -15,6 +16,9 @@
 # The header comes from NVIDIA_SRC (the dir holding nvidia/nv-p2p.h), by
 # default the /usr/src/nvidia-* tree of the installed driver's version.
 # The simulator is never built here: see packaging/ for gpupin-sim-dkms.
+# Standalone on purpose (no scripts/lib.sh): it ships in the gpupin-dkms
+# package and runs on users' hosts from /usr/src/gpupin-<version>/, where
+# only the module sources and this script are installed.
 set -euo pipefail
 KVER=${1:?usage: dkms-build.sh KVER KDIR}
 KDIR=${2:?usage: dkms-build.sh KVER KDIR}
