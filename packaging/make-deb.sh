@@ -11,9 +11,9 @@ set -euo pipefail
 # shellcheck source=scripts/lib.sh
 . "$(dirname "$0")/../scripts/lib.sh"
 OUT=${OUT:-$ROOT/dist}
-VER=$(sed -n 's/^PACKAGE_VERSION="\(.*\)"/\1/p' "$ROOT/packaging/gpupin.dkms.conf")
-grep -q "^version = \"$VER\"" "$ROOT/pyproject.toml" ||
-	{ echo "make-deb: dkms.conf says $VER but pyproject.toml differs" >&2; exit 1; }
+# The version is pyproject.toml's; the DKMS configurations repeat it (checked).
+"$ROOT/scripts/ci/check-version.sh" >/dev/null
+VER=$(project_version)
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 mkdir -p "$OUT"

@@ -2,9 +2,9 @@
 # Sourced by the shell scripts of this tree (not run): what more than one of
 # them needs, written once.  Sets ROOT (the tree's top) and PROG (the script's
 # name, the prefix of its messages); defines die, need, copy_module_sources,
-# private_apt and cached_chroot.  It sets no shell options: each script keeps
-# its own.  packaging/dkms-build.sh does not source it (it runs on users' hosts
-# from the DKMS source dir, where only the module sources are installed).
+# private_apt, cached_chroot and project_version.  It sets no shell options:
+# each script keeps its own.  packaging/dkms-build.sh does not source it (it
+# runs on users' hosts from the DKMS source dir, where lib.sh is not installed).
 # shellcheck shell=bash
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -73,4 +73,10 @@ cached_chroot() {
 		"$suite" "$dir" "$mirror" >"$log" 2>&1 || { tail -n 20 "$log" >&2; die "debootstrap failed ($log)"; }
 	[ $# -eq 0 ] || "$@"
 	tar -C "$dir" -cf "$tarball.new" . && mv "$tarball.new" "$tarball"
+}
+
+# project_version: the version of gpupin, from its one source, pyproject.toml
+# (scripts/ci/check-version.sh checks the files that repeat it).
+project_version() {
+	sed -n 's/^version = "\(.*\)"$/\1/p' "$ROOT/pyproject.toml"
 }

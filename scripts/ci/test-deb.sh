@@ -18,7 +18,7 @@ trap 'dpkg -P gpupin-sim-dkms gpupin-dkms >/dev/null 2>&1 || true; rm -rf "$LOG"
 command -v dkms >/dev/null || die "dkms is missing (make setup installs it)"
 
 "$ROOT/packaging/make-deb.sh"
-VER=$(sed -n 's/^PACKAGE_VERSION="\(.*\)"/\1/p' "$ROOT/packaging/gpupin.dkms.conf")
+VER=$(project_version)
 
 if ! ls /usr/src/nvidia-*/nvidia/nv-p2p.h >/dev/null 2>&1; then
 	dpkg -i "$ROOT/dist/gpupin-dkms_${VER}_all.deb" >"$LOG/dkms.txt" 2>&1 ||
