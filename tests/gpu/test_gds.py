@@ -216,17 +216,18 @@ def test_read_into_cached_and_unregistered_buffers(cuda, driver, tmp_path: Any) 
         os.unlink(path)
 
 
-def test_readme_example_runs(cuda, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
-    """The README's "For GPUDirect Storage users" example, as written."""
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
-    section = readme.split("## For GPUDirect Storage users", 1)[1]
+def test_doc_example_runs(cuda, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    """Documentation/gds-nixl.md's "For GPUDirect Storage users" example, as written."""
+    page = os.path.join(os.path.dirname(__file__), "..", "..", "Documentation", "gds-nixl.md")
+    doc = open(page).read()
+    section = doc.split("## For GPUDirect Storage users", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     cwd = os.getcwd()
     work = tempfile.mkdtemp(dir=cwd)  # on the work tree's file system (tmp_path may be tmpfs)
     os.chdir(work)
     try:
         try:
-            exec(compile(code, "README.md", "exec"), {})
+            exec(compile(code, "Documentation/gds-nixl.md", "exec"), {})
         except GdsError as exc:
             if "cuFileHandleRegister" in str(exc):
                 pytest.skip(f"cuFile refuses file registration here ({_udev_reason()}): {exc}")
