@@ -13,7 +13,7 @@ validity word (and, for CudaMemory, query the buffer id through the CUDA
 driver directly), take a reference.  Misses, eviction and invalidation run
 in Python under the cache's lock.
 
-Lifetimes (the README's "Lifetime rules" says the same for users):
+Lifetimes (Documentation/python.md's "Lifetime rules" says the same for users):
 
 - A token (what ``lookup``/``fast_lookup`` return) names one entry: the C core
   gives every entry a new generation, checked on every use, so a late or
