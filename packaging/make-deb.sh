@@ -31,6 +31,9 @@ pkg() {
 	install -m 644 "$ROOT/packaging/gpupin.modprobe.conf" "$r/etc/modprobe.d/gpupin.conf"
 	echo /etc/modprobe.d/gpupin.conf >"$r/DEBIAN/conffiles"
 	install -m 644 "$ROOT/README.md" "$r/usr/share/doc/$name/README.md"
+	# The README links into Documentation/: ship the pages it links to beside it.
+	mkdir -p "$r/usr/share/doc/$name/Documentation"
+	install -m 644 "$ROOT"/Documentation/*.md "$r/usr/share/doc/$name/Documentation/"
 	cat >"$r/DEBIAN/control" <<CTRL
 Package: $name
 Version: $VER
