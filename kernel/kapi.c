@@ -147,6 +147,12 @@ int gpupin_ref_info(struct gpupin_ref *ref, struct gpupin_ref_info *info)
 	info->entries = pin->entries;
 	BUILD_BUG_ON(sizeof(info->gpu_uuid) != 16);
 	gpupin_pin_uuid(pin, info->gpu_uuid);
+	BUILD_BUG_ON((GPUPIN_REF_PERSISTENT ^ GPUPIN_PIN_PERSISTENT) |
+		     (GPUPIN_REF_DMABUF ^ GPUPIN_PIN_DMABUF) |
+		     (GPUPIN_REF_REVOCABLE ^ GPUPIN_PIN_REVOCABLE));
+	/* Set when the pin is made, before anyone can take a reference. */
+	info->flags = pin->flags & (GPUPIN_REF_PERSISTENT | GPUPIN_REF_DMABUF |
+				    GPUPIN_REF_REVOCABLE);
 	gpupin_pin_unuse(pin);
 	return 0;
 }

@@ -59,6 +59,7 @@ struct gpupin_ref;
  * @page_size: bytes per page (64 KiB; the CPU page size for dma-buf pins)
  * @entries: number of pages
  * @gpu_uuid: the GPU the pages belong to
+ * @flags: GPUPIN_REF_*: what kind of pin it is
  */
 struct gpupin_ref_info {
 	u64 va;
@@ -67,7 +68,13 @@ struct gpupin_ref_info {
 	u32 page_size;
 	u32 entries;
 	u8 gpu_uuid[16];
+	u32 flags;
 };
+
+/* gpupin_ref_info.flags (the same bits as the pin's GPUPIN_PIN_* flags of the UAPI) */
+#define GPUPIN_REF_PERSISTENT 0x1	/* nv-p2p persistent: no free callback */
+#define GPUPIN_REF_DMABUF 0x2		/* imported dma-buf: page addresses are bus addresses */
+#define GPUPIN_REF_REVOCABLE 0x4	/* dma-buf whose exporter may move or revoke it */
 
 /**
  * gpupin_ref_get() - take a reference to a user's pin
