@@ -10,10 +10,12 @@
  * gdrcopy does.  Where such an address is RAM (the simulator's host pages,
  * a coherent GPU's memory) through the kernel's mapping of the page; where
  * it is not (a GPU's BAR1, the simulator's bar_device) through a
- * write-combined ioremap of that GPU page inside a PCI memory BAR, undone
- * before the access section ends.  With an IOMMU the bus addresses differ
- * from the physical ones; the copy does not care.  A dma-buf pin has only
- * bus addresses: the CPU uses them only where no IOMMU translates them.
+ * write-combined ioremap of that GPU page inside a prefetchable PCI memory
+ * BAR, undone before the access section ends.  With an IOMMU the bus
+ * addresses differ from the physical ones; the copy does not care.  A
+ * dma-buf pin (GPUPIN_REF_DMABUF) has only bus addresses: the CPU uses the
+ * peer's own, and only where they are physical (no IOMMU translation, DMA
+ * offset or bounce buffering).
  *
  * Loaded only by tests and the demo.  Holds (GPUPIN_PEER_IOC_HOLD) stand for
  * registered memory regions that a driver keeps between transfers.
@@ -28,14 +30,16 @@
 #include <linux/io.h>
 #include <linux/iommu.h>
 #include <linux/ioport.h>
+#include <linux/log2.h>
 #include <linux/mm.h>
 #include <linux/miscdevice.h>
 #include <linux/module.h>
 #include <linux/moduleparam.h>
 #include <linux/mutex.h>
 #include <linux/pci.h>
-#include <linux/sizes.h>
+#include <linux/sched/signal.h>
 #include <linux/slab.h>
+#include <linux/swiotlb.h>
 #include <linux/uaccess.h>
 #include <linux/workqueue.h>
 #include <linux/xarray.h>
@@ -43,7 +47,6 @@
 #include "../../include/uapi/gpupin_peer.h"
 
 #define PEER_MAX_HOLDS 1024
-#define PEER_GPU_PAGE SZ_64K	/* nv-p2p pins; dma-buf pins have CPU pages */
 
 static char *peer_pci;
 module_param_named(pci, peer_pci, charp, 0444);
@@ -99,12 +102,19 @@ static void peer_hold_notify(void *priv)
 	atomic_inc(&h->pf->notified);
 }
 
-/* Whether the peer's bus addresses are CPU physical addresses: no IOMMU translates them. */
+/*
+ * Whether the peer's bus addresses are CPU physical addresses: no IOMMU
+ * translates them, no DMA range map offsets them, and no bounce buffer
+ * stands in for the memory.
+ */
 static bool peer_bus_is_phys(void)
 {
-	struct iommu_domain *dom = iommu_get_domain_for_dev(&peer_pdev->dev);
+	struct device *dev = &peer_pdev->dev;
+	struct iommu_domain *dom = iommu_get_domain_for_dev(dev);
 
-	return !dom || dom->type == IOMMU_DOMAIN_IDENTITY;
+	if (dom && dom->type != IOMMU_DOMAIN_IDENTITY)
+		return false;
+	return !dev->dma_range_map && !is_swiotlb_force_bounce(dev);
 }
 
 /* Whether [@addr, @addr + @len) lies inside one memory BAR of a PCI device. */
@@ -181,7 +191,7 @@ static int peer_copy_bar(u64 page, u32 page_size, u32 off, void *bounce, u32 n, 
 static int peer_copy_page(struct gpupin_ref *ref, const struct gpupin_ref_info *info, u32 idx,
 			  u32 off, void *bounce, u32 n, struct peer_xfer_state *st, bool to_gpu)
 {
-	bool dmabuf = info->page_size != PEER_GPU_PAGE;
+	bool dmabuf = info->flags & GPUPIN_REF_DMABUF;
 	dma_addr_t bus = gpupin_ref_dma_addr(ref, idx);
 	u64 page = gpupin_ref_page_phys(ref, idx);
 	int ret;
@@ -192,16 +202,18 @@ static int peer_copy_page(struct gpupin_ref *ref, const struct gpupin_ref_info *
 	}
 	if (dmabuf) {
 		/*
-		 * A dma-buf pin's addresses are bus addresses (for the device the
-		 * user imported it for, else none: the peer's own), CPU pages the
-		 * CPU can reach through them only where no IOMMU translates.
+		 * A dma-buf pin has no CPU addresses, only bus addresses: the CPU
+		 * "engine" may use the peer's own mapping, and only where those
+		 * are physical.  The addresses of the device the user imported
+		 * the buffer for are never used: its IOMMU is not the peer's.
 		 */
-		if (!page)
-			page = bus;
 		if (!peer_bus_is_phys()) {
-			pr_warn_ratelimited("page %u: dma-buf bus address behind an IOMMU\n", idx);
+			pr_warn_ratelimited("page %u: dma-buf bus address is not physical\n", idx);
 			return -EOPNOTSUPP;
 		}
+		page = bus;
+	} else if (!page) {
+		return -EIO;
 	}
 	switch (region_intersects(page + off, n, IORESOURCE_SYSTEM_RAM, IORES_DESC_NONE)) {
 	case REGION_INTERSECTS:
