@@ -127,8 +127,12 @@ static bool peer_in_pci_bar(u64 addr, u32 len)
 		for (i = 0; i < PCI_STD_NUM_BARS; i++) {
 			struct resource *res = &pdev->resource[i];
 
-			if (resource_type(res) == IORESOURCE_MEM && res->start <= addr &&
-			    addr + len - 1 <= res->end) {
+			/* A GPU's BAR1 is prefetchable; register BARs are not WC-safe. */
+			if (resource_type(res) != IORESOURCE_MEM ||
+			    !(res->flags & IORESOURCE_PREFETCH) ||
+			    (res->flags & IORESOURCE_UNSET) || !res->start)
+				continue;
+			if (res->start <= addr && addr + len - 1 <= res->end) {
 				pci_dev_put(pdev);
 				return true;
 			}
