@@ -177,8 +177,14 @@ static int peer_copy_bar(u64 page, u32 page_size, u32 off, void *bounce, u32 n, 
 		return -ENOMEM;
 	if (to_gpu) {
 		memcpy_toio(io + off, bounce, n);
-		/* Drain the write-combining buffers before the access section ends. */
+		/*
+		 * Drain the write-combining buffers, then read back from the same
+		 * BAR: a read cannot pass the posted writes before it, so they have
+		 * reached the device before the access section ends (and the free
+		 * callback may unmap BAR1).
+		 */
 		wmb();
+		(void)ioread8(io + off + n - 1);
 	} else {
 		memcpy_fromio(bounce, io + off, n);
 	}
