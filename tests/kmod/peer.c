@@ -275,8 +275,12 @@ static int peer_transfer(struct gpupin_ref *ref, struct peer_xfer_state *st,
 	while (arg->done < arg->length) {
 		u32 off = pos & (info.page_size - 1);
 		u32 n = min_t(u64, arg->length - arg->done, info.page_size - off);
-		u32 idx = pos / info.page_size;
+		u32 idx = pos >> ilog2(info.page_size);
 
+		if (fatal_signal_pending(current)) {
+			ret = -EINTR;
+			break;
+		}
 		/* Never fault on user memory inside an access section. */
 		if (to_gpu && copy_from_user(bounce, ubuf + arg->done, n)) {
 			ret = -EFAULT;
