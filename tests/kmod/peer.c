@@ -366,6 +366,8 @@ static int peer_map(struct gpupin_ref *ref, bool race)
 	return ret ? ret : w.ret;
 }
 
+static void peer_hold_free(struct peer_hold *h);
+
 static long peer_ioctl_hold(struct peer_file *pf, struct gpupin_peer_hold __user *uarg)
 {
 	struct gpupin_peer_hold arg;
@@ -396,8 +398,17 @@ static long peer_ioctl_hold(struct peer_file *pf, struct gpupin_peer_hold __user
 	if (ret)
 		goto err_put;
 	arg.hold_id = id;
-	if (copy_to_user(uarg, &arg, sizeof(arg)))
-		return -EFAULT;	/* the hold stays until close */
+	if (copy_to_user(uarg, &arg, sizeof(arg))) {
+		struct peer_hold *gone;
+
+		/* A hold the caller cannot name: undo it (unless released already). */
+		mutex_lock(&pf->lock);
+		gone = xa_erase(&pf->holds, id);
+		mutex_unlock(&pf->lock);
+		if (gone == h)
+			peer_hold_free(h);
+		return -EFAULT;
+	}
 	return 0;
 
 err_put:
