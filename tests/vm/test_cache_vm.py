@@ -18,7 +18,7 @@ pytestmark = pytest.mark.vm
 
 
 @pytest.mark.simonly(reason="needs the simulator to hand the freed address out again (cuMemAlloc may not)")
-@pytest.mark.parametrize("validate", ["kernel", "tag", "both"])
+@pytest.mark.parametrize("validate", ["kernel", "buffer_id", "both"])
 def test_free_and_realloc_at_same_address_misses(device: Device, sim: SimMemory, validate: str) -> None:
     cache = RegistrationCache(device, sim, validate=validate)  # type: ignore[arg-type]
     va = sim.alloc(MiB)
@@ -256,7 +256,7 @@ def test_kernel_validation_follows_the_dmabuf_exporter(device: Device, memory: M
         cache.close()
         memory.free(va2)
     else:
-        with pytest.raises(gpupin.NotRevocable, match="validate='tag' or 'both'"):
+        with pytest.raises(gpupin.NotRevocable, match="validate='buffer_id' or 'both'"):
             cache.acquire(va, 10)
         assert device.info().file_pins == 0 and len(cache) == 0
         tagged = RegistrationCache(device, memory, validate="both", backend="dmabuf")

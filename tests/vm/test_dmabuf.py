@@ -353,7 +353,7 @@ def test_cache_refuses_kernel_validation_of_nvidia_buffers(device: Device, sim: 
     """NVIDIA's exporter never revokes: validate="kernel" cannot tell a freed buffer."""
     va = sim.alloc(MiB)
     with RegistrationCache(device, sim, backend="dmabuf", validate="kernel") as cache:
-        with pytest.raises(gpupin.NotRevocable, match="validate='tag'"):
+        with pytest.raises(gpupin.NotRevocable, match="validate='buffer_id'"):
             cache.acquire(va, 100)
         assert device.info().file_pins == 0
     sim.free(va)
