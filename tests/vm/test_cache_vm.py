@@ -34,7 +34,7 @@ def test_free_and_realloc_at_same_address_misses(device: Device, sim: SimMemory,
         assert r.handle != h1 and r.valid
     st = cache.stats()
     assert (st.hits, st.misses, st.pins, st.unpins) == (1, 2, 2, 1)
-    assert st.invalidations_kernel + st.invalidations_tag == 1
+    assert st.invalidations_kernel + st.invalidations_buffer_id == 1
     cache.purge()
     sim.free(va2)
     assert device.info().file_pins == 0
@@ -252,7 +252,7 @@ def test_kernel_validation_follows_the_dmabuf_exporter(device: Device, memory: M
         va2 = memory.alloc(2 * MiB)
         with cache.acquire(va2, 10) as r:
             assert r.handle != h1 and r.valid
-        assert cache.stats().invalidations_kernel + cache.stats().invalidations_tag == 1
+        assert cache.stats().invalidations_kernel + cache.stats().invalidations_buffer_id == 1
         cache.close()
         memory.free(va2)
     else:
