@@ -187,6 +187,7 @@ class CudaMemory(ProviderBase):
         The range is the allocation (the VMM chunk for VMM memory), rounded up to the host
         page size as the call requires; the caller closes the fd.
         """
+        self._current()
         r = self.range_of(ptr)
         page = os.sysconf("SC_PAGE_SIZE")
         size = -(-r.size // page) * page
@@ -245,16 +246,25 @@ class CudaMemory(ProviderBase):
             return False
         return bool(self._check(self._cu.cuDeviceGetAttribute(attr, self._dev), "cuDeviceGetAttribute"))
 
+    def _current(self) -> None:
+        """Make this GPU's context current on the calling thread: a context is current per
+        thread, and the calls below use whichever is (another GPU's, or none on a new thread)."""
+        self._check(self._cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+
     def alloc(self, size: int) -> int:
+        self._current()
         return int(self._check(self._cu.cuMemAlloc(size), f"cuMemAlloc({size})"))
 
     def free(self, ptr: int) -> None:
+        self._current()
         self._check(self._cu.cuMemFree(ptr), f"cuMemFree({ptr:#x})")
 
     def write(self, ptr: int, data: bytes) -> None:
+        self._current()
         self._check(self._cu.cuMemcpyHtoD(ptr, data, len(data)), "cuMemcpyHtoD")
 
     def read(self, ptr: int, size: int) -> bytes:
+        self._current()
         out = bytearray(size)
         self._check(self._cu.cuMemcpyDtoH(out, ptr, size), "cuMemcpyDtoH")
         return bytes(out)

@@ -311,3 +311,25 @@ def test_dmabuf_export_of_each_kind(cuda, cu) -> None:  # type: ignore[no-untype
     print(f"dma-buf export sizes (buffer, allocation): {sizes}")
     for kind, (buf, alloc) in sizes.items():
         assert buf >= alloc, f"{kind}: the dma-buf ({buf}) is smaller than the allocation ({alloc})"
+
+
+def test_calls_from_another_thread_use_this_gpus_context(cuda) -> None:  # type: ignore[no-untyped-def]
+    """A CUDA context is current per thread: a thread that never made one current (a cache's
+    worker, a pool's) still allocates, copies and frees on this CudaMemory's GPU."""
+    import threading
+
+    got: list[object] = []
+
+    def worker() -> None:
+        try:
+            a = cuda.alloc(2 * MiB)
+            cuda.write(a, b"thread" * 100)
+            got.append(cuda.read(a, 600))
+            cuda.free(a)
+        except Exception as exc:  # reported by the assertion below
+            got.append(exc)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join(60)
+    assert got == [b"thread" * 100], got
