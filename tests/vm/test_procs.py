@@ -1,4 +1,7 @@
-"""Processes: fork, fd passing, unprivileged callers, and death with pins held."""
+"""Processes: fork, fd passing, unprivileged callers, and death with pins held.
+
+A test whose children only call gpupin (refused there) runs over either provider; one whose
+children allocate or pin device memory is simulator-only: CUDA contexts do not survive fork."""
 
 from __future__ import annotations
 
@@ -17,19 +20,12 @@ from pathlib import Path
 import pytest
 
 import gpupin
-from conftest import GPU_PAGE, MiB, in_child
-from gpupin import Device, SimMemory, sim_stats
+from conftest import GPU_ALLOC, GPU_PAGE, MiB, in_child
+from gpupin import Device, MemoryProvider, SimMemory, sim_stats
 from gpupin.cache import RegistrationCache
 
-pytestmark = [
-    pytest.mark.vm,
-    pytest.mark.simonly(
-        reason=(
-            "forks children or passes files to processes that touch device memory (CUDA contexts do not survive "
-            "fork) and counts the simulator's pages after their death"
-        )
-    ),
-]
+pytestmark = pytest.mark.vm
+FORKS = pytest.mark.simonly(reason="forks a child that allocates device memory: CUDA contexts do not survive fork")
 NOBODY = 65534
 
 
@@ -43,8 +39,9 @@ def errno_of(fn: Callable[[], object]) -> int:
     return 0
 
 
-def test_forked_child_cannot_pin_or_unpin(device: Device, sim: SimMemory, pci: str) -> None:
-    va = sim.alloc(GPU_PAGE)
+def test_forked_child_cannot_pin_or_unpin(device: Device, memory: MemoryProvider, pci: str) -> None:
+    """The children only call gpupin, which refuses them before any provider call."""
+    va = memory.alloc(GPU_ALLOC)
     pin = device.pin(va, GPU_PAGE)
     assert in_child(lambda: errno_of(lambda: device.pin(va, GPU_PAGE))) == errno.EACCES
     assert in_child(lambda: errno_of(lambda: device.unpin(pin))) == errno.EACCES
@@ -53,12 +50,12 @@ def test_forked_child_cannot_pin_or_unpin(device: Device, sim: SimMemory, pci: s
     assert in_child(lambda: 0 if device.query(pin).state == "pinned" else 1) == 0
     assert device.query(pin).state == "pinned" and device.info().file_pins == 1
     device.unpin(pin)
-    sim.free(va)
+    memory.free(va)
 
 
-def test_forked_child_is_told_to_open_its_own_device(device: Device, sim: SimMemory) -> None:
+def test_forked_child_is_told_to_open_its_own_device(device: Device, memory: MemoryProvider) -> None:
     """The refused calls raise ForkedDevice naming the fork and the fix, never a bare OSError."""
-    va = sim.alloc(GPU_PAGE)
+    va = memory.alloc(GPU_ALLOC)
     pin = device.pin(va, GPU_PAGE)
     parent = os.getpid()
 
@@ -81,7 +78,7 @@ def test_forked_child_is_told_to_open_its_own_device(device: Device, sim: SimMem
     assert in_child(child) == 0
     assert device.query(pin).state == "pinned" and device.info().file_pins == 1
     device.unpin(pin)
-    sim.free(va)
+    memory.free(va)
 
 
 class PerProcessSim:
@@ -142,6 +139,7 @@ def _pool_worker(i: int) -> tuple[int, int, int, bool, int, int]:
     return os.getpid(), handle, mine.info().file_pins, mine is DEV, CACHE.stats().hits, DEV.info().file_pins
 
 
+@FORKS
 def test_pool_worker_with_a_module_level_cache(gpupin_loaded: None, leakcheck: None) -> None:
     """Issue 26: a fork-based Pool worker using the parent's cache pins in a file of its own."""
     global MEM, DEV, CACHE
@@ -169,6 +167,7 @@ def test_pool_worker_with_a_module_level_cache(gpupin_loaded: None, leakcheck: N
         MEM = DEV = CACHE = None
 
 
+@FORKS
 def test_cache_in_a_forked_child_with_the_parents_device(gpupin_loaded: None, leakcheck: None) -> None:
     """Straight os.fork: the child's cache reopens /dev/gpupin, pins, and closing it there leaves
     the parent's pins alone."""
@@ -199,6 +198,7 @@ def test_cache_in_a_forked_child_with_the_parents_device(gpupin_loaded: None, le
     mem.close()
 
 
+@FORKS
 def test_fd_passed_over_socket_is_refused(gpupin_loaded: None, leakcheck: None) -> None:
     parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
 
@@ -234,6 +234,9 @@ def ffi_pin(fd: int, va: int) -> int:
     return int(lib.gpupin_call(fd, lib.GPUPIN_IOC_PIN, c))
 
 
+@pytest.mark.simonly(
+    reason="opens the simulator's node to nobody, exports a dma-buf from it, and a forked child allocates there"
+)
 def test_unprivileged_opener_cannot_read_addresses(gpupin_loaded: None, leakcheck: None) -> None:
     """Privilege is the opener's: a file that nobody opened reads no addresses, maps nothing
     (nor imports a dma-buf for a device, which maps it for that device)."""
@@ -287,6 +290,7 @@ HOLDER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.simonly(reason="the holder allocates from the simulator; its counters after the death are the point")
 @pytest.mark.parametrize("how", ["kill9", "exit"])
 def test_process_death_with_1000_pins(gpupin_loaded: None, leakcheck: None, how: str) -> None:
     proc = subprocess.Popen([sys.executable, "-c", HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -312,6 +316,7 @@ def test_udev_rule_gives_the_group_access() -> None:
     assert 'GROUP="gpupin"' in line and 'MODE="0660"' in line
 
 
+@FORKS
 def test_group_member_may_pin_but_not_map_or_see_addresses(
     gpupin_loaded: None, leakcheck: None, sim_params, pci: str
 ) -> None:  # type: ignore[no-untyped-def]
