@@ -1,6 +1,9 @@
 """gpupin against what NVIDIA's driver really does (issue 26): its static dma-buf exporter,
 DMA mappings that a free cannot race, put_pages only while the pin is ours, and an unload
-that waits for a free callback still leaving gpupin's code."""
+that waits for a free callback still leaving gpupin's code.
+
+Mostly the simulator playing NVIDIA's driver (its exporter, knobs and counters): simulator-only.
+The checks that need none of that run over either provider too."""
 
 from __future__ import annotations
 
@@ -12,26 +15,20 @@ import time
 import pytest
 
 import gpupin
-from conftest import GPU_PAGE, MiB, first_pci_device
-from gpupin import Device, SimMemory, kmod, sim_stats
+from conftest import GPU_ALLOC, GPU_PAGE, MiB, first_pci_device
+from gpupin import Device, MemoryProvider, SimMemory, kmod, sim_stats
 from gpupin.peer import Peer
 from gpupin.testing import ensure_loaded
 
-pytestmark = [
-    pytest.mark.vm,
-    pytest.mark.simonly(
-        reason=(
-            "models NVIDIA's driver through simulator knobs (bar_device, reuse_freed_tables, fail_put_nth, "
-            "latencies) and its counters"
-        )
-    ),
-]
+pytestmark = pytest.mark.vm
+EXPORTER = pytest.mark.simonly(reason="pins dma-bufs of the simulator's exporter and counts its attachments")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 # -- dma-buf: the importing device is a PCI device the caller names, or none ---------------------
 
 
+@EXPORTER
 def test_static_export_without_device_holds_memory(device: Device, sim: SimMemory) -> None:
     """NVIDIA's exporter: nothing is attached, the free frees nothing, the pin is never
     invalidated, and UNPIN gives the memory back."""
@@ -56,6 +53,7 @@ def test_static_export_without_device_holds_memory(device: Device, sim: SimMemor
     assert s.allocations == 0 and s.dmabuf_exports == 0 and s.dmabuf_attachments == 0, s
 
 
+@EXPORTER
 def test_static_export_for_a_named_device(device: Device, sim: SimMemory) -> None:
     va = sim.alloc(2 * GPU_PAGE)
     fd = sim.export_dmabuf(va)
@@ -71,6 +69,7 @@ def test_static_export_for_a_named_device(device: Device, sim: SimMemory) -> Non
     sim.free(va)
 
 
+@EXPORTER
 def test_named_device_must_exist(device: Device, sim: SimMemory) -> None:
     va = sim.alloc(GPU_PAGE)
     fd = sim.export_dmabuf(va)
@@ -84,6 +83,7 @@ def test_named_device_must_exist(device: Device, sim: SimMemory) -> None:
     sim.free(va)
 
 
+@pytest.mark.simonly(reason="needs the simulator's revocable dma-buf export: NVIDIA's exporter never revokes")
 def test_revocable_export_needs_a_device(device: Device, sim: SimMemory) -> None:
     """An exporter that revokes is heard only through an attachment."""
     va = sim.alloc(GPU_PAGE)
@@ -103,18 +103,19 @@ def test_revocable_export_needs_a_device(device: Device, sim: SimMemory) -> None
     assert sim_stats().dmabuf_exports == 0
 
 
-def test_nv_p2p_pins_say_whether_they_are_revocable(device: Device, sim: SimMemory) -> None:
-    va = sim.alloc(2 * GPU_PAGE)
+def test_nv_p2p_pins_say_whether_they_are_revocable(device: Device, memory: MemoryProvider) -> None:
+    va = memory.alloc(max(GPU_ALLOC, 2 * GPU_PAGE))
     a = device.pin(va, GPU_PAGE)
     b = device.pin(va + GPU_PAGE, GPU_PAGE, persistent=True)
     assert a.revocable and not b.revocable
     assert device.query(a).revocable and not device.query(b).revocable
     device.unpin(b)
-    sim.free(va)
+    memory.free(va)
     assert not a.is_valid()
     device.unpin(a)
 
 
+@EXPORTER
 def test_dma_unmap_racing_unpin_of_a_dmabuf_pin(device: Device, sim: SimMemory) -> None:
     """DMA_UNMAP decides how to destroy its mapping from the mapping itself, never from the
     pin, whose buffer an UNPIN may let go of meanwhile; the mapping holds its own reference
@@ -151,6 +152,9 @@ def test_dma_unmap_racing_unpin_of_a_dmabuf_pin(device: Device, sim: SimMemory) 
 # -- DMA mappings: NVIDIA's call only where no free callback can race it -----------------------
 
 
+@pytest.mark.simonly(
+    reason="the simulator's dma_mappings counter is the point (nvidia_p2p_dma_map_pages not called); no IOMMU in the VM"
+)
 def test_non_persistent_pins_are_mapped_by_gpupin(device: Device, sim: SimMemory) -> None:
     va = sim.alloc(4 * GPU_PAGE)
     pin = device.pin(va, 4 * GPU_PAGE)
@@ -168,6 +172,7 @@ def test_non_persistent_pins_are_mapped_by_gpupin(device: Device, sim: SimMemory
     device.unpin(pin)
 
 
+@pytest.mark.simonly(reason="the simulator's dma_mappings counter is the point: nvidia_p2p_dma_map_pages called")
 def test_persistent_pins_are_mapped_by_nvidia(device: Device, sim: SimMemory) -> None:
     va = sim.alloc(2 * GPU_PAGE)
     pin = device.pin(va, 2 * GPU_PAGE, persistent=True)
@@ -179,6 +184,7 @@ def test_persistent_pins_are_mapped_by_nvidia(device: Device, sim: SimMemory) ->
     sim.free(va)
 
 
+@pytest.mark.simonly(reason="widens the race with the simulator's dma_map_latency_us and reads its dma_map_races")
 def test_dma_map_racing_the_free_is_safe(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
     """The free callback waits for gpupin's own mapper and unmaps what it made.  Under the old
     design NVIDIA's dma_map_pages waited (dma_map_latency_us) while the table was freed:
@@ -218,6 +224,9 @@ def test_dma_map_racing_the_free_is_safe(device: Device, sim: SimMemory, sim_par
 # -- Unload: a free callback still on its way out of gpupin -------------------------------------
 
 
+@pytest.mark.simonly(
+    reason="unloads gpupin.ko mid-callback (callback_tail_delay_ms) and loads it back over the simulator"
+)
 def test_unload_waits_for_a_callback_leaving_gpupin(gpupin_loaded: None, leakcheck: None, sim_params) -> None:  # type: ignore[no-untyped-def]
     """A detached pin's callback drops the module reference it held, then returns through
     gpupin's code: an unload in that window must wait for it (callback_tail_delay_ms widens
@@ -261,20 +270,20 @@ def test_unload_waits_for_a_callback_leaving_gpupin(gpupin_loaded: None, leakche
         ensure_loaded()
 
 
-def test_dma_map_of_a_large_pin_is_unmapped_by_the_callback(device: Device, sim: SimMemory) -> None:
-    va = sim.alloc(16 * MiB)
+def test_dma_map_of_a_large_pin_is_unmapped_by_the_callback(device: Device, memory: MemoryProvider, pci: str) -> None:
+    va = memory.alloc(16 * MiB)
     pin = device.pin(va, 16 * MiB)
-    maps = [device.dma_map(pin, first_pci_device()) for _ in range(3)]
+    maps = [device.dma_map(pin, pci) for _ in range(3)]
     assert device.query(pin).dma_mappings == 3 and all(m.entries == 256 for m in maps)
-    sim.free(va)
+    memory.free(va)
     assert device.query(pin).dma_mappings == 0
     device.unpin(pin)
 
 
-def test_driver_maps_one_reference_from_two_threads(device: Device, sim: SimMemory, peer: Peer) -> None:
+def test_driver_maps_one_reference_from_two_threads(device: Device, memory: MemoryProvider, peer: Peer) -> None:
     """gpupin_ref_dma_map() calls on one reference are serialised: two racing calls share one
     mapping, and the reference's put drops it (no share left behind on the pin)."""
-    va = sim.alloc(16 * MiB)
+    va = memory.alloc(16 * MiB)
     pin = device.pin(va, 16 * MiB)  # 256 pages: each map takes a while, so the calls overlap
     for _ in range(20):
         hold = peer.hold(device, pin, map_race=True)
@@ -282,12 +291,13 @@ def test_driver_maps_one_reference_from_two_threads(device: Device, sim: SimMemo
         peer.release(hold)
         assert device.query(pin).dma_mappings == 0, "a racing map left its share behind"
     device.unpin(pin)
-    sim.free(va)
+    memory.free(va)
 
 
 # -- put_pages only while the pin is the unpin's --------------------------------------------------
 
 
+@pytest.mark.simonly(reason="makes the simulator reuse freed page tables (reuse_freed_tables) to catch a stale put")
 def test_unpin_racing_the_free_puts_no_stale_table(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
     """The free callback takes a pin that an unpin claimed, NVIDIA frees its table, and this
     process's next pin gets the same table address (reuse_freed_tables): a put_pages of the
@@ -312,6 +322,7 @@ def test_unpin_racing_the_free_puts_no_stale_table(device: Device, sim: SimMemor
     sim.free(vb)
 
 
+@pytest.mark.simonly(reason="injects a put_pages failure with the simulator's fail_put_nth")
 def test_put_pages_failure_keeps_the_pin_for_its_callback(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
     """NVIDIA's put_pages can fail and leave the callback armed with gpupin's pin as its data:
     the pin must then wait for that callback (DETACHED), never be freed under it."""
@@ -344,6 +355,7 @@ def _largest_mem_bar(pci: str) -> tuple[int, int]:
     return best
 
 
+@pytest.mark.simonly(reason="backs the simulator's pages with the VM's ivshmem BAR (bar_device)")
 def test_bar_pages_are_mapped_as_mmio(  # type: ignore[no-untyped-def]
     device: Device, sim: SimMemory, sim_params, bar_device: str, virtio_pci: str
 ) -> None:
