@@ -1,6 +1,8 @@
 """The dma-buf backend: PIN_DMABUF of buffers exported by the simulator (by default static, as
 NVIDIA's exporter is; revocable=True: a dynamic exporter that revokes on free) and by vgem (a
-static one), read and written through the peer driver."""
+static one), read and written through the peer driver.
+
+All but the capability check import those exporters: simulator-only, each saying which."""
 
 from __future__ import annotations
 
@@ -17,15 +19,10 @@ from gpupin.cache import RegistrationCache
 from gpupin.netlink import Netlink
 from gpupin.peer import Peer
 
-pytestmark = [
-    pytest.mark.vm,
-    pytest.mark.simonly(
-        reason=(
-            "imports the simulator's dma-buf exporters (static and revocable) and vgem, read through the example "
-            "peer driver"
-        )
-    ),
-]
+pytestmark = pytest.mark.vm
+SIM_EXPORT = pytest.mark.simonly(reason="pins dma-bufs of the simulator's (static) exporter")
+REVOKES = pytest.mark.simonly(reason="needs the simulator's revocable dma-buf export: NVIDIA's exporter never revokes")
+FAILS = pytest.mark.simonly(reason="makes the simulator's exporter fail (fail_attach_nth, fail_dmabuf_map_nth)")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -33,6 +30,7 @@ def test_capability(device: Device) -> None:
     assert device.info().dmabuf
 
 
+@REVOKES
 def test_sim_export_pinned_and_read_exactly(device: Device, sim: SimMemory, peer: Peer) -> None:
     size = 3 * GPU_PAGE + 100
     va = sim.alloc(size)
@@ -64,6 +62,7 @@ def test_sim_export_pinned_and_read_exactly(device: Device, sim: SimMemory, peer
     sim.free(va)
 
 
+@SIM_EXPORT
 def test_offset_and_size(device: Device, sim: SimMemory, peer: Peer) -> None:
     va = sim.alloc(4 * GPU_PAGE)
     data = pattern(4 * GPU_PAGE, 3)
@@ -81,6 +80,7 @@ def test_offset_and_size(device: Device, sim: SimMemory, peer: Peer) -> None:
     sim.free(va)
 
 
+@SIM_EXPORT
 def test_dma_map_is_a_second_attachment(device: Device, sim: SimMemory) -> None:
     va = sim.alloc(2 * GPU_PAGE)
     fd = sim.export_dmabuf(va)
@@ -97,6 +97,7 @@ def test_dma_map_is_a_second_attachment(device: Device, sim: SimMemory) -> None:
     sim.free(va)
 
 
+@REVOKES
 def test_revoke_while_pinned(device: Device, sim: SimMemory, peer: Peer) -> None:
     va = sim.alloc(2 * GPU_PAGE)
     sim.write(va, pattern(2 * GPU_PAGE))
@@ -128,6 +129,7 @@ def test_revoke_while_pinned(device: Device, sim: SimMemory, peer: Peer) -> None
     assert s.dmabuf_exports == 0 and s.allocations == 0 and s.poison_errors == 0
 
 
+@REVOKES
 def test_revoke_during_transfer(device: Device, sim: SimMemory, peer: Peer, sim_params) -> None:  # type: ignore[no-untyped-def]
     import threading
     import time
@@ -149,6 +151,7 @@ def test_revoke_during_transfer(device: Device, sim: SimMemory, peer: Peer, sim_
     device.unpin(pin)
 
 
+@SIM_EXPORT
 def test_user_closes_fd_while_pinned(device: Device, sim: SimMemory, peer: Peer) -> None:
     va = sim.alloc(GPU_PAGE)
     sim.write(va, b"kept")
@@ -162,6 +165,7 @@ def test_user_closes_fd_while_pinned(device: Device, sim: SimMemory, peer: Peer)
     sim.free(va)
 
 
+@SIM_EXPORT
 def test_bad_fds_and_ranges(device: Device, sim: SimMemory) -> None:
     va = sim.alloc(GPU_PAGE)
     fd = sim.export_dmabuf(va)
@@ -207,6 +211,7 @@ def test_bad_fds_and_ranges(device: Device, sim: SimMemory) -> None:
     sim.free(va)
 
 
+@pytest.mark.simonly(reason="loads vgem, built for the VM's kernel, as a second dma-buf exporter")
 def test_vgem_buffer_through_the_peer(device: Device, peer: Peer) -> None:
     from gpupin.vgem import VgemBuffer
 
@@ -226,6 +231,7 @@ def test_vgem_buffer_through_the_peer(device: Device, peer: Peer) -> None:
     device.unpin(pin)
 
 
+@SIM_EXPORT
 def test_cache_dmabuf_backend(device: Device, sim: SimMemory) -> None:
     with RegistrationCache(device, sim, backend="auto", validate="both") as cache:
         assert cache.backend == "dmabuf"
@@ -252,6 +258,7 @@ def test_cache_dmabuf_backend(device: Device, sim: SimMemory) -> None:
 EXPORTER_FAILURES = [("fail_attach_nth", 524, errno.EOPNOTSUPP), ("fail_dmabuf_map_nth", errno.ENOMEM, errno.ENOMEM)]
 
 
+@FAILS
 @pytest.mark.parametrize("knob,err,seen", EXPORTER_FAILURES)
 def test_exporter_refuses_import(device: Device, sim: SimMemory, sim_params, knob: str, err: int, seen: int) -> None:  # type: ignore[no-untyped-def]
     """PIN_DMABUF says what the exporter said and leaves nothing: no pin, no attachment
@@ -276,6 +283,7 @@ def test_exporter_refuses_import(device: Device, sim: SimMemory, sim_params, kno
     sim.free(va)
 
 
+@FAILS
 @pytest.mark.parametrize("knob,err,seen", EXPORTER_FAILURES)
 def test_exporter_refuses_peer_map(device: Device, sim: SimMemory, sim_params, knob: str, err: int, seen: int) -> None:  # type: ignore[no-untyped-def]
     """DMA_MAP of a dma-buf pin for a peer the exporter refuses: the error, no mapping
@@ -300,6 +308,7 @@ def test_exporter_refuses_peer_map(device: Device, sim: SimMemory, sim_params, k
     sim.free(va)
 
 
+@SIM_EXPORT
 def test_budget_applies_to_dmabuf_pins(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
     """max_pinned_bytes counts dma-buf pins as it counts nv-p2p ones: beyond it PIN_DMABUF
     is BudgetExceeded before anything is attached, and the buffer's reference is dropped."""
@@ -326,6 +335,7 @@ class _RevocableSim(SimMemory):
         return super().export_dmabuf(ptr, revocable=revocable)
 
 
+@REVOKES
 def test_cache_over_a_revoking_exporter(device: Device, leakcheck: None) -> None:
     """The cache imports for ``dmabuf_pci``; the kernel then invalidates its pins, so it may
     trust the validity word alone.  Without a device such buffers cannot be pinned."""
@@ -349,6 +359,7 @@ def test_cache_over_a_revoking_exporter(device: Device, leakcheck: None) -> None
     assert sim_stats().dmabuf_exports == 0
 
 
+@SIM_EXPORT
 def test_cache_refuses_kernel_validation_of_nvidia_buffers(device: Device, sim: SimMemory) -> None:
     """NVIDIA's exporter never revokes: validate="kernel" cannot tell a freed buffer."""
     va = sim.alloc(MiB)
