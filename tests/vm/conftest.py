@@ -139,3 +139,14 @@ def virtio_pci() -> str:
     devs = [d for d in _pci_devices(0x1AF4) if int(open(f"/sys/bus/pci/devices/{d}/device").read(), 16) < 0x1100]
     assert devs, "no virtio PCI device in this VM"
     return devs[0]
+
+
+def can_export_dmabuf(memory: Any) -> bool:
+    """Whether ``memory`` can export its allocations as dma-bufs: the simulator always can;
+    natively the GPU and driver must say so (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)."""
+    return not NATIVE or bool(memory.dmabuf_supported())
+
+
+def need_dmabuf_export(memory: Any) -> None:
+    if not can_export_dmabuf(memory):
+        pytest.skip("this GPU and driver cannot export dma-bufs (DMA_BUF_SUPPORTED is 0)")

@@ -9,10 +9,13 @@ import random
 import pytest
 
 import gpupin
-from conftest import GPU_PAGE, MiB
+from conftest import GPU_ALLOC, GPU_PAGE, MiB, need_dmabuf_export
 from gpupin import Device, MemoryProvider, SimMemory, sim_stats
 from gpupin.cache import RegistrationCache
 from gpupin.testing import NATIVE
+
+# The threads test's buffers: 1 MiB over the simulator, 2 MiB natively (whole, aligned GPU pages).
+ALLOC = max(GPU_ALLOC, MiB)
 
 pytestmark = pytest.mark.vm
 
@@ -152,7 +155,7 @@ def test_threads_hit_miss_evict_and_free_over_the_kernel(device: Device, memory:
 
     cache = RegistrationCache(device, memory, validate="both", max_regions=8)
     lock = threading.Lock()
-    ptrs = [memory.alloc(MiB) for _ in range(16)]
+    ptrs = [memory.alloc(ALLOC) for _ in range(16)]
     errors: list[BaseException] = []
     stop = threading.Event()
 
@@ -165,7 +168,7 @@ def test_threads_hit_miss_evict_and_free_over_the_kernel(device: Device, memory:
                 if op < 0.05:
                     with lock:
                         memory.free(ptrs[i])
-                        ptrs[i] = memory.alloc(MiB)
+                        ptrs[i] = memory.alloc(ALLOC)
                     continue
                 if op < 0.07:
                     cache.purge()
@@ -235,6 +238,7 @@ def test_kernel_validation_follows_the_dmabuf_exporter(device: Device, memory: M
     """validate='kernel' over dma-buf pins works for an exporter that revokes and is refused,
     with nothing left pinned, for one that holds the memory (NVIDIA's kind, and the
     simulator's by default)."""
+    need_dmabuf_export(memory)
     va = memory.alloc(2 * MiB)
     fd = memory.export_dmabuf(va)  # type: ignore[attr-defined]
     try:

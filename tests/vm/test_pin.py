@@ -226,8 +226,14 @@ def test_pin_foreign_or_host_memory(device: Device, memory: MemoryProvider) -> N
     del host
     buf.close()
     va = memory.alloc(2 * MiB)
-    with pytest.raises(gpupin.NotGpuMemory):  # runs past the allocation
-        device.pin(va, 2 * MiB + GPU_PAGE)
+    try:  # CUDA packs 2 MiB allocations: the next one may start where this one ends
+        memory.range_of(va + 2 * MiB)
+        neighbour = True
+    except gpupin.NotGpuMemory:
+        neighbour = False
+    if not neighbour or not NATIVE:
+        with pytest.raises(gpupin.NotGpuMemory):  # runs past the allocation
+            device.pin(va, 2 * MiB + GPU_PAGE)
     memory.free(va)
     with pytest.raises(gpupin.NotGpuMemory):  # freed
         device.pin(va, GPU_PAGE)
