@@ -7,7 +7,7 @@
 # runs on users' hosts from the DKMS source dir, where lib.sh is not installed).
 # shellcheck shell=bash
 
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+ROOT=$(CDPATH='' cd -- "$(dirname "${BASH_SOURCE[0]}")/.." >/dev/null && pwd)
 PROG=$(basename "$0" .sh)
 
 # die MESSAGE...: say it on stderr, prefixed with the script's name, and exit 1.
@@ -67,7 +67,7 @@ cached_chroot() {
 		echo "$PROG: installing debootstrap"
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap >/dev/null
 	}
-	mkdir -p "$(dirname "$tarball")"
+	mkdir -p "$(dirname "$tarball")" "$(dirname "$log")"
 	echo "$PROG: debootstrap --variant=minbase $suite (once a week)"
 	debootstrap --variant=minbase --keyring=/usr/share/keyrings/debian-archive-keyring.gpg \
 		"$suite" "$dir" "$mirror" >"$log" 2>&1 || { tail -n 20 "$log" >&2; die "debootstrap failed ($log)"; }
