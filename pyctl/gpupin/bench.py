@@ -2,7 +2,7 @@
 
 Figures are ratios measured in one run (these machines are shared and noisy):
 - hit: median ns of a cache hit (``lookup``: find, validate, reference, in one
-  call into C) for validate=kernel, tag and both, against a bare Python dict
+  call into C) for validate=kernel, buffer_id and both, against a bare Python dict
   lookup and a bare tag query of the provider; also lookup + release_token and
   the convenient acquire() + release() through Registration objects;
 - trace: 10,000 transfers over 64 buffers with Zipf reuse and 100 us pins,
@@ -773,11 +773,12 @@ def _met(key: str, target: float, value: Any) -> bool | None:
 
 
 def format_table(res: dict[str, Any]) -> str:
-    lines = [f"{'figure':<32} {'value':>14}"]
+    w = max([32, *(len(k) for k in res if k != "targets")])
+    lines = [f"{'figure':<{w}} {'value':>14}"]
     for k, v in res.items():
         if k == "targets":
             continue
-        lines.append(f"{k:<32} {v:>14.3f}" if isinstance(v, float) else f"{k:<32} {v!s:>14}")
+        lines.append(f"{k:<{w}} {v:>14.3f}" if isinstance(v, float) else f"{k:<{w}} {v!s:>14}")
     if any(k.endswith("_modelled") for k in res):
         lines.append(
             f"(*_modelled: over FakeDevice, which busy-waits {TRACE_PIN_LATENCY_S * 1e6:.0f} µs per pin; "
@@ -786,11 +787,12 @@ def format_table(res: dict[str, Any]) -> str:
     if not res["targets"]:
         return "\n".join(lines)
     lines.append("")
-    lines.append(f"{'target':<28} {'goal':>8} {'measured':>10}  met")
+    tw = max([28, *(len(k) for k in res["targets"])])
+    lines.append(f"{'target':<{tw}} {'goal':>8} {'measured':>10}  met")
     for k, t in res["targets"].items():
         m = t["measured"]
         ms = f"{m:.3f}" if isinstance(m, float) else str(m)
-        lines.append(f"{k:<28} {t['target']:>8} {ms:>10}  {t['met']}")
+        lines.append(f"{k:<{tw}} {t['target']:>8} {ms:>10}  {t['met']}")
     return "\n".join(lines)
 
 
