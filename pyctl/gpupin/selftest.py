@@ -588,13 +588,6 @@ def facts(pci: str | None, provider: str) -> dict[str, str]:
     from . import doctor
 
     gpu = _nvidia_smi("--query-gpu=name,pci.bus_id,driver_version", "--format=csv,noheader")
-    mem = _nvidia_smi("--query-gpu=memory.total", "--format=csv,noheader").replace("\n", ", ")
-    q = _nvidia_smi("-q", "-d", "MEMORY")
-    bar1 = ""
-    if "BAR1" in q:  # the first GPU's; nvidia-smi -q lists each
-        tail = q.split("BAR1", 1)[1].split("\n")
-        total = next((ln.split(":", 1)[1].strip() for ln in tail if ln.strip().startswith("Total")), "")
-        bar1 = f"{total} on the first GPU (GPU memory {mem})" if total else ""
     version = _sysfs("/proc/driver/nvidia/version").split("\n")[0]
     kind = f"{iommu_type(pci)} for {pci}" if pci else "no device named"
     return {
@@ -602,7 +595,7 @@ def facts(pci: str | None, provider: str) -> dict[str, str]:
         "kernel": platform.release(),
         "GPU": gpu.replace("\n", "; ") or "none seen by nvidia-smi",
         "driver": version or "nvidia.ko not loaded",
-        "BAR1": bar1 or "unknown (no nvidia-smi, or it shows no BAR1)",
+        "BAR1": "; ".join(c.detail for c in doctor.check_bar1()),  # NVML, every GPU
         "IOMMU": f"{doctor.check_iommu().detail}; group type {kind}",
         "provider": provider,
         "peer device": pci_name(pci) if pci else "none: name one with --pci",
