@@ -25,7 +25,7 @@ need() {
 }
 
 # copy_module_sources DEST [FILE...]: what Kbuild builds from (Kbuild and the
-# *.c/*.h files under kernel/, include/ and tests/kmod/), and each FILE (paths
+# *.c/*.h files under kernel/, include/ and examples/), and each FILE (paths
 # relative to ROOT), into DEST with their paths relative to ROOT kept.  The
 # copy is a separate kbuild M= dir (another configuration, another kernel, a
 # chroot, a package) that leaves the tree's own build alone.
@@ -33,7 +33,7 @@ copy_module_sources() {
 	local dest=$1
 	shift
 	mkdir -p "$dest"
-	(cd "$ROOT" && { find kernel include tests/kmod -name '*.[ch]' -print0 && printf '%s\0' Kbuild "$@"; } |
+	(cd "$ROOT" && { find kernel include examples -name '*.[ch]' -print0 && printf '%s\0' Kbuild "$@"; } |
 		tar --null -T - -cf -) | tar -C "$dest" -xf -
 }
 

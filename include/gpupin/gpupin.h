@@ -3,7 +3,7 @@
  * gpupin kernel API: lets a third-party device driver use a pin that a user
  * process made through /dev/gpupin, and program its DMA engine with it.
  *
- * Walk-through (see tests/kmod/peer.c for a complete driver):
+ * Walk-through (see examples/peer/peer.c for a complete driver):
  *
  *   1. User space pins GPU memory (GPUPIN_IOC_PIN) and passes the gpupin file
  *      descriptor and the pin's handle to the driver's own ioctl.

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: (GPL-2.0 WITH Linux-syscall-note) OR MIT */
 /*
- * gpupin_peer: the example peer driver's ioctls (tests/kmod/peer.c).  It
+ * gpupin_peer: the example peer driver's ioctls (examples/peer/peer.c).  It
  * stands for a third-party DMA engine: /dev/gpupin_peer copies between a
  * user buffer and GPU memory pinned through gpupin, using the pin's DMA
  * mapping for a PCI device.  Same rules as gpupin.h: zero flags, pad and

@@ -40,8 +40,8 @@ else
 	echo "check: sparse clean"
 fi
 
-files=$(cd "$ROOT" && git ls-files 'kernel/*.c' 'kernel/*.h' 'include/*.h' 'tests/kmod/*.c' 2>/dev/null)
-[ -n "$files" ] || files=$(cd "$ROOT" && find kernel include tests/kmod -name '*.[ch]')
+files=$(cd "$ROOT" && git ls-files 'kernel/*.c' 'kernel/*.h' 'include/*.h' 'examples/*/*.c' 2>/dev/null)
+[ -n "$files" ] || files=$(cd "$ROOT" && find kernel include examples -name '*.[ch]')
 # checkpatch says 1 for any finding (warnings too), more when it fails itself; a file it
 # cannot read it skips silently.  So: its own status, and a canary with a known error that
 # it must report, or the "0 errors" below would mean nothing.

@@ -1,4 +1,4 @@
-"""gpupin's kernel API through the example peer driver (tests/kmod/peer.c).
+"""gpupin's kernel API through the example peer driver (examples/peer/peer.c).
 
 The peer maps the pin for its PCI device and copies between a user buffer and
 the pinned GPU memory through the pages' physical addresses: RAM through the
