@@ -27,7 +27,7 @@ static u64 gpupin_detached_bytes;	/* their aligned sizes; under the lock */
 static u64 gpupin_detached_count;	/* under the lock */
 
 /* @pin just went DETACHED, with its references taken; caller holds pin->lock. */
-void gpupin_detached_add(struct gpupin_region *pin)
+void gpupin_detached_add(struct gpupin_pin_obj *pin)
 {
 	spin_lock(&gpupin_detached_lock);
 	pin->detached_seq = ++gpupin_detached_seq;
@@ -38,7 +38,7 @@ void gpupin_detached_add(struct gpupin_region *pin)
 }
 
 /* The free callback releases the detached @pin: off the list, before its references go. */
-void gpupin_detached_del(struct gpupin_region *pin)
+void gpupin_detached_del(struct gpupin_pin_obj *pin)
 {
 	spin_lock(&gpupin_detached_lock);
 	/* Every way into DETACHED lists the pin (gpupin_pin_hold_detached()). */
@@ -55,9 +55,9 @@ void gpupin_detached_del(struct gpupin_region *pin)
  * order, into @pins, each with a reference to the pin and one to its file:
  * drop them with gpupin_detached_put().  Returns how many.
  */
-unsigned int gpupin_detached_get(u64 seq, struct gpupin_region **pins, unsigned int max)
+unsigned int gpupin_detached_get(u64 seq, struct gpupin_pin_obj **pins, unsigned int max)
 {
-	struct gpupin_region *pin;
+	struct gpupin_pin_obj *pin;
 	unsigned int n = 0;
 
 	spin_lock(&gpupin_detached_lock);
@@ -75,7 +75,7 @@ unsigned int gpupin_detached_get(u64 seq, struct gpupin_region **pins, unsigned 
 }
 
 /* Drop what gpupin_detached_get() took for @pin; process context. */
-void gpupin_detached_put(struct gpupin_region *pin)
+void gpupin_detached_put(struct gpupin_pin_obj *pin)
 {
 	struct gpupin_file *f = pin->file;
 

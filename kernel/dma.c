@@ -20,7 +20,7 @@
 
 #define GPUPIN_MAX_MAPS_PER_PIN 16
 
-static void gpupin_map_destroy(struct gpupin_region *pin, struct gpupin_map *map)
+static void gpupin_map_destroy(struct gpupin_pin_obj *pin, struct gpupin_map *map)
 {
 	int ret;
 
@@ -45,7 +45,7 @@ static void gpupin_map_destroy(struct gpupin_region *pin, struct gpupin_map *map
  * Unmap every mapping of a pin whose pages the caller is releasing (state
  * RELEASING, no users in flight).
  */
-void gpupin_unmap_all(struct gpupin_region *pin)
+void gpupin_unmap_all(struct gpupin_pin_obj *pin)
 {
 	struct gpupin_map *map, *tmp;
 	LIST_HEAD(maps);
@@ -57,7 +57,7 @@ void gpupin_unmap_all(struct gpupin_region *pin)
 		gpupin_map_destroy(pin, map);
 }
 
-u32 gpupin_map_count_locked(struct gpupin_region *pin)
+u32 gpupin_map_count_locked(struct gpupin_pin_obj *pin)
 {
 	struct gpupin_map *map;
 	u32 n = 0;
@@ -74,7 +74,7 @@ u32 gpupin_map_count_locked(struct gpupin_region *pin)
  * NVIDIA's (only persistent pins do): should one be listed, it is NVIDIA's
  * to free after the callback, with the peer's pci_dev, which is then kept.
  */
-void gpupin_free_maps_invalidated(struct gpupin_region *pin)
+void gpupin_free_maps_invalidated(struct gpupin_pin_obj *pin)
 {
 	struct gpupin_map *map, *tmp;
 	LIST_HEAD(maps);
@@ -95,7 +95,7 @@ void gpupin_free_maps_invalidated(struct gpupin_region *pin)
 }
 
 /* Mapping @id of @pin, or NULL; caller holds pin->lock. */
-static struct gpupin_map *gpupin_map_find_locked(struct gpupin_region *pin, u32 id)
+static struct gpupin_map *gpupin_map_find_locked(struct gpupin_pin_obj *pin, u32 id)
 {
 	struct gpupin_map *map;
 
@@ -110,7 +110,7 @@ static struct gpupin_map *gpupin_map_find_locked(struct gpupin_region *pin, u32 
  * map may go at any time); -ENOSPC past the per-pin limit.  Caller holds
  * pin->lock.
  */
-static int gpupin_map_link_locked(struct gpupin_region *pin, struct gpupin_map *map, u32 *id)
+static int gpupin_map_link_locked(struct gpupin_pin_obj *pin, struct gpupin_map *map, u32 *id)
 {
 	lockdep_assert_held(&pin->lock);
 	if (gpupin_map_count_locked(pin) >= GPUPIN_MAX_MAPS_PER_PIN)
@@ -122,7 +122,7 @@ static int gpupin_map_link_locked(struct gpupin_region *pin, struct gpupin_map *
 }
 
 /* gpupin_map_link_locked(), or -ENXIO once the pin is no longer PINNED. */
-int gpupin_map_add(struct gpupin_region *pin, struct gpupin_map *map, u32 *id)
+int gpupin_map_add(struct gpupin_pin_obj *pin, struct gpupin_map *map, u32 *id)
 {
 	int ret = -ENXIO;
 
@@ -134,7 +134,7 @@ int gpupin_map_add(struct gpupin_region *pin, struct gpupin_map *map, u32 *id)
 }
 
 /* Check a new nv-p2p mapping and list it; caller holds pin->lock, pin PINNED. */
-static int gpupin_nvp2p_map_add_locked(struct gpupin_region *pin, struct gpupin_map *map,
+static int gpupin_nvp2p_map_add_locked(struct gpupin_pin_obj *pin, struct gpupin_map *map,
 				       u32 *id)
 {
 	lockdep_assert_held(&pin->lock);
@@ -154,7 +154,7 @@ static int gpupin_nvp2p_map_add_locked(struct gpupin_region *pin, struct gpupin_
  * for us (pin->mappers).  Not as an in-flight user: the call takes the
  * driver's API lock.  Never for a pin with a callback: see ownmap.c.
  */
-static int gpupin_nvp2p_map(struct gpupin_region *pin, struct gpupin_map *map, u32 *id)
+static int gpupin_nvp2p_map(struct gpupin_pin_obj *pin, struct gpupin_map *map, u32 *id)
 {
 	bool undo = false;
 	int ret = 0;
@@ -207,7 +207,7 @@ static int gpupin_nvp2p_map(struct gpupin_region *pin, struct gpupin_map *map, u
  * anyone else could free it).  The caller must not be an in-flight user.
  * Takes its own reference on @pdev.
  */
-int gpupin_map_create(struct gpupin_region *pin, struct pci_dev *pdev, bool user,
+int gpupin_map_create(struct gpupin_pin_obj *pin, struct pci_dev *pdev, bool user,
 		      struct gpupin_map **out, u32 *id)
 {
 	struct gpupin_map *map;
@@ -248,7 +248,7 @@ int gpupin_map_create(struct gpupin_region *pin, struct pci_dev *pdev, bool user
  * A kernel-API reference's mapping for @pdev: an existing one of the pin is
  * shared, else a new one is made.  The caller must not be an in-flight user.
  */
-int gpupin_map_for_driver(struct gpupin_region *pin, struct pci_dev *pdev,
+int gpupin_map_for_driver(struct gpupin_pin_obj *pin, struct pci_dev *pdev,
 			  struct gpupin_map **out, u32 *id)
 {
 	struct gpupin_map *map, *found = NULL;
@@ -281,7 +281,7 @@ int gpupin_map_for_driver(struct gpupin_region *pin, struct pci_dev *pdev,
  * users).  The kind is the map's own: once the use ends, an unpin may
  * release the pin's buffer and clear pin->dmabuf.
  */
-static void gpupin_map_destroy_unuse(struct gpupin_region *pin, struct gpupin_map *map)
+static void gpupin_map_destroy_unuse(struct gpupin_pin_obj *pin, struct gpupin_map *map)
 {
 	bool late = map && map->kind == GPUPIN_MAP_DMABUF;
 
@@ -296,7 +296,7 @@ static void gpupin_map_destroy_unuse(struct gpupin_region *pin, struct gpupin_ma
  * A kernel-API reference drops its share of mapping @id.  Nothing to do
  * once the memory is gone: the mappings went (nv-p2p) or go at release.
  */
-void gpupin_map_drop_driver(struct gpupin_region *pin, u32 id)
+void gpupin_map_drop_driver(struct gpupin_pin_obj *pin, u32 id)
 {
 	struct gpupin_map *map;
 
@@ -325,7 +325,7 @@ static int gpupin_dma_map_validate(const struct gpupin_dma_map *arg)
  * @pin for the PCI device the request names; its id and the pin's entries
  * into @arg.
  */
-static int gpupin_dma_map_pci(struct gpupin_region *pin, struct gpupin_dma_map *arg)
+static int gpupin_dma_map_pci(struct gpupin_pin_obj *pin, struct gpupin_dma_map *arg)
 {
 	struct gpupin_map *map;
 	struct pci_dev *pdev;
@@ -348,7 +348,7 @@ static int gpupin_dma_map_pci(struct gpupin_region *pin, struct gpupin_dma_map *
 long gpupin_ioctl_dma_map(struct gpupin_file *f, struct gpupin_dma_map __user *uarg)
 {
 	struct gpupin_dma_map arg;
-	struct gpupin_region *pin;
+	struct gpupin_pin_obj *pin;
 	int ret;
 
 	/* A mapping opens the memory to a device: the opener must be the administrator. */
@@ -373,7 +373,7 @@ long gpupin_ioctl_dma_map(struct gpupin_file *f, struct gpupin_dma_map __user *u
 long gpupin_ioctl_dma_addrs(struct gpupin_file *f, struct gpupin_dma_addrs __user *uarg)
 {
 	struct gpupin_dma_addrs arg;
-	struct gpupin_region *pin;
+	struct gpupin_pin_obj *pin;
 	struct gpupin_map *map;
 	u64 *addrs;
 	u32 i, entries;
@@ -423,7 +423,7 @@ out_put:
 long gpupin_ioctl_dma_unmap(struct gpupin_file *f, struct gpupin_dma_unmap __user *uarg)
 {
 	struct gpupin_dma_unmap arg;
-	struct gpupin_region *pin;
+	struct gpupin_pin_obj *pin;
 	struct gpupin_map *map;
 	int ret;
 

@@ -108,7 +108,7 @@ static void gpupin_att_unmap(struct gpupin_dmabuf_att *att)
  * change now: adding needs the reservation lock and a PINNED pin, removing
  * needs an in-flight user.
  */
-void gpupin_dmabuf_teardown(struct gpupin_region *pin)
+void gpupin_dmabuf_teardown(struct gpupin_pin_obj *pin)
 {
 	struct gpupin_map *map;
 
@@ -131,7 +131,7 @@ static int gpupin_att_attach(struct gpupin_dmabuf_att *att, struct dma_buf *dmab
 }
 
 /* Release, no lock held: unmap, unpin, detach and let go of the buffer and device. */
-void gpupin_dmabuf_release(struct gpupin_region *pin)
+void gpupin_dmabuf_release(struct gpupin_pin_obj *pin)
 {
 	struct dma_buf *dmabuf = pin->dmabuf;
 
@@ -157,7 +157,7 @@ void gpupin_dmabuf_release(struct gpupin_region *pin)
  * Import the buffer for the pin's device (pin->dmabuf_pdev), or for none;
  * PINNING -> PINNED.
  */
-static int gpupin_dmabuf_import(struct gpupin_file *f, struct gpupin_region *pin)
+static int gpupin_dmabuf_import(struct gpupin_file *f, struct gpupin_pin_obj *pin)
 {
 	struct dma_buf *dmabuf = pin->dmabuf;
 	bool dynamic = dma_buf_is_dynamic(dmabuf);
@@ -224,9 +224,9 @@ static int gpupin_pin_dmabuf_validate(const struct gpupin_pin_dmabuf *arg, u64 *
  * behind @req->fd, imported and PINNED but not yet published.
  */
 static int gpupin_pin_dmabuf_create(struct gpupin_file *f, const struct gpupin_pin_dmabuf *req,
-				    u64 aligned_size, struct gpupin_region **out)
+				    u64 aligned_size, struct gpupin_pin_obj **out)
 {
-	struct gpupin_region *pin;
+	struct gpupin_pin_obj *pin;
 	struct dma_buf *dmabuf;
 	int ret;
 
@@ -277,7 +277,7 @@ err_put:
 long gpupin_ioctl_pin_dmabuf(struct gpupin_file *f, struct gpupin_pin_dmabuf __user *uarg)
 {
 	struct gpupin_pin_dmabuf arg;
-	struct gpupin_region *pin;
+	struct gpupin_pin_obj *pin;
 	u64 aligned_size;
 	int ret;
 
@@ -314,7 +314,7 @@ long gpupin_ioctl_pin_dmabuf(struct gpupin_file *f, struct gpupin_pin_dmabuf __u
  * mapping.  Takes no in-flight use: a revocation waits for those while
  * holding the lock this needs.
  */
-int gpupin_dmabuf_map(struct gpupin_region *pin, struct gpupin_map *map, u32 *id)
+int gpupin_dmabuf_map(struct gpupin_pin_obj *pin, struct gpupin_map *map, u32 *id)
 {
 	struct dma_buf *dmabuf = NULL;
 	struct sg_table *sgt;

@@ -13,10 +13,10 @@
  *   gpupin_file.lock (mutex) - the file's handle table (lookups take their
  *       pin reference under it) and handle counter.  Never held across an
  *       nv-p2p call, never taken by the free callback.
- *   gpupin_region.refs_lock (mutex) - the pin's kernel-API references (list,
+ *   gpupin_pin_obj.refs_lock (mutex) - the pin's kernel-API references (list,
  *       count, orphaned/gone flags).  Taken by the free callback to run the
  *       references' notifiers; never held across an nv-p2p call.
- *   gpupin_region.lock (spinlock) - one pin's state, in-flight user count and
+ *   gpupin_pin_obj.lock (spinlock) - one pin's state, in-flight user count and
  *       DMA mapping list.  Taken by the free callback; never held across an
  *       nv-p2p call or anything that sleeps.
  *   gpupin_file.ev_lock (spinlock) - the file's queue of invalidation
@@ -203,7 +203,11 @@ struct gpupin_dmabuf_att {
 	bool pinned;			/* dma_buf_pin()ned; under the resv lock */
 };
 
-struct gpupin_region {
+/*
+ * One pin, handled by the gpupin_pin_* functions (pin.c).  Not "gpupin_pin":
+ * that is the PIN ioctl's argument (include/uapi/gpupin.h).
+ */
+struct gpupin_pin_obj {
 	struct kref ref;		/* handle table + temporary lookups */
 	struct gpupin_file *file;
 	u64 handle;
@@ -253,7 +257,7 @@ enum gpupin_map_kind {
 
 struct gpupin_map {
 	struct list_head node;
-	struct gpupin_region *pin;	/* the pin it belongs to (no reference) */
+	struct gpupin_pin_obj *pin;	/* the pin it belongs to (no reference) */
 	enum gpupin_map_kind kind;
 	bool mmio;			/* own: dma_map_resource (BAR pages), else dma_map_page */
 	u32 entries;			/* own: pages mapped */
@@ -274,25 +278,25 @@ long gpupin_ioctl_pin(struct gpupin_file *f, struct gpupin_pin __user *uarg);
 long gpupin_ioctl_unpin(struct gpupin_file *f, struct gpupin_unpin __user *uarg);
 long gpupin_ioctl_query(struct gpupin_file *f, struct gpupin_query __user *uarg);
 long gpupin_ioctl_get_pages(struct gpupin_file *f, struct gpupin_get_pages __user *uarg);
-struct gpupin_region *gpupin_pin_lookup(struct gpupin_file *f, u64 handle);
-struct gpupin_region *gpupin_pin_lookup_owned(struct gpupin_file *f, u64 handle, int *err);
-void gpupin_pin_uuid(const struct gpupin_region *pin, u8 uuid[16]);
-u64 gpupin_pin_page_addr(const struct gpupin_region *pin, u32 idx);
-void gpupin_pin_revoke(struct gpupin_region *pin);
-struct gpupin_region *gpupin_pin_alloc(struct gpupin_file *f, u64 va, u64 size, u64 aligned_va,
-				       u64 aligned_size, u64 user_tag, u32 page_shift);
-int gpupin_pin_reserve(struct gpupin_file *f, struct gpupin_region *pin);
-void gpupin_pin_unreserve(struct gpupin_file *f, struct gpupin_region *pin, int err);
-int gpupin_pin_mark_pinned(struct gpupin_file *f, struct gpupin_region *pin,
-			   int (*take)(struct gpupin_region *pin));
-bool gpupin_pin_release_pages(struct gpupin_region *pin, enum gpupin_pin_state from);
-int gpupin_pin_publish(struct gpupin_file *f, struct gpupin_region *pin, void __user *uarg,
+struct gpupin_pin_obj *gpupin_pin_lookup(struct gpupin_file *f, u64 handle);
+struct gpupin_pin_obj *gpupin_pin_lookup_owned(struct gpupin_file *f, u64 handle, int *err);
+void gpupin_pin_uuid(const struct gpupin_pin_obj *pin, u8 uuid[16]);
+u64 gpupin_pin_page_addr(const struct gpupin_pin_obj *pin, u32 idx);
+void gpupin_pin_revoke(struct gpupin_pin_obj *pin);
+struct gpupin_pin_obj *gpupin_pin_alloc(struct gpupin_file *f, u64 va, u64 size, u64 aligned_va,
+					u64 aligned_size, u64 user_tag, u32 page_shift);
+int gpupin_pin_reserve(struct gpupin_file *f, struct gpupin_pin_obj *pin);
+void gpupin_pin_unreserve(struct gpupin_file *f, struct gpupin_pin_obj *pin, int err);
+int gpupin_pin_mark_pinned(struct gpupin_file *f, struct gpupin_pin_obj *pin,
+			   int (*take)(struct gpupin_pin_obj *pin));
+bool gpupin_pin_release_pages(struct gpupin_pin_obj *pin, enum gpupin_pin_state from);
+int gpupin_pin_publish(struct gpupin_file *f, struct gpupin_pin_obj *pin, void __user *uarg,
 		       const void *arg, size_t len);
-void gpupin_pin_put(struct gpupin_region *pin);
-int gpupin_pin_use(struct gpupin_region *pin);
-void gpupin_pin_unuse(struct gpupin_region *pin);
+void gpupin_pin_put(struct gpupin_pin_obj *pin);
+int gpupin_pin_use(struct gpupin_pin_obj *pin);
+void gpupin_pin_unuse(struct gpupin_pin_obj *pin);
 void gpupin_file_release_pins(struct gpupin_file *f, u32 reason);
-void gpupin_pin_destroy_now(struct gpupin_file *f, struct gpupin_region *pin, u32 reason);
+void gpupin_pin_destroy_now(struct gpupin_file *f, struct gpupin_pin_obj *pin, u32 reason);
 bool gpupin_caller_owns(struct gpupin_file *f);
 void gpupin_file_put(struct gpupin_file *f);
 
@@ -300,41 +304,41 @@ void gpupin_file_put(struct gpupin_file *f);
 long gpupin_ioctl_dma_map(struct gpupin_file *f, struct gpupin_dma_map __user *uarg);
 long gpupin_ioctl_dma_addrs(struct gpupin_file *f, struct gpupin_dma_addrs __user *uarg);
 long gpupin_ioctl_dma_unmap(struct gpupin_file *f, struct gpupin_dma_unmap __user *uarg);
-void gpupin_unmap_all(struct gpupin_region *pin);
-void gpupin_free_maps_invalidated(struct gpupin_region *pin);
-u32 gpupin_map_count_locked(struct gpupin_region *pin);
-int gpupin_map_create(struct gpupin_region *pin, struct pci_dev *pdev, bool user,
+void gpupin_unmap_all(struct gpupin_pin_obj *pin);
+void gpupin_free_maps_invalidated(struct gpupin_pin_obj *pin);
+u32 gpupin_map_count_locked(struct gpupin_pin_obj *pin);
+int gpupin_map_create(struct gpupin_pin_obj *pin, struct pci_dev *pdev, bool user,
 		      struct gpupin_map **out, u32 *id);
-int gpupin_map_add(struct gpupin_region *pin, struct gpupin_map *map, u32 *id);
-int gpupin_map_for_driver(struct gpupin_region *pin, struct pci_dev *pdev,
+int gpupin_map_add(struct gpupin_pin_obj *pin, struct gpupin_map *map, u32 *id);
+int gpupin_map_for_driver(struct gpupin_pin_obj *pin, struct pci_dev *pdev,
 			  struct gpupin_map **out, u32 *id);
-void gpupin_map_drop_driver(struct gpupin_region *pin, u32 id);
+void gpupin_map_drop_driver(struct gpupin_pin_obj *pin, u32 id);
 
 /* ownmap.c */
-int gpupin_own_map(struct gpupin_region *pin, struct gpupin_map *map, u32 *id);
+int gpupin_own_map(struct gpupin_pin_obj *pin, struct gpupin_map *map, u32 *id);
 void gpupin_own_unmap(struct gpupin_map *map);
 
 /* dmabuf.c */
 long gpupin_ioctl_pin_dmabuf(struct gpupin_file *f, struct gpupin_pin_dmabuf __user *uarg);
-void gpupin_dmabuf_teardown(struct gpupin_region *pin);
-void gpupin_dmabuf_release(struct gpupin_region *pin);
-int gpupin_dmabuf_map(struct gpupin_region *pin, struct gpupin_map *map, u32 *id);
+void gpupin_dmabuf_teardown(struct gpupin_pin_obj *pin);
+void gpupin_dmabuf_release(struct gpupin_pin_obj *pin);
+int gpupin_dmabuf_map(struct gpupin_pin_obj *pin, struct gpupin_map *map, u32 *id);
 void gpupin_dmabuf_unmap(struct gpupin_map *map);
 
 /* detached.c */
-void gpupin_detached_add(struct gpupin_region *pin);
-void gpupin_detached_del(struct gpupin_region *pin);
-unsigned int gpupin_detached_get(u64 seq, struct gpupin_region **pins, unsigned int max);
-void gpupin_detached_put(struct gpupin_region *pin);
+void gpupin_detached_add(struct gpupin_pin_obj *pin);
+void gpupin_detached_del(struct gpupin_pin_obj *pin);
+unsigned int gpupin_detached_get(u64 seq, struct gpupin_pin_obj **pins, unsigned int max);
+void gpupin_detached_put(struct gpupin_pin_obj *pin);
 void gpupin_detached_totals(u64 *count, u64 *bytes);
 
 /* kapi.c */
-void gpupin_notify_refs(struct gpupin_region *pin);
+void gpupin_notify_refs(struct gpupin_pin_obj *pin);
 
 /* netlink.c */
 int gpupin_nl_init(void);
 void gpupin_nl_exit(void);
-void gpupin_nl_pin_event(struct gpupin_region *pin, u8 cmd, u32 reason);
+void gpupin_nl_pin_event(struct gpupin_pin_obj *pin, u8 cmd, u32 reason);
 void gpupin_nl_budget_event(struct gpupin_file *f, u64 size);
 
 /* main.c */

@@ -18,7 +18,7 @@
 
 struct gpupin_ref {
 	struct list_head node;		/* pin->refs, under pin->refs_lock */
-	struct gpupin_region *pin;	/* holds a kref */
+	struct gpupin_pin_obj *pin;	/* holds a kref */
 	struct file *file;		/* holds a file reference */
 	void (*notify)(void *priv);
 	void *priv;
@@ -37,7 +37,7 @@ struct gpupin_ref {
  * From the free callback, the pin already INVALIDATING: tell every driver
  * holding a reference to stop DMA.  Each notifier runs once.
  */
-void gpupin_notify_refs(struct gpupin_region *pin)
+void gpupin_notify_refs(struct gpupin_pin_obj *pin)
 {
 	struct gpupin_ref *ref;
 
@@ -53,7 +53,7 @@ void gpupin_notify_refs(struct gpupin_region *pin)
 
 struct gpupin_ref *gpupin_ref_get(int fd, u64 handle, void (*notify)(void *priv), void *priv)
 {
-	struct gpupin_region *pin;
+	struct gpupin_pin_obj *pin;
 	struct gpupin_file *f;
 	struct gpupin_ref *ref;
 	struct file *file;
@@ -113,7 +113,7 @@ EXPORT_SYMBOL_GPL(gpupin_ref_get);
 
 void gpupin_ref_put(struct gpupin_ref *ref)
 {
-	struct gpupin_region *pin = ref->pin;
+	struct gpupin_pin_obj *pin = ref->pin;
 	bool last;
 
 	if (ref->map_id)
@@ -135,7 +135,7 @@ EXPORT_SYMBOL_GPL(gpupin_ref_put);
 
 int gpupin_ref_info(struct gpupin_ref *ref, struct gpupin_ref_info *info)
 {
-	struct gpupin_region *pin = ref->pin;
+	struct gpupin_pin_obj *pin = ref->pin;
 	int ret = gpupin_pin_use(pin);
 
 	if (ret)
@@ -160,7 +160,7 @@ EXPORT_SYMBOL_GPL(gpupin_ref_info);
 
 int gpupin_ref_dma_map(struct gpupin_ref *ref, struct pci_dev *pdev)
 {
-	struct gpupin_region *pin = ref->pin;
+	struct gpupin_pin_obj *pin = ref->pin;
 	struct gpupin_map *map;
 	u32 id;
 	int ret;

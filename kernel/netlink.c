@@ -230,7 +230,7 @@ static u32 gpupin_nl_state(enum gpupin_pin_state state)
 }
 
 /* One pin's attributes, nested in GPUPIN_NL_A_PIN; shared by dump and events. */
-static int gpupin_nl_fill_pin(struct sk_buff *skb, struct gpupin_region *pin, u32 reason)
+static int gpupin_nl_fill_pin(struct sk_buff *skb, struct gpupin_pin_obj *pin, u32 reason)
 {
 	struct gpupin_file *f = pin->file;
 	struct gpupin_map *map;
@@ -302,7 +302,7 @@ static void gpupin_nl_event_lost(void)
 }
 
 /* Send an event about @pin to the "events" group, if anyone listens. */
-void gpupin_nl_pin_event(struct gpupin_region *pin, u8 cmd, u32 reason)
+void gpupin_nl_pin_event(struct gpupin_pin_obj *pin, u8 cmd, u32 reason)
 {
 	struct sk_buff *skb;
 	void *hdr;
@@ -437,7 +437,7 @@ static bool gpupin_nl_may_see(const struct sk_buff *skb, struct gpupin_file *f)
 
 static int gpupin_nl_get_pin(struct sk_buff *skb, struct genl_info *info)
 {
-	struct gpupin_region *pin = NULL;
+	struct gpupin_pin_obj *pin = NULL;
 	struct gpupin_file *f;
 	struct sk_buff *msg;
 	struct pid *pid;
@@ -500,7 +500,7 @@ enum {
 
 /* Put one GET_PINS message for @pin into the dump; -EMSGSIZE when full. */
 static int gpupin_nl_dump_pin(struct sk_buff *skb, struct netlink_callback *cb,
-			      struct gpupin_region *pin)
+			      struct gpupin_pin_obj *pin)
 {
 	void *hdr;
 
@@ -527,7 +527,7 @@ static int gpupin_nl_dump_pin(struct sk_buff *skb, struct netlink_callback *cb,
 static int gpupin_nl_dump_detached(struct sk_buff *skb, struct netlink_callback *cb,
 				   bool filter, u32 want)
 {
-	struct gpupin_region *pins[GPUPIN_NL_DETACHED_BATCH];
+	struct gpupin_pin_obj *pins[GPUPIN_NL_DETACHED_BATCH];
 	unsigned int i, n;
 	int err = 0;
 
@@ -556,7 +556,7 @@ static int gpupin_nl_dump_detached(struct sk_buff *skb, struct netlink_callback 
 static int gpupin_nl_get_pins(struct sk_buff *skb, struct netlink_callback *cb)
 {
 	struct nlattr **attrs = gpupin_genl_dump_attrs(cb);
-	struct gpupin_region *pin;
+	struct gpupin_pin_obj *pin;
 	struct gpupin_file *f;
 	unsigned long idx;
 	bool filter = attrs && attrs[GPUPIN_NL_A_PID];

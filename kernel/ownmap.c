@@ -66,7 +66,7 @@ static struct pci_dev *gpupin_bar_owner(phys_addr_t phys, struct resource **bar)
  * map->bar_start/bar_end) or memory.  The caller is an in-flight user (the
  * page table stays).
  */
-static int gpupin_own_check(struct gpupin_region *pin, struct gpupin_map *map)
+static int gpupin_own_check(struct gpupin_pin_obj *pin, struct gpupin_map *map)
 {
 	phys_addr_t phys = pin->pt->pages[0]->physical_address;
 	struct pci_dev *peer = map->pdev, *gpu;
@@ -152,7 +152,7 @@ void gpupin_own_unmap(struct gpupin_map *map)
  * put the mapping on the pin's list under a new id (*@id).  -ENXIO once the
  * memory is going: what was mapped is unmapped again first.
  */
-int gpupin_own_map(struct gpupin_region *pin, struct gpupin_map *map, u32 *id)
+int gpupin_own_map(struct gpupin_pin_obj *pin, struct gpupin_map *map, u32 *id)
 {
 	struct device *dev = &map->pdev->dev;
 	u32 i, done = 0;

@@ -43,7 +43,7 @@ atomic_t gpupin_nr_detached = ATOMIC_INIT(0);
  * May the pages of @pin be put from here?  Non-persistent nv-p2p pages only
  * by the process that pinned them (the file's owner: PIN checks that).
  */
-static bool gpupin_pin_put_here(struct gpupin_region *pin)
+static bool gpupin_pin_put_here(struct gpupin_pin_obj *pin)
 {
 	return !pin->pt || (pin->flags & GPUPIN_PIN_PERSISTENT) ||
 	       gpupin_caller_owns(pin->file);
@@ -51,21 +51,21 @@ static bool gpupin_pin_put_here(struct gpupin_region *pin)
 
 static void gpupin_pin_free(struct kref *ref)
 {
-	struct gpupin_region *pin = container_of(ref, struct gpupin_region, ref);
+	struct gpupin_pin_obj *pin = container_of(ref, struct gpupin_pin_obj, ref);
 
 	kfree(pin->ev);
 	kfree(pin);
 }
 
-void gpupin_pin_put(struct gpupin_region *pin)
+void gpupin_pin_put(struct gpupin_pin_obj *pin)
 {
 	kref_put(&pin->ref, gpupin_pin_free);
 }
 
 /* Look up @handle exactly and take a reference; NULL if it is not a pin. */
-struct gpupin_region *gpupin_pin_lookup(struct gpupin_file *f, u64 handle)
+struct gpupin_pin_obj *gpupin_pin_lookup(struct gpupin_file *f, u64 handle)
 {
-	struct gpupin_region *pin;
+	struct gpupin_pin_obj *pin;
 
 	if (handle > ULONG_MAX)
 		return NULL;
@@ -81,9 +81,9 @@ struct gpupin_region *gpupin_pin_lookup(struct gpupin_file *f, u64 handle)
  * The pin @handle of @f for a call that changes it: only the process that
  * opened the file may.  Returns a reference, or NULL with *err set.
  */
-struct gpupin_region *gpupin_pin_lookup_owned(struct gpupin_file *f, u64 handle, int *err)
+struct gpupin_pin_obj *gpupin_pin_lookup_owned(struct gpupin_file *f, u64 handle, int *err)
 {
-	struct gpupin_region *pin = NULL;
+	struct gpupin_pin_obj *pin = NULL;
 
 	*err = -EACCES;
 	if (gpupin_caller_owns(f)) {
@@ -97,7 +97,7 @@ struct gpupin_region *gpupin_pin_lookup_owned(struct gpupin_file *f, u64 handle,
  * Mark the caller as an in-flight user of the pin's pages: the free callback
  * waits for it.  Fails with -ENXIO once the pages are gone or going.
  */
-int gpupin_pin_use(struct gpupin_region *pin)
+int gpupin_pin_use(struct gpupin_pin_obj *pin)
 {
 	int ret = -ENXIO;
 
@@ -110,7 +110,7 @@ int gpupin_pin_use(struct gpupin_region *pin)
 	return ret;
 }
 
-void gpupin_pin_unuse(struct gpupin_region *pin)
+void gpupin_pin_unuse(struct gpupin_pin_obj *pin)
 {
 	spin_lock(&pin->lock);
 	pin->inflight--;
@@ -119,7 +119,7 @@ void gpupin_pin_unuse(struct gpupin_region *pin)
 	spin_unlock(&pin->lock);
 }
 
-static void gpupin_set_state(struct gpupin_region *pin, enum gpupin_pin_state state)
+static void gpupin_set_state(struct gpupin_pin_obj *pin, enum gpupin_pin_state state)
 {
 	spin_lock(&pin->lock);
 	pin->state = state;
@@ -138,8 +138,8 @@ static void gpupin_set_state(struct gpupin_region *pin, enum gpupin_pin_state st
  * of a DETACHED pin: the caller then owes the module the reference that pin
  * held, dropped as the very last thing before returning to the provider.
  */
-static bool gpupin_pin_invalidate(struct gpupin_region *pin, bool always,
-				  void (*teardown)(struct gpupin_region *pin))
+static bool gpupin_pin_invalidate(struct gpupin_pin_obj *pin, bool always,
+				  void (*teardown)(struct gpupin_pin_obj *pin))
 {
 	struct gpupin_file *f = pin->file;
 	enum gpupin_pin_state prev;
@@ -203,7 +203,7 @@ static bool gpupin_pin_invalidate(struct gpupin_region *pin, bool always,
 }
 
 /* The provider tore the mappings down: free their descriptors and the table. */
-static void gpupin_nvp2p_teardown(struct gpupin_region *pin)
+static void gpupin_nvp2p_teardown(struct gpupin_pin_obj *pin)
 {
 	gpupin_free_maps_invalidated(pin);
 	nvidia_p2p_free_page_table(pin->pt);
@@ -238,12 +238,12 @@ static void gpupin_free_callback(void *data)
 }
 
 /* dma-buf move_notify (reservation lock held): the exporter revokes the buffer. */
-void gpupin_pin_revoke(struct gpupin_region *pin)
+void gpupin_pin_revoke(struct gpupin_pin_obj *pin)
 {
 	gpupin_pin_invalidate(pin, false, gpupin_dmabuf_teardown);
 }
 
-static bool gpupin_pin_settled(struct gpupin_region *pin)
+static bool gpupin_pin_settled(struct gpupin_pin_obj *pin)
 {
 	bool settled;
 
@@ -258,7 +258,7 @@ static bool gpupin_pin_settled(struct gpupin_region *pin)
  * and the module (the callback drops them).  Caller holds pin->lock and has
  * just moved the pin to DETACHED.
  */
-static void gpupin_pin_hold_detached(struct gpupin_region *pin)
+static void gpupin_pin_hold_detached(struct gpupin_pin_obj *pin)
 {
 	lockdep_assert_held(&pin->lock);
 	kref_get(&pin->ref);
@@ -278,7 +278,7 @@ static void gpupin_pin_hold_detached(struct gpupin_region *pin)
  * not wait for us.)  Returns false when put_pages failed for a pin whose
  * callback may still be armed: the pin is then DETACHED, kept for it.
  */
-static bool gpupin_put_pages(struct gpupin_region *pin, enum gpupin_pin_state claimed)
+static bool gpupin_put_pages(struct gpupin_pin_obj *pin, enum gpupin_pin_state claimed)
 {
 	bool persistent = pin->flags & GPUPIN_PIN_PERSISTENT;
 	bool detach = false;
@@ -321,7 +321,7 @@ static bool gpupin_put_pages(struct gpupin_region *pin, enum gpupin_pin_state cl
  * module; so is a pin whose put_pages failed.  Returns false in those cases
  * (the pin's pages are not released, and stay counted until the callback).
  */
-bool gpupin_pin_release_pages(struct gpupin_region *pin, enum gpupin_pin_state from)
+bool gpupin_pin_release_pages(struct gpupin_pin_obj *pin, enum gpupin_pin_state from)
 {
 	bool ours, detach = !gpupin_pin_put_here(pin);
 	/*
@@ -388,7 +388,7 @@ bool gpupin_pin_release_pages(struct gpupin_region *pin, enum gpupin_pin_state f
 }
 
 /* Give back the slot and count of a pin that is out of the handle table. */
-static void gpupin_pin_unaccount(struct gpupin_file *f, struct gpupin_region *pin)
+static void gpupin_pin_unaccount(struct gpupin_file *f, struct gpupin_pin_obj *pin)
 {
 	WRITE_ONCE(f->vmap[pin->slot], 0);
 	ida_free(&f->slots, pin->slot);
@@ -400,7 +400,7 @@ static void gpupin_pin_unaccount(struct gpupin_file *f, struct gpupin_region *pi
  * table's ref.  No kernel-API reference may be left.
  * @reason: GPUPIN_NL_REASON_* for the UNPINNED event.
  */
-void gpupin_pin_destroy_now(struct gpupin_file *f, struct gpupin_region *pin, u32 reason)
+void gpupin_pin_destroy_now(struct gpupin_file *f, struct gpupin_pin_obj *pin, u32 reason)
 {
 	/* Detached or not, the pin leaves the file's slots now. */
 	gpupin_pin_release_pages(pin, GPUPIN_PIN_PINNED);
@@ -417,7 +417,7 @@ void gpupin_pin_destroy_now(struct gpupin_file *f, struct gpupin_region *pin, u3
  * Tear down a pin already removed from the handle table, or, while drivers
  * hold references to it, leave that to the last gpupin_ref_put().
  */
-static void gpupin_pin_destroy(struct gpupin_file *f, struct gpupin_region *pin, u32 reason)
+static void gpupin_pin_destroy(struct gpupin_file *f, struct gpupin_pin_obj *pin, u32 reason)
 {
 	bool defer;
 
@@ -438,7 +438,7 @@ static void gpupin_pin_destroy(struct gpupin_file *f, struct gpupin_region *pin,
 
 void gpupin_file_release_pins(struct gpupin_file *f, u32 reason)
 {
-	struct gpupin_region *pin;
+	struct gpupin_pin_obj *pin;
 	unsigned long idx;
 
 	xa_for_each(&f->pins, idx, pin) {
@@ -468,7 +468,7 @@ static bool gpupin_table_version_ok(u32 version)
 	return built == 2 && major == 1 && minor >= 2;
 }
 
-static int gpupin_check_table(struct gpupin_region *pin)
+static int gpupin_check_table(struct gpupin_pin_obj *pin)
 {
 	struct nvidia_p2p_page_table *pt = pin->pt;
 
@@ -537,10 +537,10 @@ static int gpupin_pin_validate(struct gpupin_pin *arg)
 }
 
 /* A new pin in state PINNING, not yet reserved; NULL (counted in fail_enomem) if out of memory. */
-struct gpupin_region *gpupin_pin_alloc(struct gpupin_file *f, u64 va, u64 size, u64 aligned_va,
-				       u64 aligned_size, u64 user_tag, u32 page_shift)
+struct gpupin_pin_obj *gpupin_pin_alloc(struct gpupin_file *f, u64 va, u64 size, u64 aligned_va,
+					u64 aligned_size, u64 user_tag, u32 page_shift)
 {
-	struct gpupin_region *pin;
+	struct gpupin_pin_obj *pin;
 
 	pin = gpupin_kzalloc(sizeof(*pin), GFP_KERNEL);
 	if (!pin)
@@ -575,7 +575,7 @@ nomem:
 }
 
 /* Reserve a handle, a validity slot and a place in the per-file count. */
-static int gpupin_pin_account(struct gpupin_file *f, struct gpupin_region *pin)
+static int gpupin_pin_account(struct gpupin_file *f, struct gpupin_pin_obj *pin)
 {
 	int slot;
 
@@ -595,7 +595,7 @@ static int gpupin_pin_account(struct gpupin_file *f, struct gpupin_region *pin)
  * Budget, slot and handle for a new pin; on failure the pin is freed and
  * the failure counted.
  */
-int gpupin_pin_reserve(struct gpupin_file *f, struct gpupin_region *pin)
+int gpupin_pin_reserve(struct gpupin_file *f, struct gpupin_pin_obj *pin)
 {
 	int ret = gpupin_budget_get(pin->aligned_size);
 
@@ -613,7 +613,7 @@ int gpupin_pin_reserve(struct gpupin_file *f, struct gpupin_region *pin)
 }
 
 /* Undo gpupin_pin_reserve() for a pin that failed with @err; frees it. */
-void gpupin_pin_unreserve(struct gpupin_file *f, struct gpupin_region *pin, int err)
+void gpupin_pin_unreserve(struct gpupin_file *f, struct gpupin_pin_obj *pin, int err)
 {
 	gpupin_pin_unaccount(f, pin);
 	atomic64_sub(pin->aligned_size, &gpupin_pinned_bytes);
@@ -628,8 +628,8 @@ void gpupin_pin_unreserve(struct gpupin_file *f, struct gpupin_region *pin, int 
  * PINNING under the same lock), so the provider's page table is still
  * there to check and copy from.  Its error fails the pin.
  */
-int gpupin_pin_mark_pinned(struct gpupin_file *f, struct gpupin_region *pin,
-			   int (*take)(struct gpupin_region *pin))
+int gpupin_pin_mark_pinned(struct gpupin_file *f, struct gpupin_pin_obj *pin,
+			   int (*take)(struct gpupin_pin_obj *pin))
 {
 	int ret = -ENXIO;
 
@@ -646,7 +646,7 @@ int gpupin_pin_mark_pinned(struct gpupin_file *f, struct gpupin_region *pin,
 }
 
 /* nv-p2p's @take: check the page table and keep its GPU UUID. */
-static int gpupin_take_table(struct gpupin_region *pin)
+static int gpupin_take_table(struct gpupin_pin_obj *pin)
 {
 	int ret = gpupin_check_table(pin);
 
@@ -656,7 +656,7 @@ static int gpupin_take_table(struct gpupin_region *pin)
 }
 
 /* The pin's GPU UUID (zeros where the provider gives none). */
-void gpupin_pin_uuid(const struct gpupin_region *pin, u8 uuid[16])
+void gpupin_pin_uuid(const struct gpupin_pin_obj *pin, u8 uuid[16])
 {
 	memcpy(uuid, pin->gpu_uuid, 16);
 }
@@ -665,7 +665,7 @@ void gpupin_pin_uuid(const struct gpupin_region *pin, u8 uuid[16])
  * Address of page @idx: its physical address (nv-p2p), or its bus address in
  * gpupin's own import (dma-buf).  The caller is an in-flight user.
  */
-u64 gpupin_pin_page_addr(const struct gpupin_region *pin, u32 idx)
+u64 gpupin_pin_page_addr(const struct gpupin_pin_obj *pin, u32 idx)
 {
 	if (idx >= pin->entries)
 		return 0;
@@ -674,7 +674,7 @@ u64 gpupin_pin_page_addr(const struct gpupin_region *pin, u32 idx)
 	return pin->dmabuf_addrs ? pin->dmabuf_addrs[idx] : 0;
 }
 
-static void gpupin_pin_fill(struct gpupin_pin *arg, const struct gpupin_region *pin)
+static void gpupin_pin_fill(struct gpupin_pin *arg, const struct gpupin_pin_obj *pin)
 {
 	BUILD_BUG_ON(sizeof(arg->gpu_uuid) != 16);
 	arg->handle = pin->handle;
@@ -691,7 +691,7 @@ static void gpupin_pin_fill(struct gpupin_pin *arg, const struct gpupin_region *
  * space (@len bytes of @arg to @uarg), events and counters.  On failure the
  * pin is torn down again.
  */
-int gpupin_pin_publish(struct gpupin_file *f, struct gpupin_region *pin, void __user *uarg,
+int gpupin_pin_publish(struct gpupin_file *f, struct gpupin_pin_obj *pin, void __user *uarg,
 		       const void *arg, size_t len)
 {
 	int ret;
@@ -725,9 +725,9 @@ int gpupin_pin_publish(struct gpupin_file *f, struct gpupin_region *pin, void __
  * (gpupin_pin_publish), or destroys it.
  */
 static int gpupin_pin_create(struct gpupin_file *f, const struct gpupin_pin *req,
-			     struct gpupin_region **out)
+			     struct gpupin_pin_obj **out)
 {
-	struct gpupin_region *pin;
+	struct gpupin_pin_obj *pin;
 	bool persistent;
 	int ret;
 
@@ -778,7 +778,7 @@ err_unreserve:
 long gpupin_ioctl_pin(struct gpupin_file *f, struct gpupin_pin __user *uarg)
 {
 	struct gpupin_pin arg;
-	struct gpupin_region *pin;
+	struct gpupin_pin_obj *pin;
 	int ret;
 
 	if (copy_from_user(&arg, uarg, sizeof(arg)))
@@ -798,7 +798,7 @@ long gpupin_ioctl_pin(struct gpupin_file *f, struct gpupin_pin __user *uarg)
 long gpupin_ioctl_unpin(struct gpupin_file *f, struct gpupin_unpin __user *uarg)
 {
 	struct gpupin_unpin arg;
-	struct gpupin_region *pin = NULL;
+	struct gpupin_pin_obj *pin = NULL;
 
 	if (copy_from_user(&arg, uarg, sizeof(arg)))
 		return -EFAULT;
@@ -818,7 +818,7 @@ long gpupin_ioctl_unpin(struct gpupin_file *f, struct gpupin_unpin __user *uarg)
 }
 
 /* QUERY's answer for @pin, a reference the caller holds. */
-static void gpupin_pin_query(struct gpupin_region *pin, struct gpupin_query *arg)
+static void gpupin_pin_query(struct gpupin_pin_obj *pin, struct gpupin_query *arg)
 {
 	arg->va = pin->va;
 	arg->size = pin->size;
@@ -840,7 +840,7 @@ static void gpupin_pin_query(struct gpupin_region *pin, struct gpupin_query *arg
 long gpupin_ioctl_query(struct gpupin_file *f, struct gpupin_query __user *uarg)
 {
 	struct gpupin_query arg;
-	struct gpupin_region *pin;
+	struct gpupin_pin_obj *pin;
 
 	if (copy_from_user(&arg, uarg, sizeof(arg)))
 		return -EFAULT;
@@ -857,7 +857,7 @@ long gpupin_ioctl_query(struct gpupin_file *f, struct gpupin_query __user *uarg)
 long gpupin_ioctl_get_pages(struct gpupin_file *f, struct gpupin_get_pages __user *uarg)
 {
 	struct gpupin_get_pages arg;
-	struct gpupin_region *pin;
+	struct gpupin_pin_obj *pin;
 	u64 *addrs;
 	u32 i;
 	int ret;
