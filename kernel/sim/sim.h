@@ -47,28 +47,6 @@
 extern struct mutex sim_big_lock;
 extern spinlock_t sim_lock;
 
-/* Module parameters (sim_main.c) */
-extern unsigned long sim_bar_size;
-extern unsigned int sim_pin_latency_us;
-extern int sim_fail_nth;
-extern int sim_fail_errno;
-extern bool sim_race_put_pages;
-extern bool sim_race_get_pages;
-extern unsigned int sim_dma_map_latency_us;
-extern unsigned int sim_unmap_latency_us;
-extern unsigned int sim_lock_timeout_ms;
-extern unsigned int sim_callback_timeout_ms;
-extern unsigned int sim_dead_tables_max;
-extern unsigned long sim_mem_limit;
-extern unsigned int sim_page_table_version;
-extern unsigned int sim_page_size_type;
-extern unsigned int sim_dma_mapping_version;
-extern int sim_fail_put_nth;
-extern int sim_fail_dma_map_nth;
-extern int sim_fail_attach_nth;
-extern int sim_fail_dmabuf_map_nth;
-extern int sim_expect_misuse;
-extern bool sim_reuse_freed_tables;
 extern u8 sim_gpu_uuid[NVIDIA_P2P_GPU_UUID_LEN];
 
 /* Counters, under sim_lock. */
@@ -146,6 +124,7 @@ const char *nvp2p_sim_provider(void);
 void sim_pin_put(struct sim_pin *pin);
 void sim_run_callbacks(struct list_head *claimed);
 int sim_injected_error_locked(int *nth_param);
+unsigned long sim_bar_size(void);	/* the bar_size parameter, for sim_main.c */
 int sim_p2p_init(void);
 void sim_p2p_exit(void);
 

@@ -41,6 +41,15 @@
 
 GPUPIN_IMPORT_NS_DMA_BUF();
 
+/* Fault injection for the exporters, with fail_errno (sim_injected_error_locked). */
+static int sim_fail_attach_nth;
+module_param_named(fail_attach_nth, sim_fail_attach_nth, int, 0644);
+MODULE_PARM_DESC(fail_attach_nth, "Fail the Nth attach to an exported dma-buf from now with -fail_errno, then reset to 0 (0 = off)");
+
+static int sim_fail_dmabuf_map_nth;
+module_param_named(fail_dmabuf_map_nth, sim_fail_dmabuf_map_nth, int, 0644);
+MODULE_PARM_DESC(fail_dmabuf_map_nth, "Fail the Nth mapping of an exported dma-buf from now with -fail_errno, then reset to 0 (0 = off)");
+
 /*
  * Guards every alloc->exports list, and keeps a listed buffer from being
  * released while sim_revoke_exports() works on it (the release op takes it

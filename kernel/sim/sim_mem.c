@@ -16,6 +16,7 @@
 #include <linux/idr.h>
 #include <linux/miscdevice.h>
 #include <linux/mm.h>
+#include <linux/moduleparam.h>
 #include <linux/sched.h>
 #include <linux/slab.h>
 #include <linux/uaccess.h>
@@ -28,6 +29,10 @@
 static LIST_HEAD(sim_ctxs);		/* under sim_lock */
 static DEFINE_IDA(sim_ctx_ida);
 static atomic64_t sim_next_buffer_id = ATOMIC64_INIT(0);
+
+static unsigned long sim_mem_limit = 1UL << 30;
+module_param_named(mem_limit, sim_mem_limit, ulong, 0644);
+MODULE_PARM_DESC(mem_limit, "Simulated device memory that all contexts together may allocate, in bytes (default 1 GiB)");
 
 static void sim_alloc_release(struct kref *ref)
 {

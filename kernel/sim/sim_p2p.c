@@ -43,6 +43,80 @@ static DEFINE_HASHTABLE(sim_pins, 10);
 static LIST_HEAD(sim_graveyard);
 static unsigned int sim_nr_dead;	/* under sim_lock */
 
+/*
+ * The knobs of the nv-p2p entry points: module parameters, writable at any
+ * time in /sys/module/nvp2p_sim/parameters/, so read with READ_ONCE.
+ * bar_device, with its own setter, is further down.
+ */
+static struct {
+	/* What get_pages and dma_map_pages hand out, and how much. */
+	unsigned int page_table_version;
+	unsigned int page_size_type;
+	unsigned int dma_mapping_version;
+	unsigned long bar_size;
+	/* Freed page tables: how many are kept, whether an address comes back. */
+	unsigned int dead_tables_max;
+	bool reuse_freed_tables;
+	/* Delays that widen a client's race windows. */
+	unsigned int pin_latency_us;
+	unsigned int dma_map_latency_us;
+	unsigned int unmap_latency_us;
+	/* Fault injection (sim_injected_error_locked) and forced races. */
+	int fail_nth;
+	int fail_put_nth;
+	int fail_dma_map_nth;
+	int fail_errno;
+	bool race_get_pages;
+	bool race_put_pages;
+} sim_p2p_knobs = {
+	.page_table_version = NVIDIA_P2P_PAGE_TABLE_VERSION,
+	.page_size_type = NVIDIA_P2P_PAGE_SIZE_64KB,
+	.dma_mapping_version = NVIDIA_P2P_DMA_MAPPING_VERSION,
+	.bar_size = 256UL << 20,
+	.dead_tables_max = 4096,
+	.fail_errno = ENOMEM,
+};
+
+module_param_named(page_table_version, sim_p2p_knobs.page_table_version, uint, 0644);
+MODULE_PARM_DESC(page_table_version, "Page-table version and layout handed out: 0x00020000 (R580 on, default) or 0x00010002 (R535..R575: no flags member); others test clients' version checks");
+module_param_named(page_size_type, sim_p2p_knobs.page_size_type, uint, 0644);
+MODULE_PARM_DESC(page_size_type, "Page size type written into page tables: 1 = 64 KiB (default; what every GPU gives); others test clients' checks, the memory stays in 64 KiB pages");
+module_param_named(dma_mapping_version, sim_p2p_knobs.dma_mapping_version, uint, 0644);
+MODULE_PARM_DESC(dma_mapping_version, "DMA-mapping version handed out by dma_map_pages (default 0x00020003); others test clients' version checks");
+module_param_named(bar_size, sim_p2p_knobs.bar_size, ulong, 0644);
+MODULE_PARM_DESC(bar_size, "Simulated BAR1 size in bytes; pins beyond it fail with -ENOMEM (default 256 MiB)");
+
+module_param_named(dead_tables_max, sim_p2p_knobs.dead_tables_max, uint, 0644);
+MODULE_PARM_DESC(dead_tables_max, "Freed page tables kept poisoned to catch later calls that pass them (default 4096)");
+module_param_named(reuse_freed_tables, sim_p2p_knobs.reuse_freed_tables, bool, 0644);
+MODULE_PARM_DESC(reuse_freed_tables, "Hand a freed page table's address to the next get_pages of the same process, so that a stale put_pages hits that newer pin, as on NVIDIA's driver (counted in stale_table_puts; default off)");
+
+module_param_named(pin_latency_us, sim_p2p_knobs.pin_latency_us, uint, 0644);
+MODULE_PARM_DESC(pin_latency_us, "Extra latency of each get_pages call in microseconds (default 0)");
+module_param_named(dma_map_latency_us, sim_p2p_knobs.dma_map_latency_us, uint, 0644);
+MODULE_PARM_DESC(dma_map_latency_us, "Delay between dma_map_pages reading the table and taking the API lock, in microseconds (default 0)");
+module_param_named(unmap_latency_us, sim_p2p_knobs.unmap_latency_us, uint, 0644);
+MODULE_PARM_DESC(unmap_latency_us, "Delay before dma_unmap_pages reads the table, in microseconds (default 0)");
+
+module_param_named(fail_nth, sim_p2p_knobs.fail_nth, int, 0644);
+MODULE_PARM_DESC(fail_nth, "Fail the Nth get_pages call from now with -fail_errno, then reset to 0 (0 = off)");
+module_param_named(fail_put_nth, sim_p2p_knobs.fail_put_nth, int, 0644);
+MODULE_PARM_DESC(fail_put_nth, "Fail the Nth put_pages (either kind) of a live table from now with -fail_errno, leaving it pinned and its callback armed, then reset to 0 (0 = off)");
+module_param_named(fail_dma_map_nth, sim_p2p_knobs.fail_dma_map_nth, int, 0644);
+MODULE_PARM_DESC(fail_dma_map_nth, "Fail the Nth dma_map_pages call from now with -fail_errno, then reset to 0 (0 = off)");
+module_param_named(fail_errno, sim_p2p_knobs.fail_errno, int, 0644);
+MODULE_PARM_DESC(fail_errno, "Positive errno returned by the injected failure (default ENOMEM)");
+module_param_named(race_get_pages, sim_p2p_knobs.race_get_pages, bool, 0644);
+MODULE_PARM_DESC(race_get_pages, "Free the memory as each get_pages drops the API lock: its callback runs before get_pages returns (default off)");
+module_param_named(race_put_pages, sim_p2p_knobs.race_put_pages, bool, 0644);
+MODULE_PARM_DESC(race_put_pages, "Fire the free callback concurrently with every put_pages (default off)");
+
+/* For the load message (sim_main.c). */
+unsigned long sim_bar_size(void)
+{
+	return READ_ONCE(sim_p2p_knobs.bar_size);
+}
+
 static struct sim_pin *sim_pin_lookup_locked(struct nvidia_p2p_page_table *pt)
 {
 	struct sim_pin *pin;
@@ -228,7 +302,7 @@ static void sim_pin_retire_locked(struct sim_pin *pin, struct list_head *evicted
 	sim_nr_dead++;
 	/* The caller buries it after unlocking: keep it until then (sim_pin_put). */
 	refcount_inc(&pin->refs);
-	while (sim_nr_dead > READ_ONCE(sim_dead_tables_max)) {
+	while (sim_nr_dead > READ_ONCE(sim_p2p_knobs.dead_tables_max)) {
 		old = list_first_entry(&sim_graveyard, struct sim_pin, node);
 		if (old == pin)
 			break;		/* still being buried by the caller */
@@ -358,7 +432,7 @@ int sim_injected_error_locked(int *nth_param)
 	WRITE_ONCE(*nth_param, nth - 1);
 	if (nth > 1)
 		return 0;
-	nth = abs(READ_ONCE(sim_fail_errno));
+	nth = abs(READ_ONCE(sim_p2p_knobs.fail_errno));
 	return nth >= 1 && nth <= MAX_ERRNO ? -nth : -EIO;
 }
 
@@ -389,7 +463,7 @@ static void sim_table_fill(struct sim_pin *pin, u32 version, u32 entries)
 	struct list_head *head = (void *)pin->pt + end;
 
 	pin->pt->version = version;
-	pin->pt->page_size = READ_ONCE(sim_page_size_type);
+	pin->pt->page_size = READ_ONCE(sim_p2p_knobs.page_size_type);
 	pin->pt->pages = pin->pages;
 	pin->pt->entries = entries;
 	if (end > offsetof(struct nvidia_p2p_page_table, gpu_uuid))
@@ -441,11 +515,11 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 	if (!len || ((va | len) & (SIM_PAGE_SIZE - 1)) || va + len < va ||
 	    len > BIT_ULL(SIM_CTX_SHIFT))
 		return -EINVAL;
-	if (READ_ONCE(sim_pin_latency_us))
-		fsleep(READ_ONCE(sim_pin_latency_us));
+	if (READ_ONCE(sim_p2p_knobs.pin_latency_us))
+		fsleep(READ_ONCE(sim_p2p_knobs.pin_latency_us));
 
 	entries = len >> SIM_PAGE_SHIFT;
-	version = READ_ONCE(sim_page_table_version);
+	version = READ_ONCE(sim_p2p_knobs.page_table_version);
 	pin = kzalloc(sizeof(*pin), GFP_KERNEL);
 	if (!pin)
 		return -ENOMEM;
@@ -477,13 +551,13 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 		goto err_free;
 	spin_lock(&sim_lock);
 	sim_stats.get_pages_calls++;
-	err = sim_injected_error_locked(&sim_fail_nth);
+	err = sim_injected_error_locked(&sim_p2p_knobs.fail_nth);
 	if (err)
 		goto err_unlock;
 	alloc = sim_find_alloc_locked(va, len, &err);
 	if (!alloc)
 		goto err_unlock;
-	if (sim_stats.bar_bytes + len > READ_ONCE(sim_bar_size)) {
+	if (sim_stats.bar_bytes + len > READ_ONCE(sim_p2p_knobs.bar_size)) {
 		err = -ENOMEM;
 		goto err_unlock;
 	}
@@ -496,7 +570,7 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 	if (!persistent) {
 		list_add_tail(&pin->node, &alloc->pins);
 		sim_stats.live_callbacks++;
-		if (READ_ONCE(sim_reuse_freed_tables))
+		if (READ_ONCE(sim_p2p_knobs.reuse_freed_tables))
 			dead = sim_reuse_table_locked(pin, version, entries);
 	}
 	hash_add(sim_pins, &pin->hnode, (unsigned long)pin->pt);
@@ -505,7 +579,7 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 	sim_stats.bar_bytes += len;
 	sim_stats.page_tables++;
 	*page_table = pin->pt;
-	if (!persistent && READ_ONCE(sim_race_get_pages)) {
+	if (!persistent && READ_ONCE(sim_p2p_knobs.race_get_pages)) {
 		/* The memory is freed as soon as the API lock drops. */
 		pin->state = SIM_PIN_CALLBACK;
 		list_del_init(&pin->node);
@@ -606,7 +680,7 @@ static int sim_put_pages(u64 va, struct nvidia_p2p_page_table *pt, bool persiste
 	 * than with NV_ERR_OBJECT_NOT_FOUND): nv_p2p_put_pages returns the
 	 * error, the pages stay pinned and the callback stays armed.
 	 */
-	ret = sim_injected_error_locked(&sim_fail_put_nth);
+	ret = sim_injected_error_locked(&sim_p2p_knobs.fail_put_nth);
 	if (ret)
 		goto out_unlock;
 	/*
@@ -617,7 +691,7 @@ static int sim_put_pages(u64 va, struct nvidia_p2p_page_table *pt, bool persiste
 	if (pin->table_reused && pin->va != va)
 		sim_count_misuse(&sim_stats.stale_table_puts,
 				 "put_pages of a freed page table released a newer pin at the same address");
-	if (pin->state == SIM_PIN_LIVE && !persistent && READ_ONCE(sim_race_put_pages)) {
+	if (pin->state == SIM_PIN_LIVE && !persistent && READ_ONCE(sim_p2p_knobs.race_put_pages)) {
 		/* Free the memory "now", on another CPU, as put_pages runs. */
 		pin->state = SIM_PIN_CALLBACK;
 		list_del_init(&pin->node);
@@ -726,8 +800,8 @@ int nvidia_p2p_dma_map_pages(struct pci_dev *peer,
 	pin = sim_pin_get_live(page_table, __func__);
 	if (!pin)
 		return -EINVAL;
-	if (READ_ONCE(sim_dma_map_latency_us))
-		fsleep(READ_ONCE(sim_dma_map_latency_us));
+	if (READ_ONCE(sim_p2p_knobs.dma_map_latency_us))
+		fsleep(READ_ONCE(sim_p2p_knobs.dma_map_latency_us));
 	err = sim_api_lock(__func__);
 	if (err)
 		goto out_put;
@@ -747,7 +821,7 @@ int nvidia_p2p_dma_map_pages(struct pci_dev *peer,
 		sim_count_misuse(&sim_stats.dma_map_races,
 				 "dma_map_pages: the table was freed while it waited for the API lock (heap corruption in NVIDIA's driver)");
 	} else if (pin->state == SIM_PIN_LIVE) {
-		err = sim_injected_error_locked(&sim_fail_dma_map_nth);
+		err = sim_injected_error_locked(&sim_p2p_knobs.fail_dma_map_nth);
 	}
 	spin_unlock(&sim_lock);
 	if (err)
@@ -764,7 +838,7 @@ int nvidia_p2p_dma_map_pages(struct pci_dev *peer,
 	}
 	map->dev = &peer->dev;
 	map->pin = pin;
-	map->m.version = READ_ONCE(sim_dma_mapping_version);
+	map->m.version = READ_ONCE(sim_p2p_knobs.dma_mapping_version);
 	map->m.page_size_type = NVIDIA_P2P_PAGE_SIZE_64KB;
 	map->m.private = map;
 	map->m.pci_dev = peer;
@@ -833,8 +907,8 @@ int nvidia_p2p_dma_unmap_pages(struct pci_dev *peer,
 
 	if (!peer || !page_table || !dma_mapping)
 		return -EINVAL;
-	if (READ_ONCE(sim_unmap_latency_us))
-		fsleep(READ_ONCE(sim_unmap_latency_us));
+	if (READ_ONCE(sim_p2p_knobs.unmap_latency_us))
+		fsleep(READ_ONCE(sim_p2p_knobs.unmap_latency_us));
 	spin_lock(&sim_lock);
 	pin = sim_pin_lookup_locked(page_table);
 	if (pin && pin->state == SIM_PIN_FREED) {

@@ -20,6 +20,7 @@
 #include <linux/delay.h>
 #include <linux/jiffies.h>
 #include <linux/lockdep.h>
+#include <linux/moduleparam.h>
 #include <linux/mutex.h>
 #include <linux/ratelimit.h>
 #include <linux/workqueue.h>
@@ -37,6 +38,10 @@ static struct lockdep_map sim_api_map = STATIC_LOCKDEP_MAP_INIT("nvidia_rm_api_l
 
 /* The thread holding the API lock (rmapiLockIsOwner); written under it. */
 static struct task_struct *sim_api_owner;
+
+static unsigned int sim_lock_timeout_ms = 5000;
+module_param_named(lock_timeout_ms, sim_lock_timeout_ms, uint, 0644);
+MODULE_PARM_DESC(lock_timeout_ms, "Give up (WARN, -EDEADLK) after waiting this long for the RM API lock: a deadlock on real hardware (default 5000, 0 = wait forever)");
 
 /*
  * Take the API lock for @who (an nv-p2p entry point or the free path).
@@ -90,6 +95,10 @@ void sim_api_unlock(void)
  */
 static void *sim_wd_callback;		/* the callback being watched */
 
+static unsigned int sim_callback_timeout_ms = 5000;
+module_param_named(callback_timeout_ms, sim_callback_timeout_ms, uint, 0644);
+MODULE_PARM_DESC(callback_timeout_ms, "WARN when a free callback runs longer than this, in milliseconds (default 5000, 0 = never)");
+
 static void sim_watchdog_fire(struct work_struct *work)
 {
 	spin_lock(&sim_lock);
@@ -116,6 +125,10 @@ void sim_watchdog_disarm(void)
 {
 	cancel_delayed_work_sync(&sim_wd_work);
 }
+
+static int sim_expect_misuse;
+module_param_named(expect_misuse, sim_expect_misuse, int, 0644);
+MODULE_PARM_DESC(expect_misuse, "Strict misuses a test provokes on purpose: each is counted and logged without a kernel WARNING while this is above 0, and takes one off (default 0: every misuse WARNs)");
 
 /*
  * Count one strict misuse in @counter (a field of sim_stats) and report
