@@ -21,7 +21,8 @@
  *
  * In both the memory stays until the last reference to the buffer goes (the
  * export holds the allocation, counted in alloc_bytes against mem_limit),
- * then is poisoned as any freed allocation is.
+ * then is poisoned as any freed allocation is; and a mapping's scatterlist
+ * has no struct pages, as device memory's has (sim_dmabuf_map_segs).
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
@@ -127,14 +128,61 @@ static void sim_dmabuf_unpin(struct dma_buf_attachment *attach)
 	spin_unlock(&sim_lock);
 }
 
+/* Undoes the first @n segments of sim_dmabuf_map_segs(). */
+static void sim_dmabuf_unmap_segs(struct device *dev, struct sg_table *sgt, unsigned int n,
+				  enum dma_data_direction dir)
+{
+	struct scatterlist *sg;
+	unsigned int i;
+
+	for_each_sg(sgt->sgl, sg, n, i)
+		dma_unmap_page(dev, sg_dma_address(sg), sg_dma_len(sg), dir);
+}
+
+/*
+ * NVIDIA's table for discrete GPU memory (nv_dma_buf_map_pfns): no struct
+ * pages, only DMA addresses and lengths filled in by hand, each chunk cut at
+ * the device's page-aligned dma_get_max_seg_size (nv_dma_buf_get_sg_count).
+ * An importer must not use sg_page(), sg_phys() or kmap on it.  Here each
+ * segment is a piece of a host chunk mapped with dma_map_page; NVIDIA maps
+ * BAR1 ranges with dma_map_resource (nv_dma_map_peer).
+ */
+static int sim_dmabuf_map_segs(struct device *dev, struct sim_alloc *alloc, u32 seg,
+			       struct sg_table *sgt, enum dma_data_direction dir)
+{
+	struct scatterlist *sg = sgt->sgl;
+	unsigned int done = 0;
+	unsigned long c;
+	u32 off;
+
+	for (c = 0; c < alloc->nchunks; c++) {
+		for (off = 0; off < SIM_PAGE_SIZE; off += seg) {
+			u32 len = min_t(u32, seg, SIM_PAGE_SIZE - off);
+			dma_addr_t addr = dma_map_page(dev, alloc->chunks[c], off, len, dir);
+
+			if (dma_mapping_error(dev, addr)) {
+				sim_dmabuf_unmap_segs(dev, sgt, done, dir);
+				return -ENOMEM;
+			}
+			sg_set_page(sg, NULL, len, 0);
+			sg_dma_address(sg) = addr;
+			sg_dma_len(sg) = len;
+			done++;
+			sg = sg_next(sg);
+		}
+	}
+	sgt->nents = done;
+	return 0;
+}
+
 static struct sg_table *sim_dmabuf_map(struct dma_buf_attachment *attach,
 				       enum dma_data_direction dir)
 {
 	struct sim_export *exp = attach->dmabuf->priv;
 	struct sim_alloc *alloc = exp->alloc;
-	struct scatterlist *sg;
+	u32 seg = ALIGN_DOWN(dma_get_max_seg_size(attach->dev), PAGE_SIZE);
 	struct sg_table *sgt;
-	int ret, i;
+	int ret;
 
 	/* The dma-buf core maps a static exporter's buffers without the lock. */
 	if (exp->revocable)
@@ -144,20 +192,22 @@ static struct sg_table *sim_dmabuf_map(struct dma_buf_attachment *attach,
 	spin_lock(&sim_lock);
 	ret = sim_injected_error_locked(&sim_fail_dmabuf_map_nth);
 	spin_unlock(&sim_lock);
-	/* NVIDIA's nv_dma_buf_map returns NULL, which the dma-buf core makes -ENOMEM. */
-	if (ret == -ENOMEM)
+	/*
+	 * NVIDIA's nv_dma_buf_map returns NULL, which the dma-buf core makes
+	 * -ENOMEM; so does a device whose segments are under a page.
+	 */
+	if (ret == -ENOMEM || seg < PAGE_SIZE)
 		return NULL;
 	if (ret)
 		return ERR_PTR(ret);
+	seg = min_t(u32, seg, SIM_PAGE_SIZE);
 	sgt = kzalloc(sizeof(*sgt), GFP_KERNEL);
 	if (!sgt)
 		return ERR_PTR(-ENOMEM);
-	ret = sg_alloc_table(sgt, alloc->nchunks, GFP_KERNEL);
+	ret = sg_alloc_table(sgt, alloc->nchunks * DIV_ROUND_UP(SIM_PAGE_SIZE, seg), GFP_KERNEL);
 	if (ret)
 		goto err_free;
-	for_each_sgtable_sg(sgt, sg, i)
-		sg_set_page(sg, alloc->chunks[i], SIM_PAGE_SIZE, 0);
-	ret = dma_map_sgtable(attach->dev, sgt, dir, 0);
+	ret = sim_dmabuf_map_segs(attach->dev, alloc, seg, sgt, dir);
 	if (ret)
 		goto err_table;
 	spin_lock(&sim_lock);
@@ -175,7 +225,7 @@ err_free:
 static void sim_dmabuf_unmap(struct dma_buf_attachment *attach, struct sg_table *sgt,
 			     enum dma_data_direction dir)
 {
-	dma_unmap_sgtable(attach->dev, sgt, dir, 0);
+	sim_dmabuf_unmap_segs(attach->dev, sgt, sgt->nents, dir);
 	sg_free_table(sgt);
 	kfree(sgt);
 	spin_lock(&sim_lock);
