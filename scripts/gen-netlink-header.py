@@ -5,7 +5,8 @@
 usage: gen-netlink-header.py SPEC [-o HEADER]
 
 `make netlink-header` runs it on Documentation/netlink/specs/gpupin.yaml and
-writes include/uapi/gpupin_netlink.h.  The layout is
+writes include/uapi/gpupin_netlink.h; scripts/ci/check-netlink.sh runs it into
+a temporary file and fails while the committed header differs.  The layout is
 that of the kernel's tools/net/ynl/ynl-gen-c.py for uapi headers (family
 defines, enums, attribute sets, commands, multicast-group defines), with each
 enum's documentation as a kernel-doc comment above it.

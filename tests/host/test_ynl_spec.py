@@ -1,14 +1,19 @@
-"""The YNL spec of the netlink family against the UAPI header and the Python client.
+"""The netlink family's one source, Documentation/netlink/specs/gpupin.yaml, and what follows from it.
 
-Documentation/netlink/specs/gpupin.yaml, include/uapi/gpupin_netlink.h (read
-through the cffi extension, so the numbers are the C compiler's) and the
-pyroute2 message classes in gpupin.netlink must name and number every
-command and attribute alike.  tests/vm/test_ynl.py then talks to the module
-with the kernel's own YNL client.
+include/uapi/gpupin_netlink.h is generated from the spec (scripts/gen-netlink-header.py, `make
+netlink-header`); scripts/ci/check-netlink.sh (`make check`) generates it again and fails while the
+committed header differs: it must pass here, and fail on a changed spec or a hand-edited header.
+The numbers the C compiler gives the header's names (read through the cffi extension) must be the
+ones YNL gives the spec, and the Python client must decode each attribute as the spec types it.
+tests/vm/test_ynl.py then talks to the module with the kernel's own YNL client.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +21,14 @@ import pytest
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is part of the test extra: make setup")
 
+from gpupin import netlink  # noqa: E402
 from gpupin._native import lib  # noqa: E402
-from gpupin.netlink import gpupinmsg  # noqa: E402
 
-SPEC = Path(__file__).resolve().parents[2] / "Documentation" / "netlink" / "specs" / "gpupin.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+SPEC_REL = Path("Documentation/netlink/specs/gpupin.yaml")
+SPEC = ROOT / SPEC_REL
+HEADER = ROOT / "include/uapi/gpupin_netlink.h"
+CHECK = ROOT / "scripts/ci/check-netlink.sh"
 PYROUTE2_TYPE = {"u32": "uint32", "u64": "uint64", "string": "asciiz", "flag": "flag"}
 
 
@@ -27,10 +36,11 @@ def c_name(prefix: str, name: str) -> str:
     return (prefix + name).upper().replace("-", "_")
 
 
-def numbered(items: list[dict[str, Any]], start: int = 0) -> list[tuple[int, dict[str, Any]]]:
+def numbered(items: list[Any], start: int) -> list[tuple[int, dict[str, Any]]]:
     """YNL numbering: an explicit value, else one more than the previous item."""
     out, nxt = [], start
     for it in items:
+        it = it if isinstance(it, dict) else {"name": it}
         v = it.get("value", nxt)
         out.append((v, it))
         nxt = v + 1
@@ -42,53 +52,91 @@ def spec() -> dict[str, Any]:
     return yaml.safe_load(SPEC.read_text())
 
 
-def test_commands_match_the_header(spec: dict[str, Any]) -> None:
-    ops = spec["operations"]
-    seen = {}
-    for value, op in numbered(ops["list"], 1):
-        name = c_name(ops["name-prefix"], op["name"])
-        assert getattr(lib, name) == value, f"{name}: spec says {value}, the header {getattr(lib, name)}"
-        seen[name] = value
-    assert lib.GPUPIN_NL_CMD_MAX == max(seen.values())
-    # every command the header declares is in the spec
-    declared = {n for n in dir(lib) if n.startswith("GPUPIN_NL_CMD_") and n != "GPUPIN_NL_CMD_MAX"}
-    assert declared == set(seen)
+def run_check(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PY=sys.executable)
+    return subprocess.run([str(CHECK), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_the_committed_header_is_generated_from_the_spec() -> None:
+    r = run_check(ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("changed", ["spec", "header"])
+def test_the_check_fails_when_header_and_spec_differ(tmp_path: Path, changed: str) -> None:
+    """A copy of the tree's spec and header: the check passes on the copy as it is (the header
+    names the spec by the same relative path), then fails once either is changed."""
+    spec, header = tmp_path / SPEC_REL, tmp_path / "gpupin_netlink.h"
+    spec.parent.mkdir(parents=True)
+    shutil.copy(SPEC, spec)
+    shutil.copy(HEADER, header)
+    args = (str(SPEC_REL), str(header))
+    r = run_check(tmp_path, *args)
+    assert r.returncode == 0, r.stdout + r.stderr
+    if changed == "spec":  # a counter inserted before the last one: that one's number changes
+        text = spec.read_text()
+        last = "      -\n        name: detached-bytes\n"
+        assert text.count(last) == 1
+        spec.write_text(text.replace(last, "      -\n        name: fail-eagain\n        type: u64\n" + last))
+        added = "+\tGPUPIN_NL_STAT_A_FAIL_EAGAIN,"
+    else:
+        pad = "\tGPUPIN_NL_A_PAD,\n"
+        header.write_text(header.read_text().replace(pad, pad + "\tGPUPIN_NL_A_NEW,\n"))
+        added = "-\tGPUPIN_NL_A_NEW,"
+    r = run_check(tmp_path, *args)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert added in r.stdout.splitlines(), r.stdout
+    assert "make netlink-header" in r.stderr
+
+
+def test_the_header_numbers_are_the_ones_ynl_gives_the_spec(spec: dict[str, Any]) -> None:
+    """What the kernel compiles (the header) against what YNL clients send (the spec)."""
+    groups = [(spec["operations"]["name-prefix"], numbered(spec["operations"]["list"], 1))]
+    groups += [(s["name-prefix"], numbered(s["attributes"], 1)) for s in spec["attribute-sets"]]
+    groups += [(d["name-prefix"], numbered(d["entries"], d.get("value-start", 0))) for d in spec["definitions"]]
+    for prefix, items in groups:
+        declared = {n for n in dir(lib) if n.startswith(c_name(prefix, "")) and n != c_name(prefix, "max")}
+        assert declared == {c_name(prefix, it["name"]) for _, it in items}, prefix
+        for value, it in items:
+            name = c_name(prefix, it["name"])
+            assert getattr(lib, name) == value, f"{name}: the spec says {value}, the header {getattr(lib, name)}"
+    assert lib.GPUPIN_NL_CMD_MAX == max(v for v, _ in groups[0][1])
 
 
 @pytest.mark.parametrize("set_name", ["gpupin", "pin", "stats"])
-def test_attributes_match_the_header_and_the_python_client(spec: dict[str, Any], set_name: str) -> None:
+def test_the_python_client_decodes_the_spec_types(spec: dict[str, Any], set_name: str) -> None:
     aset = next(s for s in spec["attribute-sets"] if s["name"] == set_name)
-    nla = {"gpupin": gpupinmsg, "pin": gpupinmsg.pin, "stats": gpupinmsg.stats}[set_name]
+    nla = {"gpupin": netlink.gpupinmsg, "pin": netlink.gpupinmsg.pin, "stats": netlink.gpupinmsg.stats}[set_name]
     client = {num: (name, kind) for num, name, kind in nla.nla_map}
-    values = []
-    for value, attr in numbered(aset["attributes"]):
-        name = c_name(aset["name-prefix"], attr["name"])
-        assert getattr(lib, name) == value, f"{name}: spec says {value}, the header {getattr(lib, name)}"
-        values.append(value)
-        cname, ckind = client[value]
-        assert cname == name, f"attribute {value} of {set_name}: the Python client calls it {cname}"
-        want = PYROUTE2_TYPE.get(attr["type"], attr.get("nested-attributes", "none"))
+    values = numbered(aset["attributes"], 1)
+    assert set(client) == {v for v, _ in values}, "the Python client and the spec know different attributes"
+    for value, attr in values:
+        name, kind = client[value]
+        assert name == c_name(aset["name-prefix"], attr["name"])
         if attr["type"] not in ("unused", "pad"):
-            assert ckind == want, f"{name}: spec type {attr['type']}, the Python client decodes it as {ckind}"
-    assert getattr(lib, c_name(aset["name-prefix"], "max")) == max(values)
-    assert set(client) == set(values), "the Python client knows attributes the spec does not"
+            want = PYROUTE2_TYPE.get(attr["type"], attr.get("nested-attributes"))
+            assert kind.split("|")[0] == want, f"{name}: spec type {attr['type']}, the Python client decodes {kind}"
 
 
-def test_enums_match_the_header(spec: dict[str, Any]) -> None:
-    for d in spec["definitions"]:
-        for value, e in numbered([x if isinstance(x, dict) else {"name": x} for x in d["entries"]], d["value-start"]):
-            name = c_name(d["name-prefix"], e["name"])
-            assert getattr(lib, name) == value, name
+def test_the_python_client_names_events_reasons_and_states_as_the_spec(spec: dict[str, Any]) -> None:
+    def names(entries: list[Any]) -> set[str]:
+        return {(e["name"] if isinstance(e, dict) else e).replace("-", "_") for e in entries}
 
-
-def test_family_name_group_and_events(spec: dict[str, Any]) -> None:
-    import re
-
-    header = (SPEC.parents[3] / "include" / "uapi" / "gpupin_netlink.h").read_text()
-    strings = dict(re.findall(r'^#define (GPUPIN_NL_\w+)\s+"([^"]*)"', header, re.M))
-    assert strings["GPUPIN_NL_FAMILY_NAME"] == spec["name"]
-    groups = {g["name"] for g in spec["mcast-groups"]["list"]}
-    assert groups == {strings["GPUPIN_NL_MCGRP_EVENTS"]}
     events = [op for op in spec["operations"]["list"] if "event" in op]
-    assert {op["name"] for op in events} == {"pinned", "unpinned", "invalidated", "budget-exhausted"}
-    assert all(op["mcgrp"] in groups for op in events)
+    assert set(netlink.EVENT_NAMES.values()) == names(events)
+    enums = {d["name"]: d["entries"] for d in spec["definitions"]}
+    assert set(netlink.REASON_NAMES.values()) == names(enums["reason"])
+    assert set(netlink.STATE_NAMES.values()) == names(enums["state"])
+
+
+def test_the_spec_is_valid_under_the_kernels_schema(spec: dict[str, Any]) -> None:
+    """Fast feedback for what tests/vm/test_ynl.py finds out too: the YNL library validates the
+    spec against the kernel's genetlink-c schema before it sends anything."""
+    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is part of the test extra: make setup")
+    cache = Path(os.environ.get("GPUPIN_CACHE", "/var/cache/gpupin")) / "ynl"
+    dirs = [Path(os.environ["GPUPIN_YNL_DIR"])] if os.environ.get("GPUPIN_YNL_DIR") else []
+    found = [d / "Documentation/netlink/genetlink-c.yaml" for d in dirs + sorted(cache.glob("*"))]
+    schemas = [p for p in found if p.exists()]
+    if not schemas:
+        pytest.skip(f"no kernel YNL schema under {cache}: scripts/ynl-fetch.sh (run by the VM suite) fetches it")
+    jsonschema.Draft7Validator(yaml.safe_load(schemas[0].read_text())).validate(spec)
