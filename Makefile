@@ -113,7 +113,7 @@ test-debug: setup pyext
 
 # Cache figures on this host (FakeDevice), then real ioctl pin/unpin times in the VM.
 bench: setup pyext
-	$(PY) -m gpupin.bench --out bench.json
+	$(PY) -m gpupin.tools.bench --out bench.json
 	scripts/vm-run.sh bench
 	@echo "bench: bench.json (host) and results/bench-vm.json (VM)"
 

@@ -9,7 +9,7 @@ if [ "$(id -u)" -eq 0 ] && [ -d "/lib/modules/$(uname -r)/build" ] && \
    [ "$(cat /proc/sys/kernel/modules_disabled 2>/dev/null || echo 1)" = 0 ] && [ "${GPUPIN_DEMO_VM:-0}" != 1 ]; then
 	echo "demo: loading the modules into this host's kernel $(uname -r)"
 	make -s -C "$ROOT" modules KDIR="/lib/modules/$(uname -r)/build"
-	GPUPIN_KO_DIR="$ROOT" exec "$VENV/bin/python" -m gpupin.demo
+	GPUPIN_KO_DIR="$ROOT" exec "$VENV/bin/python" -m gpupin.tools.demo
 fi
 echo "demo: this host cannot load modules into its own kernel: running in a VM (about a minute)"
 exec "$ROOT/scripts/vm-run.sh" demo

@@ -42,11 +42,11 @@ installed)
 	rc=${PIPESTATUS[0]}
 	;;
 bench)
-	python -m gpupin load --sim && python -m gpupin.bench --only-vm --out "$RESULTS/bench-vm.json" "$@"
+	python -m gpupin load --sim && python -m gpupin.tools.bench --only-vm --out "$RESULTS/bench-vm.json" "$@"
 	rc=$?
 	;;
 demo)
-	python -m gpupin.demo "$@"
+	python -m gpupin.tools.demo "$@"
 	rc=$?
 	;;
 shell)

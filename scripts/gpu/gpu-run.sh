@@ -72,13 +72,13 @@ export PYTHONUNBUFFERED=1
 if [ "${GPUPIN_GPU_BENCH:-all}" = nixl ]; then
 	step "$OUT/nixl-status.txt" python3 -m gpupin nixl status
 	for i in 1 2 3; do
-		step "$OUT/bench-nixl-$i.txt" python3 -m gpupin.bench --nixl --seed "$i" --out "$OUT/bench-nixl-$i.json"
+		step "$OUT/bench-nixl-$i.txt" python3 -m gpupin.tools.bench --nixl --seed "$i" --out "$OUT/bench-nixl-$i.json"
 	done
 	exit "$rc"
 fi
 step "$OUT/gds-status.txt" python3 -m gpupin gds status
-step "$OUT/bench-gds.txt" python3 -m gpupin.bench --gds --out "$OUT/bench-gds.json"
+step "$OUT/bench-gds.txt" python3 -m gpupin.tools.bench --gds --out "$OUT/bench-gds.json"
 # GPUPIN_GPU_BENCH=gds: only the GDS figures (the CUDA tag-query figures take minutes)
 [ "${GPUPIN_GPU_BENCH:-all}" = gds ] ||
-	step "$OUT/bench-gpu.txt" python3 -m gpupin.bench --only-cuda --out "$OUT/bench-gpu.json"
+	step "$OUT/bench-gpu.txt" python3 -m gpupin.tools.bench --only-cuda --out "$OUT/bench-gpu.json"
 exit "$rc"

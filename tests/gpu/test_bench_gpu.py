@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 from conftest import open_cufile
-from gpupin import bench
+from gpupin.tools import bench
 
 
 def test_cuda_bench_answers_every_figure(cuda) -> None:  # type: ignore[no-untyped-def]

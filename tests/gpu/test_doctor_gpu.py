@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import gpus
-from gpupin import doctor
+from gpupin.tools import doctor
 
 
 def test_bar1_usage_read_through_nvml(cuda) -> None:  # type: ignore[no-untyped-def]

@@ -8,8 +8,8 @@ import struct
 import subprocess
 import sys
 
-from gpupin import vmscale
 from gpupin._native import lib
+from gpupin.tools import vmscale
 
 
 def test_quick_bench_prints_json_and_progress(tmp_path: object) -> None:

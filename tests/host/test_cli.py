@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from gpupin import cli
 from gpupin.device import parse_pci
 from gpupin.errors import InvalidArgument
 from gpupin.testing import ShellOnPty
+from gpupin.tools import cli
 
 
 @pytest.mark.parametrize(

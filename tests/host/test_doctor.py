@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from gpupin import doctor
+from gpupin.tools import doctor
 
 
 def test_iommu(tmp_path: Path) -> None:

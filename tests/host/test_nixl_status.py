@@ -17,8 +17,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from gpupin import cli, doctor, nixl
+from gpupin import nixl
 from gpupin.nixl import INSTALL, PluginStatus, probe
+from gpupin.tools import cli, doctor
 
 have_nixl = pytest.mark.skipif(
     importlib.util.find_spec("nixl_cu13") is None, reason="NIXL is not installed: run 'make setup'"

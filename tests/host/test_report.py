@@ -1,11 +1,11 @@
-"""``gpupin doctor``'s table fits a 100-column terminal (gpupin.report)."""
+"""``gpupin doctor``'s table fits a 100-column terminal (gpupin.tools.report)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-from gpupin.report import format_rows
+from gpupin.tools.report import format_rows
 
 
 def gpupin(*args: str) -> subprocess.CompletedProcess[str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gpupin import cli, selftest
+from gpupin.tools import cli, selftest
 
 
 def gpupin(*args: str) -> subprocess.CompletedProcess[str]:
@@ -95,7 +95,7 @@ def test_require_modules_fails_where_the_module_checks_could_not_run() -> None:
 def test_checks_fail_under_python_O_too() -> None:
     """A check's assertions are not ``assert`` statements: -O does not make them pass."""
     code = (
-        "from gpupin import selftest\n"
+        "from gpupin.tools import selftest\n"
         "r = selftest.run_check(lambda: selftest.expect(1 == 2, 'one is not two') or 'seen', 'x')\n"
         "print(r.status, r.evidence)\n"
     )

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from conftest import SLOW
-from gpupin import bench, vmscale
+from gpupin.tools import bench, vmscale
 
 pytestmark = [
     pytest.mark.vm,
@@ -76,7 +76,7 @@ def test_real_ioctl_figures_and_table(leakcheck: None, sim_params: Any) -> None:
 def test_demo_runs_end_to_end() -> None:
     """``make demo``'s program, in the guest where the suite already loaded the modules."""
     r = subprocess.run(
-        [sys.executable, "-m", "gpupin.demo"],
+        [sys.executable, "-m", "gpupin.tools.demo"],
         capture_output=True,
         text=True,
         timeout=300 * SLOW,

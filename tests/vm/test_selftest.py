@@ -1,4 +1,4 @@
-"""The integration suite of ``gpupin selftest`` (gpupin.selftest), run by pytest.
+"""The integration suite of ``gpupin selftest`` (gpupin.tools.selftest), run by pytest.
 
 The same check functions a user's ``gpupin selftest`` runs on a GPU host, here
 over the provider-neutral fixtures: SimMemory and the simulator in the VM
@@ -20,10 +20,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from gpupin import Device, kmod, selftest
+from gpupin import Device, kmod
 from gpupin.memory import MemoryProvider
 from gpupin.peer import Peer, load_peer
 from gpupin.testing import NATIVE
+from gpupin.tools import selftest
 
 pytestmark = pytest.mark.vm
 

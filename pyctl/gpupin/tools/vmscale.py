@@ -31,10 +31,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ._native import lib
-from .device import Device
-from .errors import GpupinError
-from .sim import SimMemory, module_param
+from .._native import lib
+from ..device import Device
+from ..errors import GpupinError
+from ..sim import SimMemory, module_param
 
 GPU_PAGE = 1 << 16
 NLMSG_ERROR, NLMSG_DONE = 2, 3
@@ -164,7 +164,7 @@ def per_file_limit(limit: int = 1000) -> dict[str, Any]:
 
 
 def _family_id() -> int:
-    from .netlink import Netlink
+    from ..netlink import Netlink
 
     with Netlink() as nl:
         return int(nl.sock.prid)

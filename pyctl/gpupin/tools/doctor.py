@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .nixl import NixlStatus
+    from ..nixl import NixlStatus
 
 SYS_PCI = Path("/sys/bus/pci/devices")
 ACS_CAP_ID = 0x000D
@@ -503,10 +503,10 @@ def check_nixl(status: NixlStatus | None = None) -> list[Check]:
     passes its own), else :func:`gpupin.nixl.probe` runs (under a second).
     """
     if status is None:
-        from .nixl import probe
+        from ..nixl import probe
 
         status = probe()
-    from .nixl import INSTALL
+    from ..nixl import INSTALL
 
     if not status.installed:
         detail = status.error.partition(f": {INSTALL}")[0]  # the command goes in the fix

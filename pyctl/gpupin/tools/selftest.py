@@ -30,14 +30,14 @@ from dataclasses import asdict, dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
-from . import __version__
-from .device import Device, Pin
-from .errors import GpupinError, ModuleError, NotGpuMemory, PinInvalidated, UnknownHandle
-from .memory import MemoryProvider
+from .. import __version__
+from ..device import Device, Pin
+from ..errors import GpupinError, ModuleError, NotGpuMemory, PinInvalidated, UnknownHandle
+from ..memory import MemoryProvider
 
 if TYPE_CHECKING:
-    from .cuda import CudaMemory
-    from .peer import Peer
+    from ..cuda import CudaMemory
+    from ..peer import Peer
 
 KiB, MiB = 1 << 10, 1 << 20
 GPU_PAGE = 64 * KiB
@@ -171,7 +171,7 @@ def _first_diff(a: bytes, b: bytes) -> str:
 
 # -- module checks: gpupin.ko over the provider ----------------------------------------
 def check_provider(t: Target) -> str:
-    from . import ABI_VERSION
+    from .. import ABI_VERSION
 
     info = t.device.info()
     expect(info.abi_version == ABI_VERSION, f"gpupin.ko speaks ABI {info.abi_version}, this package {ABI_VERSION}")
@@ -279,7 +279,7 @@ def check_peer_copy(t: Target) -> str:
 
 
 def check_invalidation(t: Target) -> str:
-    from .netlink import Netlink
+    from ..netlink import Netlink
 
     tag = t.tag | 1
     with _Scope(t) as s, Netlink() as nl:
@@ -341,7 +341,7 @@ def check_persistent(t: Target) -> str:
 def check_bad_input(t: Target) -> str:
     import fcntl
 
-    from ._native import ffi, lib
+    from .._native import ffi, lib
 
     fd = t.device.fileno()
     pins_before = t.device.info().file_pins
@@ -370,7 +370,7 @@ def check_bad_input(t: Target) -> str:
 
 
 def check_close(t: Target) -> str:
-    from .netlink import Netlink
+    from ..netlink import Netlink
 
     tag = t.tag | 2
     with _Scope(t) as s, Netlink() as nl:
@@ -441,7 +441,7 @@ MODULE_CHECKS = (
 
 # -- CUDA checks: no kernel module needed ----------------------------------------------
 def _cuda() -> CudaMemory:
-    from .cuda import CudaMemory
+    from ..cuda import CudaMemory
 
     return CudaMemory()
 
@@ -547,7 +547,7 @@ def _loaded(module: str) -> bool:
 
 def normalize_pci(pci: str) -> str:
     """``DDDD:BB:DD.F`` (sysfs's spelling) for a PCI address given with or without its domain."""
-    from .device import parse_pci
+    from ..device import parse_pci
 
     domain, bus, devfn = parse_pci(pci)
     return f"{domain:04x}:{bus:02x}:{devfn >> 3:02x}.{devfn & 7}"
@@ -608,7 +608,7 @@ class _NotPossible(Exception):
 
 def _kmod() -> Any:
     try:
-        from . import kmod
+        from .. import kmod
     except ModuleError as exc:  # a build without the libkmod bindings (_build.py --no-kmod)
         raise _NotPossible(f"gpupin was built without its libkmod bindings ({exc})") from None
     return kmod
@@ -666,7 +666,7 @@ def _open_target(
             raise _NotPossible("CUDA is not usable (see the CUDA row)")
         memory = cuda_mem
     else:
-        from .sim import SimMemory
+        from ..sim import SimMemory
 
         memory = stack.enter_context(SimMemory())
     t = Target(device, memory, provider, pci)
@@ -689,7 +689,7 @@ def _open_target(
     if mapped and mapped != pci:
         t.peer_why = f"gpupin_peer is loaded for {mapped}, not {pci}: unload it, or pass --pci {mapped}"
         return t
-    from .peer import Peer
+    from ..peer import Peer
 
     t.peer = stack.enter_context(Peer())
     return t
@@ -708,7 +708,7 @@ def _module_target(
 ) -> Iterator[_Setup]:
     """The target, or why not; unloads afterwards what it loaded (unless ``keep``), and
     records in ``out`` what it loaded and any unload that failed."""
-    from .errors import DriverNotLoaded
+    from ..errors import DriverNotLoaded
 
     loaded: list[str] = []
     with ExitStack() as stack:
@@ -815,7 +815,7 @@ def run(
 
     t0 = time.monotonic()
     if sim is None:
-        from .cuda import visible_gpus
+        from ..cuda import visible_gpus
 
         sim = not doctor.gpus() and not visible_gpus().gpus
     provider = "nvp2p_sim" if sim else "nvidia"

@@ -17,11 +17,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, is_dataclass
 from typing import Any
 
+from ..device import Device, DmaMapping, Pin, PinState
+from ..errors import EventsLost, GpupinError, InvalidArgument, ModuleError
+from ..sim import SimMemory, set_sim_param, sim_stats
 from . import doctor as doctor_mod
-from .device import Device, DmaMapping, Pin, PinState
-from .errors import EventsLost, GpupinError, InvalidArgument, ModuleError
 from .report import Report, format_facts, format_rows
-from .sim import SimMemory, set_sim_param, sim_stats
 
 Result = Any
 
@@ -118,7 +118,7 @@ class Session:
 
 # -- commands ----------------------------------------------------------------
 def cmd_status(s: Session, a: argparse.Namespace) -> Result:
-    from . import kmod
+    from .. import kmod
 
     out: dict[str, Any] = {}
     for m in ("gpupin", "nvp2p_sim", "nvidia"):
@@ -143,7 +143,7 @@ def cmd_status(s: Session, a: argparse.Namespace) -> Result:
 
 
 def cmd_load(s: Session, a: argparse.Namespace) -> Result:
-    from . import kmod
+    from .. import kmod
 
     params: dict[str, str] = {}
     sim_params: dict[str, str] = {}
@@ -173,7 +173,7 @@ def cmd_load(s: Session, a: argparse.Namespace) -> Result:
 
 
 def cmd_unload(s: Session, a: argparse.Namespace) -> Result:
-    from . import kmod
+    from .. import kmod
 
     s.close()
     done = []
@@ -235,7 +235,7 @@ def cmd_unpin(s: Session, a: argparse.Namespace) -> Result:
 
 def cmd_ls(s: Session, a: argparse.Namespace) -> Result:
     if a.all:
-        from . import netlink
+        from .. import netlink
 
         return [_nl_row(p) for p in netlink.list_pins()]
     return [_pin_row(p) for p in s.pins.values()]
@@ -287,7 +287,7 @@ def cmd_dma_unmap(s: Session, a: argparse.Namespace) -> Result:
 
 def cmd_watch(s: Session, a: argparse.Namespace) -> Result:
     if a.all:
-        from .netlink import Netlink
+        from ..netlink import Netlink
 
         events: list[dict[str, Any]] = []
         deadline = None if a.timeout is None else time.monotonic() + a.timeout
@@ -334,7 +334,7 @@ def cmd_watch(s: Session, a: argparse.Namespace) -> Result:
 
 
 def cmd_stats(s: Session, a: argparse.Namespace) -> Result:
-    from . import netlink
+    from .. import netlink
 
     return netlink.stats()
 
@@ -384,7 +384,7 @@ def cmd_sim(s: Session, a: argparse.Namespace) -> Result:
 
 
 def cmd_gds(s: Session, a: argparse.Namespace) -> Result:
-    from . import gds
+    from .. import gds
 
     if a.op == "bench":
         from . import bench
@@ -410,8 +410,8 @@ def cmd_gds(s: Session, a: argparse.Namespace) -> Result:
 
 def cmd_nixl(s: Session, a: argparse.Namespace) -> Result:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    from .errors import DriverNotLoaded
-    from .nixl import probe
+    from ..errors import DriverNotLoaded
+    from ..nixl import probe
 
     st = probe()
     if a.log and st.log:

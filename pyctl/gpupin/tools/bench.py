@@ -33,9 +33,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ._native import lib
-from .cache import RegistrationCache
-from .fake import FakeDevice, FakeMemory
+from .._native import lib
+from ..cache import RegistrationCache
+from ..fake import FakeDevice, FakeMemory
 
 MiB = 1 << 20
 # The reuse trace's FakeDevice busy-waits this long per pin: its times are modelled (the keys
@@ -346,8 +346,8 @@ def bench_threads(per_thread: int, counts: tuple[int, ...] = (1, 4, 16)) -> dict
 
 
 def bench_vm(reps: int) -> dict[str, Any]:
-    from .device import Device
-    from .sim import SimMemory, module_param
+    from ..device import Device
+    from ..sim import SimMemory, module_param
 
     out: dict[str, Any] = {}
     with (
@@ -374,8 +374,8 @@ def bench_vm(reps: int) -> dict[str, Any]:
 
 def bench_cuda(reps: int, n: int) -> dict[str, Any]:
     """Tag queries and tag-mode hits on a real GPU (no kernel module needed: FakeDevice pins)."""
-    from ._native import cuda_buffer_id
-    from .cuda import CudaMemory
+    from .._native import cuda_buffer_id
+    from ..cuda import CudaMemory
 
     mem = CudaMemory()
     ptrs = [mem.alloc(1 << 20) for _ in range(8)]
@@ -422,16 +422,16 @@ def bench_nixl(
     then.  Register per transfer; register each segment by hand once and again when the trace
     recycles it (the lower bound: it knows what a cache must discover); gpupin's NixlCache.
     VRAM with a CUDA GPU, else DRAM (HostMemory).  Same transfers in each mode."""
-    from .nixl import NixlEndpoint
+    from ..nixl import NixlEndpoint
 
     try:
-        from .cuda import CudaMemory
+        from ..cuda import CudaMemory
 
         mem: Any = CudaMemory()
         sink_mem: Any = mem
         mem_type, seg = "VRAM", 8 * MiB
     except Exception:  # noqa: BLE001 - no CUDA: DRAM
-        from .fake import HostMemory
+        from ..fake import HostMemory
 
         mem, sink_mem = HostMemory((segments + 2) * 2 * MiB), HostMemory(4 * MiB)
         mem_type, seg = "DRAM", 2 * MiB
@@ -546,7 +546,7 @@ def bench_nixl(
             ini.cache.acquire(p, 8).release()
         query = mem.buffer_id
         if mem_type == "VRAM":
-            from ._native import cuda_buffer_id
+            from .._native import cuda_buffer_id
 
             query = cuda_buffer_id or lib.gp_cuda_buffer_id_or_0
         t = interleaved_ns({"hit": hit_loop(ini.cache, ptrs), "query": tag_loop(query, ptrs)}, n, reps)
@@ -564,8 +564,8 @@ def bench_nixl(
 
 def _gds_file(driver: Any, size: int) -> tuple[Any, str, str]:
     """A file cuFile can read for the trace: (GdsFile or None, its path, why not)."""
-    from .errors import GdsError
-    from .gds import GdsFile
+    from ..errors import GdsError
+    from ..gds import GdsFile
 
     path = os.path.join(os.getcwd(), f".gpupin-gds-bench-{os.getpid()}.bin")
     try:
@@ -588,9 +588,9 @@ def bench_gds(
     """GPUDirect Storage: a reuse trace of ``ios`` reads over ``buffers`` buffers, registering per
     IO (the guide's pattern 1) against GdsCache, and the cache's hit cost against one direct
     BUFFER_ID query.  Needs a GPU, cuda-python and libcufile."""
-    from ._native import cuda_buffer_id
-    from .cuda import CudaMemory
-    from .gds import CuFileDriver, GdsCache
+    from .._native import cuda_buffer_id
+    from ..cuda import CudaMemory
+    from ..gds import CuFileDriver, GdsCache
 
     rng = random.Random(seed)
     mem = CudaMemory()
@@ -814,7 +814,7 @@ def main_args(a: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m gpupin.bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m gpupin.tools.bench", description=__doc__)
     add_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print JSON")
     main_args(parser.parse_args())

@@ -11,11 +11,11 @@ import os
 import sys
 import textwrap
 
-from . import kmod
-from .cache import RegistrationCache
-from .device import Device
-from .errors import GpupinError
-from .sim import SimMemory, sim_stats
+from .. import kmod
+from ..cache import RegistrationCache
+from ..device import Device
+from ..errors import GpupinError
+from ..sim import SimMemory, sim_stats
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -35,7 +35,7 @@ def pci_device() -> str | None:
 
 
 def _peer_and_dmabuf(dev: Device, mem: SimMemory) -> None:
-    from .peer import Peer, load_peer
+    from ..peer import Peer, load_peer
 
     load_peer()
     va = mem.alloc(256 * KiB)
