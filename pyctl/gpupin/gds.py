@@ -121,7 +121,7 @@ class CuFileDriver(LibraryDriver):
     """cuFile's buffer registration behind the registration cache's device protocol.
 
     ``cufile`` is the module to use (``cuda.bindings.cufile`` by default;
-    :class:`gpupin.fake.FakeCuFile` in host tests).  The driver opens cuFile
+    :class:`gpupin.testing.fake.FakeCuFile` in host tests).  The driver opens cuFile
     (``cuFileDriverOpen``, about 0.4 s) and closes it on ``close()``.
     """
 

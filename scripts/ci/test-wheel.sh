@@ -23,7 +23,7 @@ import sys
 import gpupin, gpupin._gpupin_cffi, gpupin._gpupin_kmod
 from gpupin import kmod
 from gpupin.cache import RegistrationCache
-from gpupin.fake import FakeDevice, FakeMemory
+from gpupin.testing.fake import FakeDevice, FakeMemory
 
 venv = sys.argv[1]
 for m in (gpupin, gpupin._gpupin_cffi, gpupin._gpupin_kmod):

@@ -8,7 +8,7 @@ import pytest
 
 import gpupin
 from gpupin.cache import RegistrationCache
-from gpupin.fake import FakeDevice
+from gpupin.testing.fake import FakeDevice
 
 MiB = 1 << 20
 

@@ -11,7 +11,7 @@ import pytest
 
 import gpupin
 from gpupin.cache import CacheFull, RegistrationCache
-from gpupin.fake import GPU_PAGE, FakeDevice, FakeMemory
+from gpupin.testing.fake import GPU_PAGE, FakeDevice, FakeMemory
 
 MiB = 1 << 20
 

@@ -12,8 +12,8 @@ import pytest
 
 import gpupin
 from gpupin.cache import RegistrationCache
-from gpupin.fake import FakeDevice, FakeMemory
 from gpupin.testing import in_child
+from gpupin.testing.fake import FakeDevice, FakeMemory
 
 MiB = 1 << 20
 

@@ -1,4 +1,4 @@
-"""GdsCache over the fake cuFile (gpupin.fake.FakeCuFile: cuFile 1.15's measured behaviour)."""
+"""GdsCache over the fake cuFile (gpupin.testing.fake.FakeCuFile: cuFile 1.15's measured behaviour)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 
 from gpupin.cache import CacheFull
 from gpupin.errors import DriverNotLoaded, GdsError, InUse, InvalidArgument, NotGpuMemory, UnknownHandle
-from gpupin.fake import FakeCuFile, FakeMemory
 from gpupin.gds import CuFileDriver, GdsCache, GdsPolicy
+from gpupin.testing.fake import FakeCuFile, FakeMemory
 
 MiB = 1 << 20
 

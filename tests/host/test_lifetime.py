@@ -19,9 +19,9 @@ import pytest
 import gpupin
 from gpupin._native import lib
 from gpupin.cache import RegistrationCache
-from gpupin.fake import GPU_PAGE, FakeCuFile, FakeDevice, FakeMemory, FakePin
 from gpupin.gds import CuFileDriver, GdsCache
 from gpupin.testing import in_child
+from gpupin.testing.fake import GPU_PAGE, FakeCuFile, FakeDevice, FakeMemory, FakePin
 
 MiB = 1 << 20
 

@@ -9,7 +9,7 @@ import pytest
 
 import gpupin
 from gpupin.cache import RegistrationCache
-from gpupin.fake import FakeDevice, FakeMemory, FakePin
+from gpupin.testing.fake import FakeDevice, FakeMemory, FakePin
 
 MiB = 1 << 20
 

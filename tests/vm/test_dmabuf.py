@@ -17,7 +17,7 @@ from gpupin import Device, SimMemory, kmod, sim_stats
 from gpupin._native import ffi, lib
 from gpupin.cache import RegistrationCache
 from gpupin.netlink import Netlink
-from gpupin.peer import Peer
+from gpupin.testing.peer import Peer
 
 pytestmark = pytest.mark.vm
 SIM_EXPORT = pytest.mark.simonly(reason="pins dma-bufs of the simulator's (static) exporter")
@@ -213,7 +213,7 @@ def test_bad_fds_and_ranges(device: Device, sim: SimMemory) -> None:
 
 @pytest.mark.simonly(reason="loads vgem, built for the VM's kernel, as a second dma-buf exporter")
 def test_vgem_buffer_through_the_peer(device: Device, peer: Peer) -> None:
-    from gpupin.vgem import VgemBuffer
+    from gpupin.testing.vgem import VgemBuffer
 
     if not kmod.is_loaded("vgem"):
         # Debian's module by name; a kernel tree's build under make test-debug.

@@ -35,7 +35,7 @@ DRM_IOCTL_GEM_CLOSE = 0x40086409
 @pytest.fixture
 def vgem() -> Iterator[int]:
     """An open vgem DRM node."""
-    from gpupin.vgem import vgem_node
+    from gpupin.testing.vgem import vgem_node
 
     if not kmod.is_loaded("vgem"):
         kmod.load(os.environ.get("GPUPIN_VGEM_KO") or "vgem")

@@ -22,7 +22,7 @@ import gpupin
 from conftest import GPU_PAGE, SLOW, MiB, in_child, libc, raw
 from gpupin import Device, SimMemory, sim_stats
 from gpupin._native import ffi, lib
-from gpupin.peer import Peer
+from gpupin.testing.peer import Peer
 
 pytestmark = [
     pytest.mark.vm,

@@ -14,9 +14,11 @@ Figures are ratios measured in one run (these machines are shared and noisy):
   (aggregate time per hit; the GIL serialises Python, the cache's own lock
   must not make it worse).
 Progress goes to stderr, the table (or JSON) to stdout.
-Host figures use FakeDevice, whose validity map is an anonymous shared
-mapping read like the kernel's page.  ``--vm`` adds real ioctl pin/unpin times
-against the simulator; ``--cuda`` adds the tag query on a real GPU.
+Host figures use FakeDevice (gpupin.testing.fake, imported by the figures that
+use it, not when the gpupin command reads these arguments), whose validity map
+is an anonymous shared mapping read like the kernel's page.  ``--vm`` adds real
+ioctl pin/unpin times against the simulator; ``--cuda`` adds the tag query on a
+real GPU.
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ from typing import Any
 
 from .._native import lib
 from ..cache import RegistrationCache
-from ..fake import FakeDevice, FakeMemory
 
 MiB = 1 << 20
 # The reuse trace's FakeDevice busy-waits this long per pin: its times are modelled (the keys
@@ -98,6 +99,8 @@ def interleaved_ns(loops: dict[str, Callable[[int], None]], n: int, reps: int) -
 
 
 def _cached(regions: int, validate: str, size: int = 1 << 16) -> tuple[RegistrationCache, list[int]]:
+    from ..testing.fake import FakeDevice, FakeMemory
+
     mem = FakeMemory()
     dev = FakeDevice(mem, slots=max(1 << 12, 2 * regions))
     cache = RegistrationCache(dev, mem, validate=validate)  # type: ignore[arg-type]
@@ -225,6 +228,8 @@ def bench_trace(transfers: int, seed: int) -> dict[str, Any]:
     modelled 100 µs per pin, so ``trace_speedup_modelled`` follows from that figure and the
     pin counts (the VM bench times real ioctls).
     """
+    from ..testing.fake import FakeDevice, FakeMemory
+
     rng = random.Random(seed)
     trace = zipf_trace(transfers, 64, 1.1, rng)
     latency = TRACE_PIN_LATENCY_S
@@ -286,6 +291,8 @@ def bench_scale(reps: int, n: int, big: int) -> dict[str, Any]:
 
 
 def bench_pressure(acquires: int, seed: int) -> dict[str, Any]:
+    from ..testing.fake import FakeDevice, FakeMemory
+
     rng = random.Random(seed)
     mem = FakeMemory()
     dev = FakeDevice(mem, bar_size=64 * MiB)
@@ -376,6 +383,7 @@ def bench_cuda(reps: int, n: int) -> dict[str, Any]:
     """Tag queries and tag-mode hits on a real GPU (no kernel module needed: FakeDevice pins)."""
     from .._native import cuda_buffer_id
     from ..cuda import CudaMemory
+    from ..testing.fake import FakeDevice
 
     mem = CudaMemory()
     ptrs = [mem.alloc(1 << 20) for _ in range(8)]
@@ -431,7 +439,7 @@ def bench_nixl(
         sink_mem: Any = mem
         mem_type, seg = "VRAM", 8 * MiB
     except Exception:  # noqa: BLE001 - no CUDA: DRAM
-        from ..fake import HostMemory
+        from ..testing.fake import HostMemory
 
         mem, sink_mem = HostMemory((segments + 2) * 2 * MiB), HostMemory(4 * MiB)
         mem_type, seg = "DRAM", 2 * MiB

@@ -37,7 +37,7 @@ from ..memory import MemoryProvider
 
 if TYPE_CHECKING:
     from ..cuda import CudaMemory
-    from ..peer import Peer
+    from ..testing.peer import Peer
 
 KiB, MiB = 1 << 10, 1 << 20
 GPU_PAGE = 64 * KiB
@@ -689,7 +689,7 @@ def _open_target(
     if mapped and mapped != pci:
         t.peer_why = f"gpupin_peer is loaded for {mapped}, not {pci}: unload it, or pass --pci {mapped}"
         return t
-    from ..peer import Peer
+    from ..testing.peer import Peer
 
     t.peer = stack.enter_context(Peer())
     return t

@@ -1,4 +1,4 @@
-"""pytest plugin for gpupin suites: fixtures and markers.
+"""The pytest plugin for gpupin suites (read through ``gpupin.testing``): fixtures and markers.
 
 Fixtures: ``gpupin_loaded`` (modules loaded: the simulator in the VM, or the
 real driver with GPUPIN_NATIVE=1), ``device`` (an open Device), ``memory``
@@ -40,12 +40,34 @@ from typing import Any
 
 import pytest
 
-from . import kmod
-from .device import Device
-from .errors import ModuleError
-from .memory import MemoryProvider
+from ..device import Device
+from ..errors import ModuleError
+from ..memory import MemoryProvider
+from ..sim import SimMemory, module_param, sim_stats
 from .peer import Peer, load_peer
-from .sim import SimMemory, module_param, sim_stats
+
+__all__ = [
+    "NATIVE",
+    "REQUIRED",
+    "PausedThread",
+    "ShellOnPty",
+    "after_poll",
+    "after_read",
+    "device",
+    "ensure_loaded",
+    "gpupin_loaded",
+    "in_child",
+    "leakcheck",
+    "load_peer",
+    "memory",
+    "peer",
+    "pytest_collection_modifyitems",
+    "pytest_configure",
+    "pytest_runtest_setup",
+    "sim",
+    "sim_params",
+    "simonly_reason",
+]
 
 NATIVE = os.environ.get("GPUPIN_NATIVE") == "1"
 REQUIRED = os.environ.get("GPUPIN_REQUIRE_VM") == "1"
@@ -54,6 +76,8 @@ REQUIRED = os.environ.get("GPUPIN_REQUIRE_VM") == "1"
 def ensure_loaded(sim: bool = True, **params: object) -> None:
     """Load nvp2p_sim (if ``sim``) and gpupin unless loaded: from the build tree
     (or GPUPIN_KO_DIR) where the .ko files are, else the installed modules by name."""
+    from .. import kmod  # here: a build without the libkmod binding still imports the plugin
+
     if sim and not kmod.is_loaded("nvp2p_sim"):
         kmod.load(kmod.module_file("nvp2p_sim"))
     if not kmod.is_loaded("gpupin"):
@@ -235,7 +259,7 @@ def peer(leakcheck: None) -> Iterator[Peer]:
 def memory(leakcheck: None) -> Iterator[MemoryProvider]:
     mem: Any
     if NATIVE:
-        from .cuda import CudaMemory
+        from ..cuda import CudaMemory
 
         mem = CudaMemory()
     else:

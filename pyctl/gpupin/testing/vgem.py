@@ -11,13 +11,13 @@ import glob
 import mmap
 import os
 
-from ._closable import Closable
-from ._native import lib
-from .errors import DriverNotLoaded, GpupinError, from_errno
+from .._closable import Closable
+from .._native import lib
+from ..errors import DriverNotLoaded, GpupinError, from_errno
 
 try:
-    from ._gpupin_drm import ffi as drm_ffi
-    from ._gpupin_drm import lib as drm_lib
+    from .._gpupin_drm import ffi as drm_ffi
+    from .._gpupin_drm import lib as drm_lib
 except ImportError:  # built only where libdrm's DRM headers are installed
     drm_ffi = drm_lib = None
 

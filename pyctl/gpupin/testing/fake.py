@@ -29,8 +29,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import BarExhausted, ForkedDevice, InvalidArgument, NotGpuMemory, PinInvalidated, UnknownHandle
-from .memory import AllocationRange
+from ..errors import BarExhausted, ForkedDevice, InvalidArgument, NotGpuMemory, PinInvalidated, UnknownHandle
+from ..memory import AllocationRange
 
 GPU_PAGE = 1 << 16
 

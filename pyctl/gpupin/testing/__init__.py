@@ -1,0 +1,21 @@
+"""Test support: the pytest plugin, and the stand-ins that tests and tools run over.
+
+- This package is the pytest plugin ``gpupin`` (the ``pytest11`` entry point): the fixtures
+  ``device``, ``memory``, ``sim``, ``peer``, ``leakcheck`` and ``sim_params``, the markers, and
+  helpers for tests (``ensure_loaded``, ``in_child``, ``PausedThread``, ``ShellOnPty``,
+  ``NATIVE``).  Its code is in ``plugin.py``.
+- ``fake``: FakeDevice, FakeMemory, FakeCuFile and HostMemory, in-process stand-ins for
+  gpupin.ko, device memory and cuFile.
+- ``peer``: the example peer driver (gpupin_peer.ko) from Python.
+- ``vgem``: dma-bufs from the kernel's vgem driver, a second exporter.
+
+fake, peer and vgem need no pytest (``gpupin bench`` runs over the fakes, ``gpupin selftest``
+drives the peer), so the plugin's names are read in only where pytest is installed.
+"""
+
+try:
+    import pytest  # noqa: F401 - only whether it is installed
+except ImportError:
+    pass
+else:
+    from .plugin import *  # noqa: F403 - this package is the plugin pytest registers
