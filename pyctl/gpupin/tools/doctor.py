@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ._sysfs import read_text
+
 if TYPE_CHECKING:
     from ..nixl import NixlStatus
 
@@ -39,22 +41,15 @@ class Check:
     fix: str = ""
 
 
-def _read(path: str | Path) -> str:
-    try:
-        return Path(path).read_text().strip()
-    except OSError:
-        return ""
-
-
 def _class(dev: Path) -> int:
     try:
-        return int(_read(dev / "class"), 16)
+        return int(read_text(dev / "class"), 16)
     except ValueError:
         return 0
 
 
 def gpus(root: Path = SYS_PCI) -> list[Path]:
-    return sorted(d for d in root.glob("*") if _read(d / "vendor") == "0x10de" and _class(d) >> 16 == 0x03)
+    return sorted(d for d in root.glob("*") if read_text(d / "vendor") == "0x10de" and _class(d) >> 16 == 0x03)
 
 
 def nics(root: Path = SYS_PCI) -> list[Path]:
@@ -65,7 +60,7 @@ def nics(root: Path = SYS_PCI) -> list[Path]:
 
 
 def check_iommu(cmdline: str | None = None, iommu_dir: str = "/sys/class/iommu") -> Check:
-    cmdline = _read("/proc/cmdline") if cmdline is None else cmdline
+    cmdline = read_text("/proc/cmdline") if cmdline is None else cmdline
     args = cmdline.split()
     units = os.listdir(iommu_dir) if os.path.isdir(iommu_dir) else []
     if "iommu=pt" in args or "iommu.passthrough=1" in args:
@@ -166,7 +161,7 @@ def check_modules(modules: str = "/sys/module") -> list[Check]:
 
     out = []
     if loaded("nvidia"):
-        lic = _read(os.path.join(modules, "nvidia", "version"))
+        lic = read_text(os.path.join(modules, "nvidia", "version"))
         out.append(Check("pass", "nvidia", f"loaded {lic}".strip()))
     else:
         out.append(
@@ -248,7 +243,7 @@ def check_bar1() -> list[Check]:
 # -- GPUDirect Storage and GPUDirect Async -------------------------------------
 def check_nvidia_fs(modules: str = "/sys/module") -> Check:
     if os.path.isdir(os.path.join(modules, "nvidia_fs")):
-        ver = _read(os.path.join(modules, "nvidia_fs", "version"))
+        ver = read_text(os.path.join(modules, "nvidia_fs", "version"))
         return Check("pass", "GDS nvidia-fs", f"loaded {ver}".strip() + ": cuFile can DMA between storage and GPU")
     return Check(
         "info",
@@ -322,7 +317,7 @@ def check_cufile_json(path: str | None = None) -> list[Check]:
 def kernel_config(option: str, release: str | None = None) -> str | None:
     """The value of a kernel config option from /boot/config-<release>, None if unknown."""
     release = release or os.uname().release
-    text = _read(f"/boot/config-{release}")
+    text = read_text(f"/boot/config-{release}")
     if not text:
         return None
     m = re.search(rf"^{option}=(\S+)", text, re.M)
@@ -347,7 +342,7 @@ def nvreg_params(
     params: str = "/proc/driver/nvidia/params", modprobe_dir: str = "/etc/modprobe.d"
 ) -> tuple[dict[str, str], str]:
     """NVreg_* settings from the loaded driver (params), else from the modprobe configuration."""
-    text = _read(params)
+    text = read_text(params)
     if text:
         out = {}
         for line in text.splitlines():
@@ -356,7 +351,7 @@ def nvreg_params(
         return out, params
     out = {}
     for conf in sorted(glob.glob(os.path.join(modprobe_dir, "*.conf"))):
-        for line in _read(conf).splitlines():
+        for line in read_text(conf).splitlines():
             words = line.split()
             if len(words) >= 3 and words[0] == "options" and words[1] in ("nvidia", "nvidia-current"):
                 for w in words[2:]:
@@ -443,7 +438,7 @@ def fs_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> str:
     """The type of the file system holding ``path`` (longest mount point that prefixes it)."""
     path = os.path.realpath(path)
     best, kind = "", ""
-    for line in _read(mountinfo).splitlines():
+    for line in read_text(mountinfo).splitlines():
         left, _, right = line.partition(" - ")
         fields = left.split()
         if len(fields) < 5 or not right:
@@ -472,7 +467,7 @@ def check_udev_for_gds(
             "keep GDS data on a block-device or GDS-enabled network file system",
         )
     entry = os.path.join(udev_dir, f"b{maj}:{mnr}")
-    if "E:ID_FS_USAGE=" in _read(entry):
+    if "E:ID_FS_USAGE=" in read_text(entry):
         return Check("pass", "GDS files", f"udev knows block device {maj}:{mnr} of {where} ({entry})")
     return Check(
         "warn",

@@ -34,6 +34,7 @@ from .. import __version__
 from ..device import Device, Pin
 from ..errors import GpupinError, ModuleError, NotGpuMemory, PinInvalidated, UnknownHandle
 from ..memory import MemoryProvider
+from ._sysfs import read_text
 
 if TYPE_CHECKING:
     from ..cuda import CudaMemory
@@ -223,7 +224,7 @@ def iommu_type(pci: str) -> str:
     path = f"/sys/bus/pci/devices/{pci}/iommu_group"
     if not os.path.exists(path):
         return "none"
-    return _sysfs(f"{path}/type") or "unknown"
+    return read_text(f"{path}/type") or "unknown"
 
 
 def check_dma_map(t: Target) -> str:
@@ -526,19 +527,11 @@ def modules_impossible(
         return "this kernel has no module support"
     if os.geteuid() != 0:
         return "loading modules needs root"
-    if _sysfs(disabled) == "1":
+    if read_text(disabled) == "1":
         return "module loading is disabled on this host (kernel.modules_disabled=1)"
     if not capabilities(status) >> CAP_SYS_MODULE & 1:
         return "this process lacks CAP_SYS_MODULE (a container, or a lent machine without module loading)"
     return None
-
-
-def _sysfs(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 def _loaded(module: str) -> bool:
@@ -558,8 +551,8 @@ def pci_name(pci: str) -> str:
     if not os.path.isdir(base):
         return f"{pci} (not present)"
     drv = os.path.basename(os.path.realpath(f"{base}/driver")) if os.path.exists(f"{base}/driver") else "no driver"
-    ids = f"{_sysfs(base + '/vendor')[2:]}:{_sysfs(base + '/device')[2:]}"
-    return f"{pci} [{ids}] class {_sysfs(base + '/class')}, {drv}"
+    ids = f"{read_text(base + '/vendor')[2:]}:{read_text(base + '/device')[2:]}"
+    return f"{pci} [{ids}] class {read_text(base + '/class')}, {drv}"
 
 
 def default_peer_pci(ib: str = "/sys/class/infiniband") -> str | None:
@@ -588,7 +581,7 @@ def facts(pci: str | None, provider: str) -> dict[str, str]:
     from . import doctor
 
     gpu = _nvidia_smi("--query-gpu=name,pci.bus_id,driver_version", "--format=csv,noheader")
-    version = _sysfs("/proc/driver/nvidia/version").split("\n")[0]
+    version = read_text("/proc/driver/nvidia/version").split("\n")[0]
     kind = f"{iommu_type(pci)} for {pci}" if pci else "no device named"
     return {
         "gpupin": __version__,
@@ -685,7 +678,7 @@ def _open_target(
             t.peer_error = f"gpupin_peer failed to load for {pci}: {exc}"
             return t
         loaded.append("gpupin_peer")
-    mapped = _sysfs("/sys/module/gpupin_peer/parameters/pci")
+    mapped = read_text("/sys/module/gpupin_peer/parameters/pci")
     if mapped and mapped != pci:
         t.peer_why = f"gpupin_peer is loaded for {mapped}, not {pci}: unload it, or pass --pci {mapped}"
         return t
