@@ -37,10 +37,14 @@ class _Parser(argparse.ArgumentParser):
     def exit(self, status: int = 0, message: str | None = None) -> Any:
         if message:
             print(message, file=sys.stderr, end="")
-        raise _HelpShown(status)
+        raise HelpShown(status)
 
 
-class _HelpShown(Exception):
+class HelpShown(Exception):
+    """What the parser raises instead of exiting (``--help`` printed, or argparse's own exit):
+    ``status`` is the exit status.  ``run_command`` returns it; the entry point (tools/main.py),
+    which parses ``gpupin shell``'s arguments itself, catches it there."""
+
     def __init__(self, status: int) -> None:
         self.status = status
 
@@ -637,7 +641,7 @@ def run_command(s: Session, argv: list[str], parser: _Parser | None = None) -> i
         result = a.fn(s, a)
         render(result, getattr(a, "json", False), s.out)
         return result.status if isinstance(result, Report) else 0
-    except _HelpShown as h:
+    except HelpShown as h:
         return h.status
     except GpupinError as exc:
         s.out(f"error: {exc}")

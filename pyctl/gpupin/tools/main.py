@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "shell":
         try:
             a = parser.parse_args(argv)
-        except (cli.UsageError, cli._HelpShown) as exc:
+        except (cli.UsageError, cli.HelpShown) as exc:
             print(exc, file=sys.stderr)
             return 2
         return Shell().run(a.commands)
