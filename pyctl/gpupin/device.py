@@ -166,7 +166,7 @@ class Pin:
 
     def is_valid(self) -> bool:
         """True while the kernel has not invalidated or released the pin."""
-        return self.device._word(self.slot) == self.valid_word
+        return self.device.read_word(self.slot) == self.valid_word
 
     def query(self) -> PinState:
         return self.device.query(self.handle)
@@ -318,7 +318,9 @@ class Device(Closable):
         assert self._map is not None
         return self._map
 
-    def _word(self, slot: int) -> int:
+    def read_word(self, slot: int) -> int:
+        """The validity map's word for pin slot ``slot`` (one memory read): equal to the pin's
+        ``valid_word`` while the kernel has not invalidated or released it (``Pin.is_valid``)."""
         words = self._words
         if words is None:
             words = self._map_words()

@@ -171,7 +171,7 @@ class Walk:
         self.check("pin", rc, -E.EINVAL if bad_fields or size == 0 else None)
         if rc == 0:
             assert c.handle not in self.pins and c.handle not in self.stale, "handle reused"
-            assert self.dev._word(c.slot) == c.handle
+            assert self.dev.read_word(c.slot) == c.handle
             self.pins[int(c.handle)] = (base, int(size))
 
     def op_pin_dmabuf(self) -> None:
@@ -214,7 +214,7 @@ class Walk:
         rc, c = raw(self.dev.fileno(), lib.GPUPIN_IOC_QUERY, "struct gpupin_query", handle=h, flags=flags)
         self.check("query", rc, -E.EINVAL if flags else (0 if h in self.pins else -E.ENOENT))
         if rc == 0:
-            word = self.dev._word(c.slot)
+            word = self.dev.read_word(c.slot)
             pinned = c.state == lib.GPUPIN_STATE_PINNED
             # The validity word follows the state (an invalidation may land in between: recheck).
             assert (

@@ -101,7 +101,7 @@ class FakePin:
         self.end = alloc.base + alloc.size
 
     def is_valid(self) -> bool:
-        return self.device._word(self.slot) == self.valid_word
+        return self.device.read_word(self.slot) == self.valid_word
 
 
 @dataclass(frozen=True)
@@ -168,7 +168,8 @@ class FakeDevice:
     def info(self) -> FakeInfo:
         return FakeInfo(dmabuf=True)  # reading state is allowed from any process
 
-    def _word(self, slot: int) -> int:
+    def read_word(self, slot: int) -> int:
+        """What Device.read_word is: the fake validity map's word for ``slot``."""
         if self._pid != os.getpid():
             return 0  # the kernel's map is not inherited: a child reads the zero cover
         return int(self._words[slot])
