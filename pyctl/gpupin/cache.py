@@ -358,8 +358,15 @@ class RegistrationCache:
         """How many entries are referenced now (by registrations or tokens not yet released)."""
         return int(lib.gpc_held(self._c))
 
-    def _quiesce(self, on: bool) -> None:
-        """Stop (or resume) handing out references, for a close that waits (Device.close too)."""
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` (or a close by the device) has run."""
+        return self._closed
+
+    def quiesce(self, on: bool) -> None:
+        """Stop (``True``) or resume (``False``) handing out references: lookups say "closing"
+        meanwhile.  For a close that counts the holders first: this cache's ``close(timeout=)``
+        and ``Device.close()`` of the device it is registered with."""
         lib.gpc_quiesce(self._c, int(on))
 
     # -- the hot path ------------------------------------------------------------
@@ -809,7 +816,7 @@ class RegistrationCache:
         if timeout > 0 and not self._closed:
             # Waited for without the lock: a holder may need it to finish (a hit whose tag is
             # checked in Python holds its reference while it waits for the lock).
-            self._quiesce(True)
+            self.quiesce(True)
             deadline = time.monotonic() + timeout
             while lib.gpc_held(self._c) and time.monotonic() < deadline:
                 time.sleep(0.001)
@@ -818,7 +825,7 @@ class RegistrationCache:
                 return
             held = int(lib.gpc_close(self._c, 0))  # atomic with the check: no hit gets in between
             if held:
-                self._quiesce(False)
+                self.quiesce(False)
                 waited = f" after waiting {timeout} s" if timeout > 0 else ""
                 raise InUse(
                     f"close: {held} registration(s) of this cache are still held{waited}; release them "
@@ -897,7 +904,7 @@ class LibraryDriver(Closable):
         """RegistrationCache calls this: one cache per driver (the driver's records are its
         registrations, which a second cache would register again or deregister)."""
         old = self._cache() if self._cache is not None else None
-        if old is not None and not old._closed:
+        if old is not None and not old.closed:
             raise InvalidArgument(
                 f"this {type(self).__name__} already has a {self.cache_name}: {self.library} keys registrations "
                 "by address, so two caches over it would register the same memory twice and deregister each "

@@ -260,7 +260,9 @@ class Device(Closable):
         return self._fd < 0
 
     def register_child(self, obj: Any) -> None:
-        """Something (a RegistrationCache) to close before this device closes."""
+        """Something (a RegistrationCache) to close before this device closes.  ``close()``
+        calls its ``quiesce(True)``, counts its ``held()`` references, and then closes it, or
+        calls ``quiesce(False)`` and refuses."""
         self._children.add(obj)
 
     def unregister_child(self, obj: Any) -> None:
@@ -275,11 +277,11 @@ class Device(Closable):
         """
         children = list(getattr(self, "_children", ()))
         for child in children:
-            child._quiesce(True)
+            child.quiesce(True)
         held = sum(int(child.held()) for child in children)
         if held:
             for child in children:
-                child._quiesce(False)
+                child.quiesce(False)
             raise InUse(
                 f"close of {self.path}: {held} registration(s) of its registration caches are still "
                 "held; release them and close again (the file and its pins stay open until then)"

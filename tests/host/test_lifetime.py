@@ -429,13 +429,13 @@ def test_close_races_holders_and_waits_for_them() -> None:
     mine = cache.acquire(mem.alloc(MiB), 8)  # held across the plain close: it must refuse
     with pytest.raises(gpupin.InUse):
         cache.close()
-    assert not cache._closed
+    assert not cache.closed
     mine.release()
     cache.close(timeout=20)
     for t in threads:
         t.join(10)
     assert not any(t.is_alive() for t in threads) and not bad
-    assert cache._closed and len(dev.pins) == 0 and refused_acquires[0] == len(ptrs)
+    assert cache.closed and len(dev.pins) == 0 and refused_acquires[0] == len(ptrs)
 
 
 def test_validity_words_are_read_from_live_memory_only() -> None:
@@ -535,4 +535,4 @@ def test_device_close_counts_holders_that_cannot_change() -> None:
     c1.held = held_then_a_hit  # type: ignore[method-assign]
     dev.close()
     assert hits == ["this RegistrationCache is closed (or closing)"]  # nothing handed out meanwhile
-    assert c1._closed and c2._closed and len(fake.pins) == 0
+    assert c1.closed and c2.closed and len(fake.pins) == 0
