@@ -157,6 +157,12 @@ class Registration:
         return int(self._entry.pin.entries)
 
     @property
+    def buffer_id(self) -> int:
+        """The provider's buffer id of the allocation pinned for this registration (what the
+        cache checks a later use against)."""
+        return int(self._entry.buffer_id)
+
+    @property
     def offset(self) -> int:
         """Offset of ptr inside the pinned range."""
         return self.ptr - self.aligned_va

@@ -360,9 +360,8 @@ class NixlEndpoint(Closable):
         self._exposed[(ptr, size)] = reg
         if old is not None:
             old.release()
-        bid = self.cache._entry_of(reg.token).buffer_id  # type: ignore[union-attr]
         return RemoteBuffer(
-            self.name, ptr, size, self.driver.devid, self.driver.mem_type, bid, reg.token, self.metadata()
+            self.name, ptr, size, self.driver.devid, self.driver.mem_type, reg.buffer_id, reg.token, self.metadata()
         )
 
     def unexpose(self, remote: RemoteBuffer) -> None:

@@ -501,8 +501,7 @@ def bench_nixl(
                     t = time.perf_counter()
                     with ini.cache.acquire(ptr, size) as r:
                         t_look += time.perf_counter() - t
-                        e = ini.cache._entry_of(r.token)
-                        stale += e is None or e.buffer_id != mem.buffer_id(ptr)
+                        stale += r.buffer_id != mem.buffer_id(ptr)
                         xfer(ptr, size)
                 if recycle:
                     if mode == "hand":
