@@ -365,6 +365,12 @@ class RegistrationCache:
         return int(lib.gpc_held(self._c))
 
     @property
+    def core(self) -> Any:
+        """The C core (a cffi ``struct gpc *``), for what calls ``lib.gpc_*`` itself: the
+        benchmark timing the bare call, tests driving the core.  Applications use the methods."""
+        return self._c
+
+    @property
     def closed(self) -> bool:
         """True once ``close()`` (or a close by the device) has run."""
         return self._closed

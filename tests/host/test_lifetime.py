@@ -127,7 +127,7 @@ def test_a_slot_with_references_is_never_reused() -> None:
 def test_reference_count_overflow_is_an_error() -> None:
     mem, dev, cache = make(validate="kernel")
     a = mem.alloc(MiB)
-    lib.gpc_set_max_refs(cache._c, 3)
+    lib.gpc_set_max_refs(cache.core, 3)
     toks = [token(cache, a) for _ in range(3)]
     assert cache.fast_lookup(a, 1) == lib.GPC_TOO_MANY_REFS
     with pytest.raises(gpupin.InvalidArgument, match="held 2147483647 times"):
@@ -171,13 +171,13 @@ def test_the_hit_path_waits_for_a_busy_core_without_the_gil() -> None:
         a = mem.alloc(MiB)
         cache.release_token(token(cache, a))
         got: list[int] = []
-        lib.gpc_lock(cache._c)  # a cffi call: returns holding the core's mutex
+        lib.gpc_lock(cache.core)  # a cffi call: returns holding the core's mutex
         t = threading.Thread(target=lambda: got.append(cache.fast_lookup(a, 1)))
         t.start()
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline:  # this thread must get to run meanwhile
             time.sleep(0.01)
-        lib.gpc_unlock(cache._c)
+        lib.gpc_unlock(cache.core)
         t.join(10)
         if t.is_alive() or len(got) != 1 or got[0] < 0:
             return 2

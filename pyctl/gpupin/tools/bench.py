@@ -130,7 +130,7 @@ def release_all(cache: RegistrationCache, ptrs: list[int]) -> None:
     """Drop the references hit_loop left behind, so that the cache can close."""
     for p in ptrs:
         tok = cache.lookup(p + 64, 1)
-        for _ in range(lib.gpc_refs(cache._c, tok)):
+        for _ in range(lib.gpc_refs(cache.core, tok)):
             cache.release_token(tok)
 
 
@@ -203,7 +203,7 @@ def bench_hit(reps: int, n: int) -> dict[str, Any]:
         loops[f"hit_{mode}_ns"] = hit_loop(cache, ptrs)
     cache, ptrs = _cached(100, "kernel")
     # The same lookup as an ordinary cffi call (the hot path before the vectorcall entry point).
-    cffi_lookup = functools.partial(lib.gpc_lookup, cache._c)
+    cffi_lookup = functools.partial(lib.gpc_lookup, cache.core)
     loops["hit_kernel_cffi_ns"] = hit_loop(cache, ptrs, cffi_lookup)
     loops["hit_release_kernel_ns"] = hit_release_loop(cache, ptrs)
     loops["acquire_release_kernel_ns"] = acquire_loop(cache, ptrs)
