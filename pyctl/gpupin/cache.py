@@ -455,6 +455,33 @@ class RegistrationCache:
         assert e is not None  # referenced: its slot cannot be reused
         return Registration(self, e, ptr, size)
 
+    def _peek(self, ptr: int, size: int) -> tuple[int, _Entry | None]:
+        """A lookup that does not pin, for a subclass that decides before it pins (GdsCache.use):
+        a held token for a hit whose buffer id still matches; else a code < 0 and the stale entry
+        that covered ``ptr`` (None where none did).  Counts as one acquire."""
+        tok = int(self._lookup(self._c, ptr, size))
+        if tok == lib.GPC_CLOSED:
+            raise InvalidArgument(f"this {type(self).__name__} is closed")
+        if tok == lib.GPC_BAD_ARG:
+            self.miss(ptr, size, tok)  # raises the argument error
+        if tok >= 0 and self._py_tag:  # the tag is checked here, not in C
+            e = self._entry_of(tok)
+            assert e is not None  # referenced: its slot cannot be reused
+            try:
+                ok = self._tag_ok(e, ptr)
+            except BaseException:
+                self.release_token(tok)
+                raise
+            if not ok:
+                self._py_tag_stale += 1
+                self.release_token(tok)
+                return int(lib.GPC_MISS), e
+        elif tok <= -lib.GPC_STALE_BASE:
+            # Unreferenced: by now the entry may be gone and its slot another's.  _entry_of
+            # checks the generation; the caller checks under the lock that it is still cached.
+            return tok, self._entry_of(-tok - lib.GPC_STALE_BASE)
+        return tok, None
+
     # -- the slow path -------------------------------------------------------------
     def _slow(self, ptr: int, size: int, r: int) -> int:
         if r == lib.GPC_BAD_ARG:

@@ -35,8 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._closable import Closable
-from ._native import lib
-from .cache import CacheStats, LibraryDriver, LibraryRegistration, Registration, RegistrationCache, _Entry
+from .cache import CacheStats, LibraryDriver, LibraryRegistration, Registration, RegistrationCache
 from .errors import BarExhausted, DriverNotLoaded, GdsError, InvalidArgument, UnknownHandle
 from .memory import MemoryProvider
 
@@ -404,28 +403,7 @@ class GdsCache(RegistrationCache):
         already cached is a hit whatever the advice.  Every call counts as an acquire;
         a use left unregistered is a miss and counts in ``stats().skipped``.
         """
-        tok = int(self._lookup(self._c, ptr, size))  # the C index; counts the acquire
-        if tok == lib.GPC_CLOSED:
-            raise InvalidArgument("this GdsCache is closed")
-        if tok == lib.GPC_BAD_ARG:
-            self.miss(ptr, size, tok)  # raises the argument error
-        stale: _Entry | None = None
-        if tok >= 0 and self._py_tag:  # the tag is checked here, not in C
-            e = self._entry_of(tok)
-            assert e is not None  # referenced: its slot cannot be reused
-            try:
-                ok = self._tag_ok(e, ptr)
-            except BaseException:
-                self.release_token(tok)
-                raise
-            if not ok:
-                self._py_tag_stale += 1
-                self.release_token(tok)
-                stale, tok = e, int(lib.GPC_MISS)
-        elif tok <= -lib.GPC_STALE_BASE:
-            # Unreferenced: by now the entry may be gone and its slot another's.  _entry_of
-            # checks the generation, and the lock below checks that it is still cached.
-            stale = self._entry_of(-tok - lib.GPC_STALE_BASE)
+        tok, stale = self._peek(ptr, size)  # counts the acquire
         if tok >= 0:
             e = self._entry_of(tok)
             assert e is not None
