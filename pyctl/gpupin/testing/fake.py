@@ -253,8 +253,9 @@ class FakeDevice:
             self._words[p.slot] = 0
             self._free_slots.append(p.slot)
 
-    def _invalidate_range(self, base: int, end: int) -> None:
-        """The memory [base, end) was freed: revoke its revocable pins (the others hold it)."""
+    def invalidate_range(self, base: int, end: int) -> None:
+        """The memory [base, end) was freed: revoke its revocable pins (the others hold it).
+        FakeMemory.free calls it, as nv-p2p's free callback reaches gpupin.ko."""
         with self._lock:
             for p in self.pins.values():
                 if self._live.get(p.handle) and p.revocable and p.base < end and base < p.end:
@@ -358,7 +359,7 @@ class FakeMemory:
             else:
                 self._holes = True
         for d in self.devices:
-            d._invalidate_range(r.base, r.base + r.size)
+            d.invalidate_range(r.base, r.base + r.size)
 
     def _range(self, ptr: int) -> AllocationRange | None:
         i = bisect.bisect_right(self._bases, ptr) - 1
