@@ -127,6 +127,8 @@ class _Entry:
 class Registration:
     """A use of a cached pin covering [ptr, ptr + size).  Release it when the transfer is done."""
 
+    # The cache's own handle: it calls RegistrationCache's private _entry_of and _dma_map,
+    # the one pair of classes in this module that share their private names.
     __slots__ = ("_cache", "_entry", "ptr", "size", "_released")
 
     def __init__(self, cache: RegistrationCache, entry: _Entry, ptr: int, size: int) -> None:
@@ -201,7 +203,7 @@ _LIVE: weakref.WeakSet[RegistrationCache] = weakref.WeakSet()
 
 def _forget_all_in_child() -> None:
     for cache in list(_LIVE):
-        cache._forget()
+        cache._forget()  # this module's own hook, calling its own class's private method
 
 
 os.register_at_fork(after_in_child=_forget_all_in_child)
@@ -387,7 +389,8 @@ class RegistrationCache:
         self.release_token: Callable[[int], None]
         """Drop the reference a ``lookup``/``fast_lookup`` token holds (unpinning a stale entry)."""
         # Through a proxy: a bound method stored on self would be a reference cycle,
-        # keeping the cache (and its hold on the validity map) alive until a GC pass.
+        # keeping the cache (and its hold on the validity map) alive until a GC pass.  Hence
+        # this class's own methods named unbound below (RegistrationCache._release_token).
         proxy: Any = weakref.proxy(self)
         if self._py_tag:
             ref = weakref.ref(self)

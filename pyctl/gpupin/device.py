@@ -574,6 +574,8 @@ def _cover_maps_in_child() -> None:
 
 
 def _cover_map(dev: Device) -> None:
+    # Part of Device, written beside it: the fork hook must reach every Device, and per-Device
+    # hooks cannot be unregistered.  It covers the Device's private map and renews its lock.
     if dev._map is None:
         return
     dev._lock = threading.Lock()

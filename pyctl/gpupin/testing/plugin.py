@@ -132,7 +132,7 @@ def in_child(fn: Callable[[], int], timeout: float | None = None) -> int:
         except BaseException as exc:  # report, never return into pytest
             print(f"child failed: {exc!r}", file=sys.stderr)
         finally:
-            os._exit(code)
+            os._exit(code)  # the os module's public exit without cleanup, despite the underscore
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         done, status = os.waitpid(pid, 0 if deadline is None else os.WNOHANG)
@@ -294,7 +294,7 @@ class ShellOnPty:
                 os.environ["GPUPIN_HISTORY"] = history
                 os.execv(sys.executable, [sys.executable, "-m", "gpupin", "shell"])
             finally:
-                os._exit(127)
+                os._exit(127)  # public, despite the underscore: exit without cleanup
 
     def write(self, keys: bytes) -> None:
         os.write(self.fd, keys)

@@ -25,6 +25,8 @@ class Shell:
         self.session = Session()
         self.session.out = lambda text: print(text, flush=True)
         self.parser = build_parser()
+        # argparse has no public way to list subcommands or a subcommand's options: here and in
+        # _complete its internals (_subparsers, _group_actions, _actions) are read.
         self.commands = sorted(
             name
             for name in self.parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
