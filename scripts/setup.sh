@@ -75,17 +75,18 @@ if [ ! -x "$VENV/bin/python" ]; then
 	"$PY" -m venv "$VENV"
 fi
 # Where nvidia-smi lists a GPU, the GPU suite (make test-gpu) runs and fails without CUDA from
-# Python: the cuda extra (cuda-python) and the gds extra (cuFile's wheel, nvidia-cufile) too.
+# Python: the cuda extra (cuda-python), the nvml extra (NVIDIA's nvidia-ml-py, for doctor's BAR1
+# figures; the cuda extra pulls it too) and the gds extra (cuFile's wheel, nvidia-cufile).
 extras=test,dev
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
-	extras=test,dev,cuda,gds
+	extras=test,dev,cuda,nvml,gds
 fi
 stamp="$VENV/.gpupin-deps"
 # The stamp names the extras installed (an empty one, from before, meant test,dev).
 if [ -f "$stamp" ]; then had=$(cat "$stamp"); else had=; fi
 if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ] || [ "${had:-test,dev}" != "$extras" ]; then
 	log="$VENV/pip-install.log"
-	[ "$extras" = test,dev ] || echo "setup: nvidia-smi lists a GPU: installing the extras $extras (cuda-python, nvidia-cufile)"
+	[ "$extras" = test,dev ] || echo "setup: nvidia-smi lists a GPU: installing the extras $extras (cuda-python, nvidia-ml-py, nvidia-cufile)"
 	if ! { "$VENV/bin/pip" install --upgrade pip && "$VENV/bin/pip" install -e "$ROOT[$extras]"; } >"$log" 2>&1; then
 		tail -n 40 "$log" >&2
 		echo "setup: pip install failed (whole log: $log)" >&2

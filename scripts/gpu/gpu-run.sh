@@ -13,6 +13,9 @@ python3 -m pip install -q --no-index --find-links .wheels --target /tmp/gpupin-d
 # libcufile for the GDS tests (gpupin.gds finds it in site-packages); optional.
 python3 -m pip install -q --no-index --find-links .wheels --target /tmp/gpupin-deps nvidia-cufile \
 	>>"$OUT/pip.txt" 2>&1 || echo "gpu-run: no nvidia-cufile wheel in .wheels: the GDS tests will skip"
+# NVIDIA's NVML bindings for the BAR1 figures of doctor and selftest; optional.
+python3 -m pip install -q --no-index --find-links .wheels --target /tmp/gpupin-deps nvidia-ml-py \
+	>>"$OUT/pip.txt" 2>&1 || echo "gpu-run: no nvidia-ml-py wheel in .wheels: the BAR1 checks will say so"
 # cuFile registers a file only if udev describes its block device (ID_FS_USAGE).  The lent
 # machines are containers without udev: describe the work tree's file system the way udev
 # would, so that the read path can be tested (GPUDIRECT_NO_UDEV_FIX=1 leaves it missing).

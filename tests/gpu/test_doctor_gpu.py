@@ -10,6 +10,8 @@ from gpupin.tools import doctor
 
 def test_bar1_usage_read_through_nvml(cuda) -> None:  # type: ignore[no-untyped-def]
     checks = doctor.check_bar1()
+    if "nvidia-ml-py" in checks[0].detail:  # an optional extra, as cuFile is: say so and skip
+        pytest.skip(f"{checks[0].detail}: {checks[0].fix} (the lent machine: carry its wheel in .wheels)")
     if checks[0].detail.startswith("NVML not present"):
         # nvidia-smi reads the GPUs through that same library: where it listed them, NVML is
         # there and doctor failed to find it.

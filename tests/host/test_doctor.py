@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+import types
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from gpupin.tools import doctor
 
@@ -178,3 +183,80 @@ def test_nixl_verdicts() -> None:
     assert "built with CUDA" in checks["NIXL VRAM"].fix and "NIXL self-test" not in checks  # it did not run
     (c,) = doctor.check_nixl(NixlStatus(True, "1.5.1", "nixl_cu13", "/x", error="no NIXL agent could be made"))
     assert c.status == "fail" and "reinstall" in c.fix
+
+
+class FakeNvmlError(Exception):
+    """pynvml.NVMLError: ``value`` is NVML's return code."""
+
+    def __init__(self, value: int) -> None:
+        super().__init__(f"NVML error {value}")
+        self.value = value
+
+
+def fake_pynvml(bars: list[tuple[int, int] | None], init_error: int = 0) -> types.ModuleType:
+    """The pynvml calls check_bar1 makes, answering with ``bars`` ((used, total) bytes per GPU,
+    None where the query fails); ``init_error``: nvmlInit raises that return code."""
+    m = types.ModuleType("pynvml")
+    m.NVMLError = FakeNvmlError  # type: ignore[attr-defined]
+    m.NVML_ERROR_LIBRARY_NOT_FOUND = 12  # type: ignore[attr-defined]
+    m.shutdowns = 0  # type: ignore[attr-defined]
+
+    def init() -> None:
+        if init_error:
+            raise FakeNvmlError(init_error)
+
+    def shutdown() -> None:
+        m.shutdowns += 1  # type: ignore[attr-defined]
+
+    def bar1(i: int) -> Any:
+        if bars[i] is None:
+            raise FakeNvmlError(999)
+        used, total = bars[i]  # type: ignore[misc]
+        return types.SimpleNamespace(bar1Total=total, bar1Used=used, bar1Free=total - used)
+
+    m.nvmlInit = init  # type: ignore[attr-defined]
+    m.nvmlShutdown = shutdown  # type: ignore[attr-defined]
+    m.nvmlDeviceGetCount = lambda: len(bars)  # type: ignore[attr-defined]
+    m.nvmlDeviceGetHandleByIndex = lambda i: i  # type: ignore[attr-defined]
+    m.nvmlDeviceGetBAR1MemoryInfo = bar1  # type: ignore[attr-defined]
+    return m
+
+
+def test_fake_pynvml_is_nvidia_ml_py_shaped() -> None:
+    """What the fake below offers, nvidia-ml-py has (where it is installed): the same names,
+    the library-not-found code, the BAR1 structure's fields."""
+    if importlib.util.find_spec("pynvml") is None:
+        pytest.skip("nvidia-ml-py is not installed here (pip install 'gpupin[nvml]')")
+    import pynvml
+
+    fake = fake_pynvml([])
+    names = [n for n in vars(fake) if n.startswith(("nvml", "NVML"))]
+    assert not [n for n in names if not hasattr(pynvml, n)], names
+    assert pynvml.NVML_ERROR_LIBRARY_NOT_FOUND == fake.NVML_ERROR_LIBRARY_NOT_FOUND
+    assert {"bar1Total", "bar1Used", "bar1Free"} <= {f[0] for f in pynvml.c_nvmlBAR1Memory_t._fields_}
+    # And the real one, on this host: a row per GPU, or why there is none; never a failure.
+    assert all(c.name == "BAR1" and c.status != "fail" for c in doctor.check_bar1())
+
+
+def test_bar1_per_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    MiB = 1 << 20
+    nvml = fake_pynvml([(10 * MiB, 256 * MiB), (250 * MiB, 256 * MiB), None])
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    a, b, c = doctor.check_bar1()
+    assert (a.status, a.detail, a.fix) == ("pass", "GPU 0: 10 MiB used of 256 MiB", "")
+    assert (b.status, b.detail) == ("warn", "GPU 1: 250 MiB used of 256 MiB") and "unpin" in b.fix
+    assert (c.status, c.detail) == ("warn", "GPU 2: BAR1 info unavailable")
+    assert nvml.shutdowns == 1  # type: ignore[attr-defined]
+
+
+def test_bar1_without_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No nvidia-ml-py: the row says what to install, and is no failure; no libnvidia-ml, or
+    nvmlInit failing, as before."""
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
+    (c,) = doctor.check_bar1()
+    assert c.status == "info" and "nvidia-ml-py" in c.detail and "gpupin[nvml]" in c.fix
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml([], init_error=12))
+    assert doctor.check_bar1() == [doctor.Check("info", "BAR1", "NVML not present: cannot read BAR1 usage")]
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml([], init_error=9))
+    (c,) = doctor.check_bar1()
+    assert c.status == "warn" and c.detail.startswith("NVML present but nvmlInit failed")

@@ -9,7 +9,6 @@ changes the system.
 
 from __future__ import annotations
 
-import ctypes
 import glob
 import json
 import os
@@ -202,41 +201,51 @@ def check_modules(modules: str = "/sys/module") -> list[Check]:
     return out
 
 
-class _Bar1(ctypes.Structure):
-    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
-
-
 def check_bar1() -> list[Check]:
+    """BAR1 use of each GPU, read through NVIDIA's NVML bindings (nvidia-ml-py, an optional
+    extra imported only here)."""
     try:
-        nvml = ctypes.CDLL("libnvidia-ml.so.1")
-    except OSError:
-        return [Check("info", "BAR1", "NVML not present: cannot read BAR1 usage")]
-    if nvml.nvmlInit_v2() != 0:
-        return [Check("warn", "BAR1", "NVML present but nvmlInit failed", "is the nvidia driver loaded?")]
+        import pynvml
+    except ImportError:
+        return [
+            Check(
+                "info",
+                "BAR1",
+                "nvidia-ml-py (NVIDIA's NVML bindings) is not installed: BAR1 usage not read",
+                "pip install 'gpupin[nvml]' (the cuda extra includes it)",
+            )
+        ]
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        if exc.value == pynvml.NVML_ERROR_LIBRARY_NOT_FOUND:
+            return [Check("info", "BAR1", "NVML not present: cannot read BAR1 usage")]
+        return [Check("warn", "BAR1", f"NVML present but nvmlInit failed ({exc})", "is the nvidia driver loaded?")]
     out = []
     try:
-        count = ctypes.c_uint()
-        nvml.nvmlDeviceGetCount_v2(ctypes.byref(count))
-        for i in range(count.value):
-            h = ctypes.c_void_p()
-            bar = _Bar1()
-            if nvml.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(h)) or nvml.nvmlDeviceGetBAR1MemoryInfo(
-                h, ctypes.byref(bar)
-            ):
+        try:
+            count = pynvml.nvmlDeviceGetCount()
+        except pynvml.NVMLError:
+            count = 0
+        for i in range(count):
+            try:
+                bar = pynvml.nvmlDeviceGetBAR1MemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i))
+            except pynvml.NVMLError:
                 out.append(Check("warn", "BAR1", f"GPU {i}: BAR1 info unavailable"))
                 continue
-            pct = 100 * bar.used / bar.total if bar.total else 0
+            total, used = int(bar.bar1Total), int(bar.bar1Used)
+            pct = 100 * used / total if total else 0
             status = "warn" if pct > 90 else "pass"
             out.append(
                 Check(
                     status,
                     "BAR1",
-                    f"GPU {i}: {bar.used >> 20} MiB used of {bar.total >> 20} MiB",
+                    f"GPU {i}: {used >> 20} MiB used of {total >> 20} MiB",
                     "unpin unused regions (BAR1 space limits how much can be pinned)" if pct > 90 else "",
                 )
             )
     finally:
-        nvml.nvmlShutdown()
+        pynvml.nvmlShutdown()
     return out
 
 
