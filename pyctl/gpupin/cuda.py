@@ -63,38 +63,30 @@ def visible_gpus(proc: str = "/proc/driver/nvidia/gpus") -> GpuListing:
 def driver_status() -> tuple[bool, str]:
     """Whether CudaMemory can work here, and what was seen; never raises.
 
-    libcuda is asked directly (cuInit, the device count, the driver version), so a host without
-    cuda-python still learns whether it has a usable driver; then cuda-python, which CudaMemory
-    needs, is looked for.
+    Asked through cuda-python, which CudaMemory needs anyway: cuInit, the device count and the
+    driver version.  Without cuda-python the answer is that it is missing (and how to install it).
     """
-    import ctypes
-
     try:
-        cu = ctypes.CDLL("libcuda.so.1")
-    except OSError as exc:
-        missing = str(exc).startswith("libcuda.so.1: cannot open shared object file")
-        return False, "no CUDA driver here (" + ("libcuda.so.1 not found" if missing else str(exc)) + ")"
-
-    def name(err: int) -> str:
-        text = ctypes.c_char_p()
-        if cu.cuGetErrorName(err, ctypes.byref(text)) == 0 and text.value:
-            return text.value.decode()
-        return f"CUresult {err}"
-
-    err = cu.cuInit(0)
-    if err:
-        return False, f"the CUDA driver is not usable here: cuInit returned {name(err)}"
-    count, version = ctypes.c_int(), ctypes.c_int()
-    err = cu.cuDeviceGetCount(ctypes.byref(count))
-    if err or count.value == 0:
-        return False, f"the CUDA driver sees no device ({name(err) if err else '0 devices'})"
-    cu.cuDriverGetVersion(ctypes.byref(version))
-    seen = f"CUDA driver {version.value // 1000}.{version.value % 1000 // 10}, {count.value} device(s)"
-    try:
-        _driver()
+        cu = _driver()
     except DriverNotLoaded as exc:
-        return False, f"{seen}, but {exc}"
-    return True, seen
+        return False, str(exc)
+    ok = cu.CUresult.CUDA_SUCCESS
+    try:
+        (err,) = cu.cuInit(0)
+    except RuntimeError as exc:  # cuda-python found no libcuda.so.1 to load
+        return False, f"no CUDA driver here (libcuda.so.1 does not load: {exc})"
+    if err != ok:
+        return False, f"the CUDA driver is not usable here: cuInit returned {_name(err)}"
+    err, count = cu.cuDeviceGetCount()
+    if err != ok or count == 0:
+        return False, f"the CUDA driver sees no device ({_name(err) if err != ok else '0 devices'})"
+    _, version = cu.cuDriverGetVersion()
+    return True, f"CUDA driver {version // 1000}.{version % 1000 // 10}, {count} device(s)"
+
+
+def _name(err: Any) -> str:
+    """A CUresult's name (CUDA_ERROR_...), as cuda-python's enum gives it."""
+    return str(getattr(err, "name", f"CUresult {int(err)}"))
 
 
 class CudaMemory(ProviderBase):
@@ -223,10 +215,8 @@ class CudaMemory(ProviderBase):
         key = (r.base, r.buffer_id)
         if key in self._synced:
             return
-        import ctypes
-
-        flag = ctypes.c_uint(1)
-        res = self._cu.cuPointerSetAttribute(ctypes.addressof(flag), self._sync_attr, r.base)
+        flag = ffi.new("unsigned int *", 1)  # cuda-python takes the value's address
+        res = self._cu.cuPointerSetAttribute(int(ffi.cast("uintptr_t", flag)), self._sync_attr, r.base)
         err = res[0] if isinstance(res, tuple) else res
         self.sync_memops_calls += 1
         self._synced.add(key)

@@ -46,6 +46,14 @@ def test_buffer_id_changes_on_free_and_realloc(cuda) -> None:  # type: ignore[no
     cuda.free(b)
 
 
+def test_driver_status_through_cuda_python(cuda) -> None:  # type: ignore[no-untyped-def]
+    """driver_status ('gpupin nixl status', the VRAM line) asks cuda-python: the driver and its GPUs."""
+    from gpupin.cuda import driver_status
+
+    ok, seen = driver_status()
+    assert ok and seen.startswith("CUDA driver ") and seen.endswith("device(s)"), seen
+
+
 def test_freed_and_host_pointers_are_not_gpu_memory(cuda) -> None:  # type: ignore[no-untyped-def]
     a = cuda.alloc(MiB)
     cuda.free(a)

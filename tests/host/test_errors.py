@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import enum
 import errno
+import types
 from typing import Any
 
 import pytest
@@ -69,63 +71,70 @@ def test_cuda_missing_is_driver_not_loaded(monkeypatch: pytest.MonkeyPatch) -> N
         CudaMemory()
 
 
-class FakeLibcuda:
-    """libcuda's few entry points driver_status calls, answering as told."""
+class FakeCudaDriver(types.ModuleType):
+    """``cuda.bindings.driver``'s few calls that driver_status makes, answering as told: results
+    as cuda-python returns them (a tuple led by a CUresult), ``init`` None for a host whose
+    libcuda does not load (cuda-python raises RuntimeError at the first call)."""
 
-    def __init__(self, init: int = 0, count: int = 1) -> None:
+    class CUresult(enum.IntEnum):
+        CUDA_SUCCESS = 0
+        CUDA_ERROR_NO_DEVICE = 100
+
+    def __init__(self, init: int | None = 0, count: int = 1) -> None:
+        super().__init__("cuda.bindings.driver")
         self.init, self.count = init, count
 
-    def cuInit(self, flags: int) -> int:
-        return self.init
+    def cuInit(self, flags: int) -> tuple[Any]:
+        if self.init is None:
+            raise RuntimeError("Failed to dlopen libcuda.so.1")
+        return (self.CUresult(self.init),)
 
-    def cuDeviceGetCount(self, out: Any) -> int:
-        out._obj.value = self.count
-        return 0
+    def cuDeviceGetCount(self) -> tuple[Any, int]:
+        return self.CUresult.CUDA_SUCCESS, self.count
 
-    def cuDriverGetVersion(self, out: Any) -> int:
-        out._obj.value = 13000
-        return 0
+    def cuDriverGetVersion(self) -> tuple[Any, int]:
+        return self.CUresult.CUDA_SUCCESS, 13000
 
-    def cuGetErrorName(self, err: int, out: Any) -> int:
-        out._obj.value = b"CUDA_ERROR_NO_DEVICE"
-        return 0
+
+def test_fake_cuda_driver_is_cuda_python_shaped() -> None:
+    """What FakeCudaDriver offers, cuda-python's driver module has (where it is installed)."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        pytest.skip("cuda-python is not installed here (pip install 'gpupin[cuda]')")
+    names = ["cuInit", "cuDeviceGetCount", "cuDriverGetVersion", "CUresult"]
+    assert [n for n in names if not hasattr(driver, n)] == []
+    for member in FakeCudaDriver.CUresult:
+        assert driver.CUresult[member.name] == member.value
 
 
 def test_cuda_driver_status_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
-    """What 'gpupin nixl status' says about VRAM: no libcuda, cuInit failing, no device,
-    no cuda-python, and all there."""
+    """What 'gpupin nixl status' says about VRAM: no cuda-python, no libcuda, cuInit failing,
+    no device, and all there."""
     import builtins
-    import ctypes
 
     from gpupin.cuda import driver_status
 
     ok, why = driver_status()  # this host, whatever it has
     assert isinstance(ok, bool) and why
-    real_cdll, real_import = ctypes.CDLL, builtins.__import__
-    fake: list[FakeLibcuda | None] = [None]
-
-    def cdll(name: Any, *a: Any, **kw: Any) -> Any:
-        if name != "libcuda.so.1":
-            return real_cdll(name, *a, **kw)
-        if fake[0] is None:
-            raise OSError("libcuda.so.1: cannot open shared object file: No such file or directory")
-        return fake[0]
+    real_import = builtins.__import__
 
     def no_cuda(name: str, *a: Any, **kw: Any) -> Any:
         if name.startswith("cuda"):
             raise ImportError(name)
         return real_import(name, *a, **kw)
 
-    monkeypatch.setattr(ctypes, "CDLL", cdll)
     monkeypatch.setattr(builtins, "__import__", no_cuda)
-    assert driver_status() == (False, "no CUDA driver here (libcuda.so.1 not found)")
-    fake[0] = FakeLibcuda(init=100)
-    assert driver_status() == (False, "the CUDA driver is not usable here: cuInit returned CUDA_ERROR_NO_DEVICE")
-    fake[0] = FakeLibcuda(count=0)
-    assert driver_status() == (False, "the CUDA driver sees no device (0 devices)")
-    fake[0] = FakeLibcuda(count=2)
     ok, why = driver_status()
-    assert not ok and why.startswith("CUDA driver 13.0, 2 device(s), but cuda-python is not installed")
+    assert not ok and why.startswith("cuda-python is not installed: pip install 'gpupin[cuda]'")
     monkeypatch.setattr(builtins, "__import__", real_import)
-    monkeypatch.setattr("gpupin.cuda._driver", lambda: object())
+    fake = [FakeCudaDriver()]
+    monkeypatch.setattr("gpupin.cuda._driver", lambda: fake[0])
+    fake[0] = FakeCudaDriver(init=None)
+    assert driver_status() == (False, "no CUDA driver here (libcuda.so.1 does not load: Failed to dlopen libcuda.so.1)")
+    fake[0] = FakeCudaDriver(init=100)
+    assert driver_status() == (False, "the CUDA driver is not usable here: cuInit returned CUDA_ERROR_NO_DEVICE")
+    fake[0] = FakeCudaDriver(count=0)
+    assert driver_status() == (False, "the CUDA driver sees no device (0 devices)")
+    fake[0] = FakeCudaDriver(count=2)
     assert driver_status() == (True, "CUDA driver 13.0, 2 device(s)")
