@@ -23,7 +23,6 @@ loaded, so no LD_LIBRARY_PATH is needed).
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import glob
 import os
@@ -35,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._closable import Closable
+from ._dlopen import load
 from .cache import CacheStats, LibraryDriver, LibraryRegistration, Registration, RegistrationCache
 from .errors import BarExhausted, DriverNotLoaded, GdsError, InvalidArgument, UnknownHandle
 from .memory import MemoryProvider
@@ -60,14 +60,14 @@ def _preload_libcufile() -> str | None:
     that soname satisfies it.  Returns the path loaded, or None.
     """
     try:
-        ctypes.CDLL("libcufile.so.0", mode=ctypes.RTLD_GLOBAL)
+        load("libcufile.so.0", global_symbols=True)
         return None
     except OSError:
         pass
     for base in sys.path:
         for path in sorted(glob.glob(os.path.join(base or ".", "nvidia", "*", "lib", "libcufile.so.0"))):
             try:
-                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                load(path, global_symbols=True)
                 return path
             except OSError:
                 continue

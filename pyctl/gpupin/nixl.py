@@ -28,7 +28,6 @@ NIXL is imported when a driver is made (``load_nixl``), never at ``import gpupin
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import importlib
 import itertools
@@ -48,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from ._closable import Closable
+from ._dlopen import flush_c_stdio, load
 from .cache import LibraryDriver, LibraryRegistration, RegistrationCache
 from .errors import DriverNotLoaded, GpupinError, InvalidArgument, UnknownHandle
 from .memory import MemoryProvider
@@ -614,8 +614,7 @@ class _Captured:
 def _flush_all() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
-    libc = ctypes.CDLL(None)
-    libc.fflush(None)  # the C libraries' buffered stdout
+    flush_c_stdio()  # the C libraries' buffered stdout
 
 
 _GLOG_PREFIX = re.compile(r"^[IWEF]\d{4} [\d:.]+\s+\d+ [^\]]*\] ")
@@ -649,9 +648,9 @@ def _why_not(api: Any, name: str, exc: BaseException, log: str) -> str:
             lib = d / f"libplugin_{name}.so"
             if lib.exists():
                 try:
-                    ctypes.CDLL(str(lib))
-                except OSError as err:
-                    m = re.match(r"(\S+): cannot open shared object file", str(err))
+                    load(str(lib))
+                except OSError as err:  # cffi says "cannot load library 'lib': <dlerror>"
+                    m = re.search(r"(\S+): cannot open shared object file", str(err))
                     return _short(f"needs {m.group(1)}, not found here" if m else f"its library does not load: {err}")
                 break
     errors = [line for line in lines if "unsupported backend" not in line]

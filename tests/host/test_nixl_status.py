@@ -10,6 +10,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -77,6 +78,18 @@ def test_why_a_backend_does_not_load(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("NIXL_PLUGIN_DIR", str(plugins))
     why = nixl._why_not(api, "BAD", nixlNotFoundError("NIXL_ERR_NOT_FOUND"), "")
     assert why.startswith("its library does not load:") and "libplugin_BAD.so" in why
+    if shutil.which("gcc"):  # a plugin whose own dependency is missing: dlerror names it
+        (tmp_path / "dep.c").write_text("int dep(void) { return 1; }\n")
+        (tmp_path / "plugin.c").write_text("int dep(void);\nint plugin(void) { return dep(); }\n")
+        cc = ["gcc", "-shared", "-fPIC", "-o"]
+        subprocess.run([*cc, str(tmp_path / "libgpupindep.so"), str(tmp_path / "dep.c")], check=True)
+        subprocess.run(
+            [*cc, str(plugins / "libplugin_DEP.so"), str(tmp_path / "plugin.c"), f"-L{tmp_path}", "-lgpupindep"],
+            check=True,
+        )
+        (tmp_path / "libgpupindep.so").unlink()
+        why = nixl._why_not(api, "DEP", nixlNotFoundError("NIXL_ERR_NOT_FOUND"), "")
+        assert why == "needs libgpupindep.so, not found here"
     why = nixl._why_not(api, "GONE", nixlNotFoundError("NIXL_ERR_NOT_FOUND"), "E0000 x.cpp:1] unsupported backend")
     assert why == "nixlNotFoundError: NIXL_ERR_NOT_FOUND"
     why = nixl._why_not(api, "ODD", RuntimeError("NIXL_ERR_BACKEND"), "\x1b[32mW1127 1:2:3.4 5 a.cpp:9] no NIC\n")
