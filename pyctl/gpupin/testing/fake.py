@@ -19,7 +19,6 @@ gives the calling process one of its own.
 from __future__ import annotations
 
 import bisect
-import ctypes
 import errno
 import itertools
 import mmap
@@ -29,6 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .._native import ffi
 from ..errors import BarExhausted, ForkedDevice, InvalidArgument, NotGpuMemory, PinInvalidated, UnknownHandle
 from ..memory import AllocationRange
 
@@ -582,8 +582,8 @@ class HostMemory(FakeMemory):
     def __init__(self, size: int = 256 << 20, *, granule: int = 4096) -> None:
         super().__init__(granule=granule)
         self._arena = mmap.mmap(-1, size, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self._view = (ctypes.c_char * size).from_buffer(self._arena)
-        self.BASE = ctypes.addressof(self._view)  # FakeMemory allocates from BASE up
+        self._view = ffi.from_buffer(self._arena)  # holds the arena's address for others to use
+        self.BASE = int(ffi.cast("uintptr_t", self._view))  # FakeMemory allocates from BASE up
         self._top = self.BASE
         self.arena_size = size
 
@@ -598,18 +598,21 @@ class HostMemory(FakeMemory):
         r = self.range_of(ptr)
         if ptr + len(data) > r.base + r.size:
             raise InvalidArgument(f"write({ptr:#x}, {len(data)} bytes): past the allocation")
-        ctypes.memmove(ptr, data, len(data))
+        at = ptr - self.BASE
+        self._arena[at : at + len(data)] = data
 
     def read(self, ptr: int, size: int) -> bytes:
         r = self.range_of(ptr)
-        return ctypes.string_at(ptr, min(size, r.base + r.size - ptr))
+        at = ptr - self.BASE
+        return self._arena[at : at + min(size, r.base + r.size - ptr)]
 
     def fill(self, ptr: int, size: int, byte: int) -> None:
         """Set [ptr, ptr + size) to ``byte`` (allocation bounds unchecked: for tests)."""
-        ctypes.memset(ptr, byte, size)
+        at = ptr - self.BASE
+        self._arena[at : at + size] = bytes([byte]) * size
 
     def close(self) -> None:
         if self._view is not None:
-            del self._view
-            self._view = None  # type: ignore[assignment]
+            ffi.release(self._view)
+            self._view = None
             self._arena.close()
