@@ -703,19 +703,11 @@ def run(
     res: dict[str, Any] = {}
     if nixl:
         res.update(bench_nixl(1000 if quick else 10_000, seed=seed, reps=reps, n=n))
-        res["targets"] = {
-            k: {"target": v, "measured": res.get(k), "met": _met(k, v, res.get(k))}
-            for k, v in TARGETS.items()
-            if k.startswith("nixl_")
-        }
+        res["targets"] = _targets(res, lambda k: k.startswith("nixl_"))
         return res
     if gds:
         res.update(bench_gds(1000, seed=seed, reps=reps, n=n))  # --quick: fewer timing batches only
-        res["targets"] = {
-            k: {"target": v, "measured": res.get(k), "met": _met(k, v, res.get(k))}
-            for k, v in TARGETS.items()
-            if k.startswith("gds_")
-        }
+        res["targets"] = _targets(res, lambda k: k.startswith("gds_"))
         return res
     if only_vm:
         from . import vmscale
@@ -723,19 +715,11 @@ def run(
         progress("bench: real pin/unpin ioctls")
         res.update(bench_vm(5 if quick else 50))
         res.update(vmscale.run(10_000 if quick else 100_000, 10 if quick else 50))
-        res["targets"] = {
-            k: {"target": v, "measured": res.get(k), "met": _met(k, v, res.get(k))}
-            for k, v in TARGETS.items()
-            if k in res
-        }
+        res["targets"] = _targets(res, lambda k: k in res)
         return res
     if only_cuda:
         res.update(bench_cuda(reps, n))
-        res["targets"] = {
-            k: {"target": v, "measured": res.get(k), "met": _met(k, v, res.get(k))}
-            for k, v in TARGETS.items()
-            if k in res
-        }
+        res["targets"] = _targets(res, lambda k: k in res)
         return res
     steps: list[tuple[str, Callable[[], dict[str, Any]]]] = [
         ("hit path", lambda: bench_hit(reps, n)),
@@ -753,10 +737,16 @@ def run(
         progress(f"bench: {i}/{len(steps)} {name} ({time.monotonic() - t0:.0f} s so far)")
         res.update(step())
     progress(f"bench: done in {time.monotonic() - t0:.0f} s")
-    res["targets"] = {
-        k: {"target": v, "measured": res.get(k), "met": _met(k, v, res.get(k))} for k, v in TARGETS.items()
-    }
+    res["targets"] = _targets(res, lambda k: True)
     return res
+
+
+def _targets(res: dict[str, Any], keep: Callable[[str], bool]) -> dict[str, Any]:
+    """The goals in TARGETS that ``keep`` picks: each with what ``res`` measured and whether
+    that met it."""
+    return {
+        k: {"target": v, "measured": res.get(k), "met": _met(k, v, res.get(k))} for k, v in TARGETS.items() if keep(k)
+    }
 
 
 def progress(msg: str) -> None:
