@@ -1,4 +1,4 @@
-"""The example peer driver (tests/kmod/peer.c, ``gpupin_peer.ko``) from Python.
+"""The example peer driver (examples/peer/peer.c, ``gpupin_peer.ko``) from Python.
 
 ``/dev/gpupin_peer`` stands for a third-party device that DMAs to GPU memory
 pinned through gpupin, using gpupin's kernel API.  Tests and the demo use it
