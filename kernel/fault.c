@@ -53,6 +53,16 @@ void gpupin_fault_release_delay(void)
 	gpupin_fault_pause(&gpupin_release_delay_ms);
 }
 
+static unsigned int gpupin_own_map_batch_delay_ms;
+module_param_named(own_map_batch_delay_ms, gpupin_own_map_batch_delay_ms, uint, 0644);
+MODULE_PARM_DESC(own_map_batch_delay_ms, "Testing: gpupin's own DMA mapping of a pin pauses this long after each batch of 1024 pages, as an in-flight user (makes a map of a large pin slow)");
+
+/* An own mapping's pause between two batches of pages, still in flight. */
+void gpupin_fault_own_map_batch(void)
+{
+	gpupin_fault_pause(&gpupin_own_map_batch_delay_ms);
+}
+
 #if IS_ENABLED(CONFIG_FAULT_INJECTION_DEBUG_FS)
 
 static DECLARE_FAULT_ATTR(gpupin_fail_alloc_attr);

@@ -78,6 +78,7 @@ extern bool gpupin_p2p_check;
 bool gpupin_fail_alloc(void);
 void gpupin_fault_callback_tail(void);
 void gpupin_fault_release_delay(void);
+void gpupin_fault_own_map_batch(void);
 int gpupin_fault_init(void);
 void gpupin_fault_exit(void);
 #else
@@ -86,6 +87,10 @@ static inline void gpupin_fault_callback_tail(void)
 }
 
 static inline void gpupin_fault_release_delay(void)
+{
+}
+
+static inline void gpupin_fault_own_map_batch(void)
 {
 }
 

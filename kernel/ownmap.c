@@ -12,6 +12,8 @@
  * So gpupin maps the pages of those pins itself, as an in-flight user of the
  * pin (gpupin_pin_use): that takes no NVIDIA lock, so the free callback
  * waits for the mapper, then unmaps every such mapping before it returns.
+ * The mapper looks at the pin's state between batches of pages and stops
+ * once the pin is going, so that wait is one batch, not the whole table.
  *
  * - BAR pages of a discrete GPU (an address inside a PCI device's memory
  *   BAR) are MMIO: dma_map_resource, as NVIDIA's own peer mappings do
@@ -150,7 +152,12 @@ void gpupin_own_unmap(struct gpupin_map *map)
 /*
  * Map every page of @pin (a non-persistent nv-p2p pin) for map->pdev and
  * put the mapping on the pin's list under a new id (*@id).  -ENXIO once the
- * memory is going: what was mapped is unmapped again first.
+ * memory is going (a free callback or an unpin took the pin): checked
+ * between batches, so either waits for at most one batch of ours, never for
+ * the whole table (1.3 M pages for 80 GiB) while NVIDIA holds its RM API
+ * lock in the callback.  What was mapped is unmapped again after the use
+ * ends: the unmap reads only our own address array, and the peer never saw
+ * those addresses.
  */
 int gpupin_own_map(struct gpupin_pin_obj *pin, struct gpupin_map *map, u32 *id)
 {
@@ -163,7 +170,7 @@ int gpupin_own_map(struct gpupin_pin_obj *pin, struct gpupin_map *map, u32 *id)
 	map->dma = gpupin_kvmalloc_array(pin->entries, sizeof(u64), GFP_KERNEL);
 	if (!map->dma)
 		return -ENOMEM;
-	/* From here until the mapping is listed or undone, the free callback waits for us. */
+	/* From here until the mapping is listed or we stop, the free callback waits for us. */
 	ret = gpupin_pin_use(pin);
 	if (ret) {
 		kvfree(map->dma);
@@ -175,6 +182,16 @@ int gpupin_own_map(struct gpupin_pin_obj *pin, struct gpupin_map *map, u32 *id)
 		phys_addr_t phys = pin->pt->pages[i]->physical_address;
 		dma_addr_t addr;
 
+		if (i && !(i % GPUPIN_OWN_BATCH)) {
+			/* In flight we may sleep; a free callback waits (NVIDIA's lock held). */
+			cond_resched();
+			gpupin_fault_own_map_batch();
+			/* Unlocked: a stale PINNED costs a waiter one more batch at most. */
+			if (READ_ONCE(pin->state) != GPUPIN_PIN_PINNED) {
+				ret = -ENXIO;
+				break;
+			}
+		}
 		if (!gpupin_own_same_kind(map, phys)) {
 			ret = -EPROTO;	/* BAR and memory pages, or two BARs, in one table */
 			break;
@@ -191,14 +208,16 @@ int gpupin_own_map(struct gpupin_pin_obj *pin, struct gpupin_map *map, u32 *id)
 		}
 		map->dma[i] = addr;
 		done++;
-		/* In flight, sleeping is allowed; a free callback waits (NVIDIA's lock held). */
-		if (!(done % GPUPIN_OWN_BATCH))
-			cond_resched();
 	}
 	if (!ret)
 		ret = gpupin_map_add(pin, map, id);
+	gpupin_pin_unuse(pin);
+	/*
+	 * Undone outside the use, so a waiting callback does not wait for this
+	 * either: our addresses may then point at memory NVIDIA freed, but no
+	 * peer has them, and the unmap touches no page (DMA_ATTR_SKIP_CPU_SYNC).
+	 */
 	if (ret)
 		gpupin_own_unmap_n(map, done);
-	gpupin_pin_unuse(pin);
 	return ret;
 }

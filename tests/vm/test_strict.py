@@ -251,6 +251,35 @@ def test_free_during_dma_map_does_not_deadlock(
     device.unpin(pin)
 
 
+def test_free_during_large_own_map_waits_one_batch(
+    device: Device,
+    sim: SimMemory,
+    sim_params,  # type: ignore[no-untyped-def]
+    pci: str,
+) -> None:
+    """The memory of a large non-persistent pin is freed while gpupin maps its pages itself
+    (one call per 64 KiB page: 1.3 M for 80 GiB), an in-flight user the free callback waits
+    for while NVIDIA holds its RM API lock.  The mapper stops at the next batch boundary, so
+    the free waits for one batch (own_map_batch_delay_ms), not for the whole table."""
+    size, delay = 512 * MiB, 0.3 * SLOW  # 8 batches of 1024 pages: 7 pauses, 2.1 s in all
+    sim_params(bar_size=1024 * MiB)
+    sim_params("gpupin", own_map_batch_delay_ms=int(delay * 1000))
+    va = sim.alloc(size)
+    pin = device.pin(va, size)
+    before = sim_stats()
+    t, errs = start_dma_map(device, pin, pci)
+    time.sleep(1.5 * delay)  # the mapper is in its second pause
+    start = time.monotonic()
+    sim.free(va)  # the callback waits for the mapper's current batch only
+    took = time.monotonic() - start
+    t.join()
+    s = sim_stats()
+    assert took < 3 * delay, f"the free waited {took:.2f} s for a DMA map of {size // MiB} MiB"
+    assert len(errs) == 1 and isinstance(errs[0], gpupin.PinInvalidated), errs
+    assert s.callback_overruns == before.callback_overruns and s.use_after_free_calls == 0
+    device.unpin(pin)
+
+
 def test_unpin_during_dma_map_waits_for_the_mapper(
     device: Device,
     sim: SimMemory,
