@@ -28,6 +28,31 @@ if grep -iE "warning:|error:" "$LOG/w1-unicast.txt"; then
 	fail=1
 fi
 
+# A driver without the persistent API (nv-p2p.h of 515.43.04 or 530.41.03: neither
+# NVIDIA_P2P_CAP_GET_PAGES_PERSISTENT_API nor the two calls) must build, W=1 clean, and
+# import neither call.  The CRCs are the simulator's (the tree's build above), as in a
+# DKMS build against the simulator.
+OLD="$LOG/no-persistent"
+copy_module_sources "$OLD"
+mkdir -p "$LOG/nv-old/nvidia"
+perl -0pe 's/#define NVIDIA_P2P_CAP_GET_PAGES_PERSISTENT_API\n\n//; s/int nvidia_p2p_(get|put)_pages_persistent\(.*?\);\n\n//gs' \
+	"$ROOT/include/nvp2p/nv-p2p.h" >"$LOG/nv-old/nvidia/nv-p2p.h"
+if grep -qi persistent "$LOG/nv-old/nvidia/nv-p2p.h"; then
+	echo "check: cannot make a header without the persistent API" >&2
+	fail=1
+fi
+make -C "$KDIR" M="$OLD" W=1 NVIDIA_SRC="$LOG/nv-old" NVIDIA_SYMVERS="$ROOT/Module.symvers" \
+	modules >"$LOG/w1-no-persistent.txt" 2>&1 || fail=1
+if grep -iE "warning:|error:" "$LOG/w1-no-persistent.txt"; then
+	echo "check: W=1 build without the persistent API has warnings or errors" >&2
+	fail=1
+elif nm -u "$OLD/gpupin.ko" 2>/dev/null | grep -q "_persistent$"; then
+	echo "check: a build without the persistent API imports it" >&2
+	fail=1
+else
+	echo "check: W=1 build without the persistent API clean"
+fi
+
 make -C "$KDIR" M="$ROOT" C=2 CHECK=sparse \
 	modules >"$LOG/sparse.txt" 2>&1 || fail=1
 if ! grep -q "CHECK.*kernel/pin.c" "$LOG/sparse.txt"; then
