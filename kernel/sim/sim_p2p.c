@@ -84,7 +84,7 @@ MODULE_PARM_DESC(page_size_type, "Page size type written into page tables: 1 = 6
 module_param_named(dma_mapping_version, sim_p2p_knobs.dma_mapping_version, uint, 0644);
 MODULE_PARM_DESC(dma_mapping_version, "DMA-mapping version handed out by dma_map_pages (default 0x00020003); others test clients' version checks");
 module_param_named(bar_size, sim_p2p_knobs.bar_size, ulong, 0644);
-MODULE_PARM_DESC(bar_size, "Simulated BAR1 size in bytes; pins beyond it fail with -ENOMEM (default 256 MiB)");
+MODULE_PARM_DESC(bar_size, "Simulated BAR1 size in bytes; a pin fails with -ENOMEM unless 36 MiB of it stay free after the pin, as on NVIDIA's driver (default 256 MiB)");
 
 module_param_named(dead_tables_max, sim_p2p_knobs.dead_tables_max, uint, 0644);
 MODULE_PARM_DESC(dead_tables_max, "Freed page tables kept poisoned to catch later calls that pass them (default 4096)");
@@ -110,6 +110,26 @@ module_param_named(race_get_pages, sim_p2p_knobs.race_get_pages, bool, 0644);
 MODULE_PARM_DESC(race_get_pages, "Free the memory as each get_pages drops the API lock: its callback runs before get_pages returns (default off)");
 module_param_named(race_put_pages, sim_p2p_knobs.race_put_pages, bool, 0644);
 MODULE_PARM_DESC(race_put_pages, "Fire the free callback concurrently with every put_pages (default off)");
+
+/*
+ * BAR1 that pins may not take: NVIDIA's CLI_THIRD_PARTY_P2P_BAR1_RESERVE
+ * (36 MiB, g_third_party_p2p_nvoc.h), checked by
+ * _isSpaceAvailableForBar1P2PMapping (src/nvidia/src/kernel/gpu/bus/p2p.c)
+ * before each new mapping: free bytes >= reserve + length.
+ */
+#define SIM_BAR1_RESERVE (36ULL << 20)
+
+/* Does a pin of @len fit in the simulated BAR1?  Under sim_lock. */
+static bool sim_bar_space_locked(u64 len)
+{
+	u64 size = READ_ONCE(sim_p2p_knobs.bar_size);
+
+	lockdep_assert_held(&sim_lock);
+	/* NVIDIA refuses too when more is mapped than the BAR holds (the size went down). */
+	if (size < sim_stats.bar_bytes)
+		return false;
+	return size - sim_stats.bar_bytes >= SIM_BAR1_RESERVE + len;
+}
 
 /* For the load message (sim_main.c). */
 unsigned long sim_bar_size(void)
@@ -557,7 +577,7 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 	alloc = sim_find_alloc_locked(va, len, &err);
 	if (!alloc)
 		goto err_unlock;
-	if (sim_stats.bar_bytes + len > READ_ONCE(sim_p2p_knobs.bar_size)) {
+	if (!sim_bar_space_locked(len)) {
 		err = -ENOMEM;
 		goto err_unlock;
 	}

@@ -16,6 +16,10 @@ from .memory import AllocationRange, ProviderBase
 
 SIM_PATH = "/dev/nvp2p_sim"
 
+# BAR1 that pins may never take, on NVIDIA's driver and the simulator: a pin fits only while
+# bar_size less the bytes pinned is at least this much more than its length.
+BAR1_RESERVE = 36 << 20
+
 
 # The counters of strict misuse: each a report of what would crash or hang NVIDIA's driver.
 MISUSE = (

@@ -10,6 +10,7 @@ import pytest
 import gpupin
 from conftest import GPU_PAGE, MiB, first_pci_device
 from gpupin import Device, MemoryProvider, SimMemory, sim_stats
+from gpupin.sim import BAR1_RESERVE
 from gpupin.testing import NATIVE
 
 pytestmark = pytest.mark.vm
@@ -20,14 +21,18 @@ LAYOUT = pytest.mark.simonly(reason="makes the simulator hand out another page-t
 
 @BAR_KNOB
 def test_bar_exhaustion_is_enomem(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
-    sim_params(bar_size=4 * MiB)
+    # NVIDIA keeps 36 MiB of BAR1 free (p2p.c _isSpaceAvailableForBar1P2PMapping).
+    sim_params(bar_size=BAR1_RESERVE)
     va = sim.alloc(8 * MiB)
+    with pytest.raises(gpupin.BarExhausted):
+        device.pin(va, GPU_PAGE)
+    sim_params(bar_size=BAR1_RESERVE + 4 * MiB)
     a = device.pin(va, 3 * MiB)
     with pytest.raises(gpupin.BarExhausted) as ei:
         device.pin(va + 3 * MiB, 2 * MiB)
     assert ei.value.errno == errno.ENOMEM and "BAR" in str(ei.value)
     assert device.info().file_pins == 1 and sim_stats().bar_bytes == 3 * MiB
-    b = device.pin(va + 3 * MiB, 1 * MiB)  # exactly fills it
+    b = device.pin(va + 3 * MiB, 1 * MiB)  # exactly the reserve is left free: allowed
     device.unpin(a)
     device.unpin(b)
     sim.free(va)
