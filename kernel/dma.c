@@ -32,7 +32,8 @@ static void gpupin_map_destroy(struct gpupin_pin_obj *pin, struct gpupin_map *ma
 		gpupin_own_unmap(map);
 		break;
 	case GPUPIN_MAP_NVP2P:
-		ret = nvidia_p2p_dma_unmap_pages(map->pdev, pin->pt, map->m);
+		ret = nvidia_p2p_dma_unmap_pages(gpupin_fault_unmap_peer(map->pdev), pin->pt,
+						 map->m);
 		if (ret)
 			pr_warn_ratelimited("dma_unmap_pages failed: %d\n", ret);
 		break;

@@ -22,6 +22,7 @@
 #include <linux/fault-inject.h>
 #include <linux/module.h>
 #include <linux/moduleparam.h>
+#include <linux/pci.h>
 #include "compat.h"
 #include "gpupin.h"
 
@@ -61,6 +62,32 @@ MODULE_PARM_DESC(own_map_batch_delay_ms, "Testing: gpupin's own DMA mapping of a
 void gpupin_fault_own_map_batch(void)
 {
 	gpupin_fault_pause(&gpupin_own_map_batch_delay_ms);
+}
+
+static bool gpupin_unmap_other_peer;
+module_param_named(unmap_other_peer, gpupin_unmap_other_peer, bool, 0644);
+MODULE_PARM_DESC(unmap_other_peer, "Testing: the next nvidia_p2p_dma_unmap_pages gets another PCI device than the mapping's as its peer (a client bug NVIDIA WARNs about), then this resets");
+
+/*
+ * The peer to pass to nvidia_p2p_dma_unmap_pages for a mapping made for
+ * @pdev: @pdev, or once after unmap_other_peer was set another PCI device.
+ * No reference is kept on that one: NVIDIA only compares the pointer, and
+ * the test VM's devices never go away.
+ */
+struct pci_dev *gpupin_fault_unmap_peer(struct pci_dev *pdev)
+{
+	struct pci_dev *other = NULL;
+
+	if (!READ_ONCE(gpupin_unmap_other_peer) || !xchg(&gpupin_unmap_other_peer, false))
+		return pdev;
+	/* for_each_pci_dev() holds a reference to the device it stopped at. */
+	for_each_pci_dev(other) {
+		if (other != pdev) {
+			pci_dev_put(other);
+			return other;
+		}
+	}
+	return pdev;
 }
 
 #if IS_ENABLED(CONFIG_FAULT_INJECTION_DEBUG_FS)

@@ -74,11 +74,13 @@ extern bool gpupin_default_persistent;
 extern bool gpupin_debug;
 extern bool gpupin_p2p_check;
 /* Fault injection (fault.c), in test builds only. */
+struct pci_dev;
 #ifdef GPUPIN_FAULT_INJECTION
 bool gpupin_fail_alloc(void);
 void gpupin_fault_callback_tail(void);
 void gpupin_fault_release_delay(void);
 void gpupin_fault_own_map_batch(void);
+struct pci_dev *gpupin_fault_unmap_peer(struct pci_dev *pdev);
 int gpupin_fault_init(void);
 void gpupin_fault_exit(void);
 #else
@@ -92,6 +94,11 @@ static inline void gpupin_fault_release_delay(void)
 
 static inline void gpupin_fault_own_map_batch(void)
 {
+}
+
+static inline struct pci_dev *gpupin_fault_unmap_peer(struct pci_dev *pdev)
+{
+	return pdev;
 }
 
 static inline bool gpupin_fail_alloc(void)

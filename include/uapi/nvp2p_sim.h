@@ -98,7 +98,7 @@ struct nvp2p_sim_stats {
 	__u64 dmabuf_pins;		/* their pins (dynamic importers' dma_buf_pin) */
 	__u64 dmabuf_nonpci_attaches;	/* attaches by a non-PCI device to an NVIDIA-like export */
 	__u64 stale_table_puts;		/* put_pages of a freed table that hit a newer pin */
-	__u64 reserved[1];
+	__u64 unmap_peer_mismatches;	/* dma_unmap_pages with another peer than the mapping's */
 };
 
 #define NVP2P_SIM_IOC_ALLOC _IOWR(NVP2P_SIM_IOC_MAGIC, 0x00, struct nvp2p_sim_alloc)
@@ -110,7 +110,7 @@ struct nvp2p_sim_stats {
 /*
  * Zero the counters of strict misuse (use_after_free_calls, puts_not_found,
  * lock_timeouts, callback_overruns, dma_map_races, dmabuf_nonpci_attaches,
- * stale_table_puts): for a test that provoked them on purpose and checked
+ * stale_table_puts, unmap_peer_mismatches): for a test that provoked them on purpose and checked
  * them.  The other counters are left alone.
  */
 #define NVP2P_SIM_IOC_RESET_MISUSE _IO(NVP2P_SIM_IOC_MAGIC, 0x06)

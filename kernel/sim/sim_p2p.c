@@ -944,6 +944,10 @@ int nvidia_p2p_dma_unmap_pages(struct pci_dev *peer,
 		if (map) {
 			list_del(&map->node);
 			sim_stats.dma_mappings--;
+			/* NVIDIA: WARN_ON(peer != dma_mapping->pci_dev), then unmaps it anyway. */
+			if (peer != map->m.pci_dev)
+				sim_count_misuse(&sim_stats.unmap_peer_mismatches,
+						 "dma_unmap_pages with another peer than the mapping's");
 		}
 		ret = 0;
 	}

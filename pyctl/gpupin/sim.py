@@ -30,6 +30,7 @@ MISUSE = (
     "dma_map_races",
     "dmabuf_nonpci_attaches",
     "stale_table_puts",
+    "unmap_peer_mismatches",
 )
 
 
@@ -61,6 +62,7 @@ class SimStats:
     dmabuf_pins: int
     dmabuf_nonpci_attaches: int
     stale_table_puts: int
+    unmap_peer_mismatches: int
 
     def leaks(self) -> dict[str, int]:
         """Counters that must be 0 once everything is released, and are not.
@@ -71,8 +73,9 @@ class SimStats:
         (``dma_map_races``: heap corruption inside NVIDIA's driver), put_pages from a
         process that did not pin (released nothing), a stale put_pages that released
         a newer pin (``stale_table_puts``), a dma-buf attach by a non-PCI device
-        (``dmabuf_nonpci_attaches``), API-lock waits given up (deadlock) and
-        callbacks that overran.
+        (``dmabuf_nonpci_attaches``), a dma_unmap_pages for another peer than the
+        mapping's (``unmap_peer_mismatches``: NVIDIA WARNs), API-lock waits given up
+        (deadlock) and callbacks that overran.
         """
         keys = (
             "pinned_pages",

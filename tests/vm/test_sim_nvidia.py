@@ -116,6 +116,30 @@ def test_nonpci_attach_is_refused_as_misuse(sim: SimMemory, vgem: int, sim_misus
     sim.free(va)
 
 
+def test_unmap_with_another_peer_is_counted(
+    device: Device,
+    sim: SimMemory,
+    sim_params: Callable[..., None],
+    sim_misuse: Callable[..., None],
+    pci: str,
+) -> None:
+    """nvidia_p2p_dma_unmap_pages WARNs when the peer is not the mapping's (nv-p2p.c:
+    WARN_ON(peer != dma_mapping->pci_dev)), then unmaps it anyway and returns 0.  gpupin's
+    test knob unmap_other_peer names another PCI device once; the simulator counts it."""
+    va = sim.alloc(2 * GPU_PAGE)
+    pin = device.pin(va, 2 * GPU_PAGE, persistent=True)  # only these use NVIDIA's dma_map_pages
+    m = device.dma_map(pin, pci)
+    assert sim_stats().dma_mappings == 1
+    sim_misuse(unmap_peer_mismatches=1)
+    sim_params("gpupin", unmap_other_peer=1)
+    device.dma_unmap(m)  # 0 from NVIDIA: unmapped all the same
+    s = sim_stats()
+    assert s.unmap_peer_mismatches == 1 and s.dma_mappings == 0, s
+    assert device.query(pin.handle).dma_mappings == 0
+    device.unpin(pin)
+    sim.free(va)
+
+
 def test_injected_attach_failure_comes_first(sim: SimMemory, vgem: int, sim_params: Callable[..., None]) -> None:
     """fail_attach_nth works on NVIDIA's exporter too: the injected error, nothing else."""
     va = sim.alloc(GPU_PAGE)
