@@ -18,7 +18,8 @@
  *   DMA mapping on it are freed: poisoned and kept in a bounded graveyard so
  *   that a later call passing them is caught (use_after_free_calls).  A
  *   later non-persistent put_pages is harmless (looked up, not found), as in
- *   NVIDIA's driver.
+ *   NVIDIA's driver.  So is the table a failed get_pages leaves *page_table
+ *   pointing to, as NVIDIA's does (sim_dangle_table).
  * Inside the callback, the calls that take the API lock fail with -EIO and a
  * WARN (it is not re-entrant), dma_unmap_pages works; a table the callback
  * did not free is counted.
@@ -286,6 +287,38 @@ static void sim_map_bury(struct sim_map *map)
 }
 
 /*
+ * Put the FREED @pin (registered by its table's address) at the graveyard's
+ * tail; the oldest beyond dead_tables_max leave the registry and go on
+ * @evicted, for sim_pin_put() once sim_lock is dropped.  Never @pin itself.
+ */
+static void sim_graveyard_add_locked(struct sim_pin *pin, struct list_head *evicted)
+{
+	struct sim_pin *old;
+
+	lockdep_assert_held(&sim_lock);
+	list_add_tail(&pin->node, &sim_graveyard);
+	sim_nr_dead++;
+	while (sim_nr_dead > READ_ONCE(sim_p2p_knobs.dead_tables_max)) {
+		old = list_first_entry(&sim_graveyard, struct sim_pin, node);
+		if (old == pin)
+			break;
+		list_move_tail(&old->node, evicted);
+		hash_del(&old->hnode);
+		sim_nr_dead--;
+	}
+}
+
+static void sim_put_evicted(struct list_head *evicted)
+{
+	struct sim_pin *old, *next;
+
+	list_for_each_entry_safe(old, next, evicted, node) {
+		list_del_init(&old->node);
+		sim_pin_put(old);
+	}
+}
+
+/*
  * The page table of @pin is freed (its callback returned, or it was put):
  * uncount it and move it to the graveyard, still findable by its address.
  * Caller holds sim_lock; sim_pin_bury() finishes the job after unlocking.
@@ -294,7 +327,6 @@ static void sim_map_bury(struct sim_map *map)
 static void sim_pin_retire_locked(struct sim_pin *pin, struct list_head *evicted)
 {
 	struct sim_map *map;
-	struct sim_pin *old;
 
 	lockdep_assert_held(&sim_lock);
 	list_for_each_entry(map, &pin->maps, node) {
@@ -318,18 +350,9 @@ static void sim_pin_retire_locked(struct sim_pin *pin, struct list_head *evicted
 	sim_stats.page_tables--;
 	if (!pin->persistent)
 		sim_stats.live_callbacks--;
-	list_add_tail(&pin->node, &sim_graveyard);
-	sim_nr_dead++;
 	/* The caller buries it after unlocking: keep it until then (sim_pin_put). */
 	refcount_inc(&pin->refs);
-	while (sim_nr_dead > READ_ONCE(sim_p2p_knobs.dead_tables_max)) {
-		old = list_first_entry(&sim_graveyard, struct sim_pin, node);
-		if (old == pin)
-			break;		/* still being buried by the caller */
-		list_move_tail(&old->node, evicted);
-		hash_del(&old->hnode);
-		sim_nr_dead--;
-	}
+	sim_graveyard_add_locked(pin, evicted);
 }
 
 /*
@@ -339,7 +362,6 @@ static void sim_pin_retire_locked(struct sim_pin *pin, struct list_head *evicted
  */
 static void sim_pin_bury(struct sim_pin *pin, struct list_head *evicted)
 {
-	struct sim_pin *old, *next;
 	struct sim_map *map;
 
 	/* Only this thread touches a FREED pin's maps and arrays. */
@@ -352,10 +374,7 @@ static void sim_pin_bury(struct sim_pin *pin, struct list_head *evicted)
 	memset(pin->pt, SIM_POISON, pin->pt_size);
 	sim_alloc_put(pin->alloc);
 	pin->alloc = NULL;
-	list_for_each_entry_safe(old, next, evicted, node) {
-		list_del_init(&old->node);
-		sim_pin_put(old);
-	}
+	sim_put_evicted(evicted);
 }
 
 /*
@@ -521,8 +540,51 @@ static struct sim_pin *sim_reuse_table_locked(struct sim_pin *pin, u32 version, 
 	return NULL;
 }
 
+/*
+ * A get_pages that failed once NVIDIA's nv_p2p_get_pages (nv-p2p.c) had
+ * allocated its table: it points *page_table at the table first (before
+ * calling RM), and on the way out frees the table without resetting the
+ * pointer (only a failure after RM pinned resets it, through
+ * nv_p2p_put_pages).  So the client is left a dangling pointer: here one
+ * to a poisoned table in the graveyard, so that passing it on is caught as
+ * a use after free, as any freed table's is.  NULL when even that table
+ * cannot be allocated (NVIDIA's own first allocation failing: NULL too).
+ */
+static void sim_dangle_table(struct nvidia_p2p_page_table **page_table, u64 va, bool persistent)
+{
+	struct sim_pin *pin;
+	LIST_HEAD(evicted);
+
+	*page_table = NULL;
+	pin = kzalloc(sizeof(*pin), GFP_KERNEL);
+	if (!pin)
+		return;
+	pin->pt_size = SIM_TABLE_ALLOC;
+	pin->pt = kmalloc(pin->pt_size, GFP_KERNEL);
+	if (!pin->pt) {
+		kfree(pin);
+		return;
+	}
+	memset(pin->pt, SIM_POISON, pin->pt_size);
+	INIT_LIST_HEAD(&pin->node);
+	INIT_LIST_HEAD(&pin->maps);
+	init_completion(&pin->cb_done);
+	refcount_set(&pin->refs, 1);	/* the registry's, kept by the graveyard */
+	pin->va = va;
+	pin->persistent = persistent;
+	pin->owner = get_pid(task_tgid(current));
+	spin_lock(&sim_lock);
+	pin->state = SIM_PIN_FREED;
+	hash_add(sim_pins, &pin->hnode, (unsigned long)pin->pt);
+	sim_graveyard_add_locked(pin, &evicted);
+	spin_unlock(&sim_lock);
+	sim_put_evicted(&evicted);
+	*page_table = pin->pt;
+}
+
 static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_table,
-			 void (*free_callback)(void *data), void *data, bool persistent)
+			 void (*free_callback)(void *data), void *data, bool persistent,
+			 bool bad_tokens)
 {
 	struct sim_pin *pin, *dead = NULL;
 	struct sim_alloc *alloc;
@@ -530,19 +592,26 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 	u32 entries, version, i;
 	int err;
 
+	/* NVIDIA returns these before it touches *page_table. */
 	if (!page_table || (!persistent && !free_callback))
 		return -EINVAL;
-	if (!len || ((va | len) & (SIM_PAGE_SIZE - 1)) || va + len < va ||
-	    len > BIT_ULL(SIM_CTX_SHIFT))
+	if ((va | len) & (SIM_PAGE_SIZE - 1))
 		return -EINVAL;
+	/* RM refuses these: *page_table is left dangling (sim_dangle_table). */
+	if (bad_tokens || !len || va + len < va || len > BIT_ULL(SIM_CTX_SHIFT)) {
+		sim_dangle_table(page_table, va, persistent);
+		return -EINVAL;
+	}
 	if (READ_ONCE(sim_p2p_knobs.pin_latency_us))
 		fsleep(READ_ONCE(sim_p2p_knobs.pin_latency_us));
 
 	entries = len >> SIM_PAGE_SHIFT;
 	version = READ_ONCE(sim_p2p_knobs.page_table_version);
 	pin = kzalloc(sizeof(*pin), GFP_KERNEL);
-	if (!pin)
+	if (!pin) {
+		*page_table = NULL;	/* as NVIDIA when its first allocation fails */
 		return -ENOMEM;
+	}
 	pin->pt_size = SIM_TABLE_ALLOC;
 	pin->pt = kzalloc(pin->pt_size, GFP_KERNEL);
 	pin->page_array = kvcalloc(entries, sizeof(*pin->page_array), GFP_KERNEL);
@@ -627,6 +696,7 @@ err_free:
 	kvfree(pin->page_array);
 	kfree(pin->pt);
 	kfree(pin);
+	sim_dangle_table(page_table, va, persistent);
 	return err;
 }
 
@@ -634,11 +704,9 @@ int nvidia_p2p_get_pages(u64 p2p_token, u32 va_space_token, u64 virtual_address,
 			 u64 length, struct nvidia_p2p_page_table **page_table,
 			 void (*free_callback)(void *data), void *data)
 {
-	/* Tokens are unused since CUDA 6.0: only the owning process may pin. */
-	if (p2p_token || va_space_token)
-		return -EINVAL;
+	/* Tokens are unused since CUDA 6.0 (only the owning process may pin): RM refuses others. */
 	return sim_get_pages(virtual_address, length, page_table, free_callback,
-			     data, false);
+			     data, false, p2p_token || va_space_token);
 }
 EXPORT_SYMBOL_GPL(nvidia_p2p_get_pages);
 
@@ -648,7 +716,7 @@ int nvidia_p2p_get_pages_persistent(u64 virtual_address, u64 length,
 {
 	if (flags)
 		return -EINVAL;
-	return sim_get_pages(virtual_address, length, page_table, NULL, NULL, true);
+	return sim_get_pages(virtual_address, length, page_table, NULL, NULL, true, false);
 }
 EXPORT_SYMBOL_GPL(nvidia_p2p_get_pages_persistent);
 
@@ -820,6 +888,8 @@ int nvidia_p2p_dma_map_pages(struct pci_dev *peer,
 	pin = sim_pin_get_live(page_table, __func__);
 	if (!pin)
 		return -EINVAL;
+	/* NVIDIA NULLs it before its allocations and RM: any later failure leaves NULL. */
+	*dma_mapping = NULL;
 	if (READ_ONCE(sim_p2p_knobs.dma_map_latency_us))
 		fsleep(READ_ONCE(sim_p2p_knobs.dma_map_latency_us));
 	err = sim_api_lock(__func__);

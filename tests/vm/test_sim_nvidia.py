@@ -19,6 +19,7 @@ import gpupin
 from conftest import GPU_PAGE, MiB, in_child, raw
 from gpupin import Device, SimMemory, kmod, sim_stats
 from gpupin._native import lib
+from gpupin.sim import BAR1_RESERVE
 
 pytestmark = [
     pytest.mark.vm,
@@ -113,6 +114,30 @@ def test_nonpci_attach_is_refused_as_misuse(sim: SimMemory, vgem: int, sim_misus
     s = sim_stats()
     assert s.dmabuf_nonpci_attaches == 1 and s.dmabuf_attachments == 0 and s.dmabuf_mappings == 0, s
     os.close(fd)
+    sim.free(va)
+
+
+def test_failed_pins_leave_no_dangling_table_in_use(
+    device: Device, sim: SimMemory, sim_params: Callable[..., None]
+) -> None:
+    """A get_pages that RM refuses leaves *page_table pointing to a freed table on NVIDIA
+    (nv_p2p_get_pages sets it before calling RM and frees the table on failure); the
+    simulator hands out a poisoned one from its graveyard.  gpupin forgets the pointer:
+    no call with it (no use after free), and later pins work, also one that gets that
+    table's address again (reuse_freed_tables)."""
+    sim_params(bar_size=BAR1_RESERVE + 2 * MiB, reuse_freed_tables=1)
+    va = sim.alloc(4 * MiB)
+    for persistent in (False, True):
+        with pytest.raises(gpupin.BarExhausted):
+            device.pin(va, 4 * MiB, persistent=persistent)
+        sim_params(fail_errno=errno.EIO, fail_nth=1)
+        with pytest.raises(gpupin.GpupinError):
+            device.pin(va, GPU_PAGE, persistent=persistent)
+    pins = [device.pin(va + i * GPU_PAGE, GPU_PAGE) for i in range(4)]
+    for pin in pins:
+        device.unpin(pin)
+    s = sim_stats()
+    assert s.use_after_free_calls == 0 and s.stale_table_puts == 0 and s.page_tables == 0, s
     sim.free(va)
 
 
