@@ -748,13 +748,22 @@ static int sim_put_pages(u64 va, struct nvidia_p2p_page_table *pt, bool persiste
 		return ret;
 	spin_lock(&sim_lock);
 	pin = sim_pin_lookup_locked(pt);
-	if (pin && pin->state == SIM_PIN_FREED) {
+	/*
+	 * A freed table, or one never handed out (or out of the graveyard):
+	 * RmP2PPutPages (p2p.c) looks a non-persistent one up by its pointer
+	 * value among the process's, finds nothing, and nv_p2p_put_pages
+	 * (nv-p2p.c) turns NV_ERR_OBJECT_NOT_FOUND into 0.  A persistent one is
+	 * read through container_of (its gpu_uuid, mem_info->private): a use
+	 * after free.
+	 */
+	if (!pin || pin->state == SIM_PIN_FREED) {
 		if (persistent)
-			sim_count_uaf(fn, "page table");
+			sim_count_uaf(fn, pin ? "page table" :
+				      "page table it never handed out (or long freed)");
 		ret = persistent ? -EINVAL : 0;
 		goto out_unlock;
 	}
-	if (!pin || pin->persistent != persistent || (persistent && pin->va != va)) {
+	if (pin->persistent != persistent || (persistent && pin->va != va)) {
 		ret = -EINVAL;
 		goto out_unlock;
 	}
@@ -863,10 +872,13 @@ static struct sim_pin *sim_pin_get_live(struct nvidia_p2p_page_table *pt, const 
 
 	spin_lock(&sim_lock);
 	pin = sim_pin_lookup_locked(pt);
-	if (pin && pin->state == SIM_PIN_FREED) {
+	if (!pin) {
+		/* NVIDIA reads it all the same (container_of): whatever is there. */
+		sim_count_uaf(fn, "page table it never handed out (or long freed)");
+	} else if (pin->state == SIM_PIN_FREED) {
 		sim_count_uaf(fn, "page table");
 		pin = NULL;
-	} else if (pin) {
+	} else {
 		refcount_inc(&pin->refs);
 	}
 	spin_unlock(&sim_lock);
@@ -1001,9 +1013,12 @@ int nvidia_p2p_dma_unmap_pages(struct pci_dev *peer,
 		fsleep(READ_ONCE(sim_p2p_knobs.unmap_latency_us));
 	spin_lock(&sim_lock);
 	pin = sim_pin_lookup_locked(page_table);
-	if (pin && pin->state == SIM_PIN_FREED) {
+	if (!pin) {
+		/* NVIDIA takes the mapping lock inside it (container_of): whatever is there. */
+		sim_count_uaf(__func__, "page table it never handed out (or long freed)");
+	} else if (pin->state == SIM_PIN_FREED) {
 		sim_count_uaf(__func__, "page table");
-	} else if (pin) {
+	} else {
 		/*
 		 * Also inside the free callback: NVIDIA takes only the table's
 		 * mapping semaphore here (nv_p2p_remove_dma_mapping).  A mapping
