@@ -44,6 +44,17 @@ module_param_named(lock_timeout_ms, sim_lock_timeout_ms, uint, 0644);
 MODULE_PARM_DESC(lock_timeout_ms, "Give up (WARN, -EDEADLK) after waiting this long for the RM API lock: a deadlock on real hardware (default 5000, 0 = wait forever)");
 
 /*
+ * The WARNs below are rate-limited: callers that must have the lock retry
+ * (context teardown, the injected free race), so a lasting deadlock would
+ * WARN every lock_timeout_ms for good.  One a minute for a deadlock (each
+ * is counted in lock_timeouts all the same), the usual limit for calls
+ * from inside a callback.
+ */
+static DEFINE_RATELIMIT_STATE(sim_deadlock_rs, 60 * HZ, 1);
+static DEFINE_RATELIMIT_STATE(sim_reentry_rs, DEFAULT_RATELIMIT_INTERVAL,
+			      DEFAULT_RATELIMIT_BURST);
+
+/*
  * Take the API lock for @who (an nv-p2p entry point or the free path).
  * Returns 0, -EIO (with a WARN) when the caller holds it already, or
  * -EDEADLK after lock_timeout_ms (with a WARN): a real driver would hang
@@ -61,7 +72,7 @@ int sim_api_lock(const char *who)
 	 * get_pages, dma_map_pages) inside a free callback fails at once.
 	 */
 	if (READ_ONCE(sim_api_owner) == current) {
-		WARN(1, "nvp2p_sim: %s called with the RM API lock held (inside a free callback): NVIDIA's driver asserts and fails it with -EIO\n",
+		WARN(__ratelimit(&sim_reentry_rs), "nvp2p_sim: %s called with the RM API lock held (inside a free callback): NVIDIA's driver asserts and fails it with -EIO\n",
 		     who);
 		return -EIO;
 	}
@@ -72,7 +83,7 @@ int sim_api_lock(const char *who)
 			spin_lock(&sim_lock);
 			sim_stats.lock_timeouts++;
 			spin_unlock(&sim_lock);
-			WARN(1, "nvp2p_sim: %s waited %u ms for the RM API lock: the real driver would be deadlocked\n",
+			WARN(__ratelimit(&sim_deadlock_rs), "nvp2p_sim: %s waited %u ms for the RM API lock: the real driver would be deadlocked\n",
 			     who, ms);
 			return -EDEADLK;
 		}
