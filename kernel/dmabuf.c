@@ -106,7 +106,9 @@ static void gpupin_att_unmap(struct gpupin_dmabuf_att *att)
  * Revocation (move_notify, reservation lock held, no in-flight user left):
  * unmap gpupin's import and every peer attachment.  The map list cannot
  * change now: adding needs the reservation lock and a PINNED pin, removing
- * needs an in-flight user.
+ * needs an in-flight user, or is release's gpupin_unmap_all(), which never
+ * overlaps this: release and revocation each claim the pin exclusively
+ * under pin->lock, and a release that lost waits for the revocation to end.
  */
 void gpupin_dmabuf_teardown(struct gpupin_pin_obj *pin)
 {
@@ -227,10 +229,9 @@ static int gpupin_pin_dmabuf_create(struct gpupin_file *f, const struct gpupin_p
 				    u64 aligned_size, struct gpupin_pin_obj **out)
 {
 	struct gpupin_pin_obj *pin;
+	struct pci_dev *pdev = NULL;
 	struct dma_buf *dmabuf;
 	int ret;
-
-	struct pci_dev *pdev = NULL;
 
 	if (req->flags & GPUPIN_PIN_DMABUF_PCI_DEV) {
 		pdev = pci_get_domain_bus_and_slot(req->pci_domain, req->pci_bus, req->pci_devfn);

@@ -327,6 +327,7 @@ static bool gpupin_put_pages(struct gpupin_pin_obj *pin, enum gpupin_pin_state c
 bool gpupin_pin_release_pages(struct gpupin_pin_obj *pin, enum gpupin_pin_state from)
 {
 	bool ours, detach = !gpupin_pin_put_here(pin);
+	enum gpupin_pin_state claimed = detach ? GPUPIN_PIN_DETACHED : GPUPIN_PIN_RELEASING;
 	/*
 	 * nv-p2p: count ourselves in flight while we unmap, so a free callback
 	 * cannot return (NVIDIA then frees the mappings) under
@@ -335,8 +336,6 @@ bool gpupin_pin_release_pages(struct gpupin_pin_obj *pin, enum gpupin_pin_state 
 	 * revocation waits for in-flight users.
 	 */
 	unsigned int self = pin->dmabuf ? 0 : 1;
-
-	enum gpupin_pin_state claimed = detach ? GPUPIN_PIN_DETACHED : GPUPIN_PIN_RELEASING;
 	bool unmap = false;
 
 	spin_lock(&pin->lock);
