@@ -15,7 +15,9 @@
  * addresses differ from the physical ones; the copy does not care.  A
  * dma-buf pin (GPUPIN_REF_DMABUF) has only bus addresses: the CPU uses the
  * peer's own, and only where they are physical (no IOMMU translation, DMA
- * offset or bounce buffering).
+ * offset or bounce buffering) and RAM.  A dma-buf's MMIO pages are refused
+ * (-EOPNOTSUPP): a peer-to-peer bus address through a PCI switch need not
+ * be the CPU's physical address of the BAR, so the CPU does not map it.
  *
  * Loaded only by tests and the demo.  Holds (GPUPIN_PEER_IOC_HOLD) stand for
  * registered memory regions that a driver keeps between transfers.
@@ -234,7 +236,12 @@ static int peer_copy_page(struct gpupin_ref *ref, const struct gpupin_ref_info *
 		break;
 	case REGION_DISJOINT:
 		/* A GPU's BAR1 (or the simulator's bar_device): MMIO, no struct page. */
-		if (dmabuf || !peer_in_pci_bar(page, info->page_size)) {
+		if (dmabuf) {
+			pr_warn_ratelimited("page %u: a dma-buf's MMIO page: this peer copies only RAM pages of a dma-buf\n",
+					    idx);
+			return -EOPNOTSUPP;
+		}
+		if (!peer_in_pci_bar(page, info->page_size)) {
 			ret = -EOPNOTSUPP;
 			break;
 		}
