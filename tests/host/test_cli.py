@@ -127,7 +127,7 @@ def test_shell_on_a_terminal(tmp_path) -> None:  # type: ignore[no-untyped-def]
         sh.write(b"sim \t\t")  # the choices of 'sim' listed, then the line again
         out = sh.read_until(b"gpupin> sim ")
         assert b"alloc" in out and b"free" in out
-        sh.write(b"\x03")  # Ctrl-C: the line is dropped, a new prompt
+        sh.interrupt()  # Ctrl-C: the line is dropped, a new prompt
         sh.read_until(b"^C")
         sh.read_until(b"gpupin> ")
         sh.write(b"\x04")  # Ctrl-D leaves

@@ -299,6 +299,15 @@ class ShellOnPty:
     def write(self, keys: bytes) -> None:
         os.write(self.fd, keys)
 
+    def interrupt(self) -> None:
+        """Ctrl-C, typed as a person would: not within microseconds of the last prompt.
+        CPython's readline loop (readline_until_enter_or_signal) looks at signals only when
+        its select() is interrupted; a SIGINT that lands after the line is redrawn but before
+        select() is entered again waits for the next key, and the test waited for "^C" in
+        vain (about once in five host-suite runs under load)."""
+        time.sleep(0.25)
+        os.write(self.fd, b"\x03")
+
     def _read(self, wait: float) -> bytes | None:
         """What the shell printed within ``wait`` seconds (b"" if nothing); None once it closed."""
         ready, _, _ = select.select([self.fd], [], [], max(wait, 0))
