@@ -739,9 +739,7 @@ def selftest(*, size: int = 64 << 10, agent: Any = None, timeout: float = 10.0) 
     write of ``size`` bytes through the caches, confirmed by the target and read back.  The
     target's agent is ``agent`` (one with UCX) or a new one.  Returns what it did; raises
     (NixlError, GpupinError or NIXL's own) when something did not work."""
-    # Test support's HostMemory (real host memory handed out as allocations): the library's one
-    # use of gpupin.testing, for this self-test, which gpupin doctor runs.
-    from .testing.fake import HostMemory
+    from .hostmem import HostMemory
 
     mt, mi = HostMemory(max(size, 1 << 20)), HostMemory(max(size, 1 << 20))
     tag = f"{os.getpid()}-{next(_probes)}"

@@ -4,13 +4,14 @@
   ``device``, ``memory``, ``sim``, ``peer``, ``leakcheck`` and ``sim_params``, the markers, and
   helpers for tests (``ensure_loaded``, ``in_child``, ``PausedThread``, ``ShellOnPty``,
   ``NATIVE``).  Its code is in ``plugin.py``.
-- ``fake``: FakeDevice, FakeMemory, FakeCuFile and HostMemory, in-process stand-ins for
-  gpupin.ko, device memory and cuFile.
+- ``fake``: FakeDevice, FakeMemory and FakeCuFile, in-process stand-ins for gpupin.ko,
+  device memory and cuFile (and HostMemory, re-exported from the library's gpupin.hostmem).
 - ``peer``: the example peer driver (gpupin_peer.ko) from Python.
 - ``vgem``: dma-bufs from the kernel's vgem driver, a second exporter.
 
 fake, peer and vgem need no pytest (``gpupin bench`` runs over the fakes, ``gpupin selftest``
-drives the peer), so the plugin's names are read in only where pytest is installed.
+drives the peer), so the plugin's names are read in only where pytest is installed.  The tools
+(gpupin.tools) may import test support, which sits below them; the library never does.
 """
 
 try:

@@ -18,7 +18,6 @@ gives the calling process one of its own.
 
 from __future__ import annotations
 
-import bisect
 import errno
 import itertools
 import mmap
@@ -28,8 +27,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .._native import ffi
 from ..errors import BarExhausted, ForkedDevice, InvalidArgument, NotGpuMemory, PinInvalidated, UnknownHandle
+from ..hostmem import FirstFit
+from ..hostmem import HostMemory as HostMemory  # re-exported: it moved to the library (gpupin.hostmem)
 from ..memory import AllocationRange
 
 GPU_PAGE = 1 << 16
@@ -301,75 +301,28 @@ class FakeMemory:
 
     def __init__(self, *, granule: int = GPU_PAGE) -> None:
         self.granule = granule  # sizes round up to this (1: exact, like a pool block)
-        self._bases: list[int] = []
-        self._allocs: dict[int, AllocationRange] = {}
-        self._ids = itertools.count(1)
+        self._fit = FirstFit(self.BASE, granule=granule)
         self.devices: list[FakeDevice] = []
         self.sync_memops_calls = 0
         self._synced: set[tuple[int, int]] = set()
         # Contents only of allocations that were written: a region costs its bookkeeping,
         # not its size (benchmarks hold 100,000 of them).
         self.data: dict[int, bytearray] = {}
-        self._top = self.BASE  # end of the highest allocation
-        self._holes = False  # a free() may have left a gap below _top
         self._lock = threading.Lock()
         self._exports: dict[tuple[int, int], AllocationRange] = {}  # (st_dev, st_ino) -> allocation
         self.exports = 0
 
     def alloc(self, size: int, *, at: int | None = None) -> int:
-        if size <= 0:
-            raise InvalidArgument(f"alloc(size={size}): size must be > 0")
-        size = -(-size // self.granule) * self.granule
-        with self._lock:
-            va = self.BASE if at is None else at
-            if at is None and not self._holes:
-                va = self._top  # no gaps: first fit is the top (100,000 allocations stay linear)
-            elif at is None:
-                gaps = False
-                for b in self._bases:
-                    if b - va >= size:
-                        break
-                    gaps = gaps or b > va
-                    va = self._allocs[b].base + self._allocs[b].size
-                else:
-                    self._holes = gaps  # every gap was seen: none left means none at all
-            elif self._range(at) is not None:
-                raise InvalidArgument(f"alloc(at={at:#x}): address in use")
-            r = AllocationRange(va, size, next(self._ids))
-            bisect.insort(self._bases, va)
-            self._allocs[va] = r
-            if va + size > self._top:
-                self._holes = self._holes or va > self._top  # alloc(at=) past the top leaves a gap
-                self._top = va + size
-            return va
+        return self._fit.alloc(size, at=at).base
 
     def free(self, ptr: int) -> None:
-        with self._lock:
-            r = self._allocs.pop(ptr, None)
-            if r is None:
-                raise NotGpuMemory(f"free({ptr:#x}): not the start of an allocation")
-            self._bases.remove(ptr)
-            self.data.pop(ptr, None)
-            if r.base + r.size == self._top:
-                self._top = (
-                    self._allocs[self._bases[-1]].base + self._allocs[self._bases[-1]].size
-                    if self._bases
-                    else self.BASE
-                )
-            else:
-                self._holes = True
+        r = self._fit.free(ptr)
+        self.data.pop(ptr, None)
         for d in self.devices:
             d.invalidate_range(r.base, r.base + r.size)
 
-    def _range(self, ptr: int) -> AllocationRange | None:
-        i = bisect.bisect_right(self._bases, ptr) - 1
-        if i < 0:
-            return None
-        r = self._allocs[self._bases[i]]
-        return r if ptr < r.base + r.size else None
-
     def range_of(self, ptr: int) -> AllocationRange:
-        r = self._range(ptr)
+        r = self._fit.find(ptr)
         if r is None:
             raise NotGpuMemory(f"{ptr:#x} is not fake device memory (freed, or never allocated)")
         return r
@@ -398,7 +351,7 @@ class FakeMemory:
             return self._exports.get((st.st_dev, st.st_ino))
 
     def is_device_memory(self, ptr: int) -> bool:
-        return self._range(ptr) is not None
+        return self._fit.find(ptr) is not None
 
     def enable_sync_memops(self, ptr: int) -> None:
         r = self.range_of(ptr)
@@ -569,50 +522,3 @@ class FakeCuFile:
         with open(f"/proc/self/fd/{fh - 1000}", "r+b") as f:
             f.seek(offset)
             return f.write(self.memory.read(base + buf_offset, size))
-
-
-class HostMemory(FakeMemory):
-    """Real host memory handed out like device memory: first-fit allocations inside one
-    anonymous mapping (so a freed address comes back, as with cuMemAlloc), a new buffer id per
-    allocation.  For NIXL's DRAM transfers in tests and benchmarks, where another process or
-    agent reads and writes the bytes."""
-
-    name = "host"
-
-    def __init__(self, size: int = 256 << 20, *, granule: int = 4096) -> None:
-        super().__init__(granule=granule)
-        self._arena = mmap.mmap(-1, size, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self._view = ffi.from_buffer(self._arena)  # holds the arena's address for others to use
-        self.BASE = int(ffi.cast("uintptr_t", self._view))  # FakeMemory allocates from BASE up
-        self._top = self.BASE
-        self.arena_size = size
-
-    def alloc(self, size: int, *, at: int | None = None) -> int:
-        va = super().alloc(size, at=at)
-        if va + self.range_of(va).size > self.BASE + self.arena_size:
-            super().free(va)
-            raise InvalidArgument(f"alloc({size}): HostMemory's {self.arena_size} bytes are used up")
-        return va
-
-    def write(self, ptr: int, data: bytes) -> None:
-        r = self.range_of(ptr)
-        if ptr + len(data) > r.base + r.size:
-            raise InvalidArgument(f"write({ptr:#x}, {len(data)} bytes): past the allocation")
-        at = ptr - self.BASE
-        self._arena[at : at + len(data)] = data
-
-    def read(self, ptr: int, size: int) -> bytes:
-        r = self.range_of(ptr)
-        at = ptr - self.BASE
-        return self._arena[at : at + min(size, r.base + r.size - ptr)]
-
-    def fill(self, ptr: int, size: int, byte: int) -> None:
-        """Set [ptr, ptr + size) to ``byte`` (allocation bounds unchecked: for tests)."""
-        at = ptr - self.BASE
-        self._arena[at : at + size] = bytes([byte]) * size
-
-    def close(self) -> None:
-        if self._view is not None:
-            ffi.release(self._view)
-            self._view = None
-            self._arena.close()

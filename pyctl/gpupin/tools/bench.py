@@ -439,7 +439,7 @@ def bench_nixl(
         sink_mem: Any = mem
         mem_type, seg = "VRAM", 8 * MiB
     except Exception:  # noqa: BLE001 - no CUDA: DRAM
-        from ..testing.fake import HostMemory
+        from ..hostmem import HostMemory
 
         mem, sink_mem = HostMemory((segments + 2) * 2 * MiB), HostMemory(4 * MiB)
         mem_type, seg = "DRAM", 2 * MiB
