@@ -841,7 +841,7 @@ class RegistrationCache:
 
     @property
     def _parent(self) -> str:
-        pid = getattr(self.device, "_pid", None)
+        pid = getattr(self.device, "opener_pid", None)  # devices other than Device may lack it
         return str(pid) if pid is not None else "the parent"
 
     def close(self, timeout: float = 0.0) -> None:

@@ -259,6 +259,11 @@ class Device(Closable):
     def closed(self) -> bool:
         return self._fd < 0
 
+    @property
+    def opener_pid(self) -> int:
+        """The process that opened this Device: the only one the kernel lets pin through it."""
+        return self._pid
+
     def register_child(self, obj: Any) -> None:
         """Something (a RegistrationCache) to close before this device closes.  ``close()``
         calls its ``quiesce(True)``, counts its ``held()`` references, and then closes it, or

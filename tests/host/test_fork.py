@@ -181,7 +181,7 @@ def test_a_device_that_cannot_be_reopened_names_the_fix() -> None:
         try:
             cache.acquire(a, 1)
         except gpupin.ForkedDevice as exc:
-            ok = "make the cache" in str(exc) and str(dev._pid) in str(exc) and dev.unpin_calls == 0
+            ok = "make the cache" in str(exc) and str(dev.opener_pid) in str(exc) and dev.unpin_calls == 0
             return 0 if ok else 2
         return 1
 

@@ -152,6 +152,11 @@ class FakeDevice:
                 errno.EACCES,
             )
 
+    @property
+    def opener_pid(self) -> int:
+        """The process that made this FakeDevice (Device.opener_pid)."""
+        return self._pid
+
     def reopen(self) -> FakeDevice:
         """A FakeDevice of the calling process on the same memory (what Device.reopen() is)."""
         return FakeDevice(
