@@ -316,16 +316,16 @@ class RegistrationCache:
         self.sync_memops = sync_memops
         self._granule = int(getattr(device, "granule", GPU_PAGE))
         check_kernel = validate in ("both", "kernel")
-        check_tag = validate in ("both", "buffer_id")
-        # The tag check runs in C when the provider offers the direct CUDA query.
-        c_tag = check_tag and bool(getattr(memory, "direct_tag_query", False))
-        self._py_tag = check_tag and not c_tag
+        check_buffer_id = validate in ("both", "buffer_id")
+        # The buffer-id check runs in C when the provider offers the direct CUDA query.
+        c_buffer_id = check_buffer_id and bool(getattr(memory, "direct_buffer_id_query", False))
+        self._py_buffer_id = check_buffer_id and not c_buffer_id
         map_buf: Any = None
         words, nwords = ffi.NULL, 0
         if check_kernel:
             map_buf = ffi.from_buffer("uint64_t[]", device.validity_map())
             words, nwords = map_buf, len(map_buf)
-        self._c = ffi.gc(lib.gpc_new(words, nwords, int(check_kernel), int(c_tag)), lib.gpc_free)
+        self._c = ffi.gc(lib.gpc_new(words, nwords, int(check_kernel), int(c_buffer_id)), lib.gpc_free)
         if self._c == ffi.NULL:
             raise MemoryError("gpupin cache: out of memory")
         self._life = _Life(self._c, device, map_buf)
@@ -340,7 +340,7 @@ class RegistrationCache:
         self._by_handle: dict[int, _Entry] = {}
         self._indexed: dict[int, _Entry] = {}
         self._st = CacheStats()
-        self._py_tag_stale = 0
+        self._py_buffer_id_stale = 0
         self._relookups = 0  # lookups repeated under the lock: not acquires of their own
         self._pid = os.getpid()
         self._reopen = False  # a fork child: open a device of its own before the next pin
@@ -392,7 +392,7 @@ class RegistrationCache:
         # keeping the cache (and its hold on the validity map) alive until a GC pass.  Hence
         # this class's own methods named unbound below (RegistrationCache._release_token).
         proxy: Any = weakref.proxy(self)
-        if self._py_tag:
+        if self._py_buffer_id:
             ref = weakref.ref(self)
             self.fast_lookup = functools.partial(_call_cache, ref, RegistrationCache.lookup)
             self.release_token = functools.partial(_call_cache, ref, RegistrationCache._release_token)
@@ -428,12 +428,12 @@ class RegistrationCache:
         except TypeError:  # numpy integers and other __index__ types (fast_lookup takes them too)
             ptr, size = operator.index(ptr), operator.index(size)
             r = self._lookup(self._c, ptr, size)
-        if r >= 0 and not self._py_tag:
+        if r >= 0 and not self._py_buffer_id:
             return int(r)
         return self._slow(ptr, size, int(r))
 
     def _release_token(self, token: int) -> None:
-        """release_token where the C entry point is missing (or for Python tag checks)."""
+        """release_token where the C entry point is missing (or for buffer-id checks in Python)."""
         refs = lib.gpc_release(self._c, token)
         if refs == 0:
             self._release_stale(token)
@@ -467,16 +467,16 @@ class RegistrationCache:
             raise InvalidArgument(f"this {type(self).__name__} is closed")
         if tok == lib.GPC_BAD_ARG:
             self.miss(ptr, size, tok)  # raises the argument error
-        if tok >= 0 and self._py_tag:  # the tag is checked here, not in C
+        if tok >= 0 and self._py_buffer_id:  # the buffer id is checked here, not in C
             e = self._entry_of(tok)
             assert e is not None  # referenced: its slot cannot be reused
             try:
-                ok = self._tag_ok(e, ptr)
+                ok = self._buffer_id_ok(e, ptr)
             except BaseException:
                 self.release_token(tok)
                 raise
             if not ok:
-                self._py_tag_stale += 1
+                self._py_buffer_id_stale += 1
                 self.release_token(tok)
                 return int(lib.GPC_MISS), e
         elif tok <= -lib.GPC_STALE_BASE:
@@ -513,17 +513,17 @@ class RegistrationCache:
                 raise InvalidArgument("this RegistrationCache is closed (or closing)")
             if r == lib.GPC_TOO_MANY_REFS:
                 return self._slow(ptr, size, r)  # raises
-            if r >= 0:  # a C hit; the tag is checked here
+            if r >= 0:  # a C hit; the buffer id is checked here
                 e = self._entry_of(r)
                 assert e is not None  # referenced: its slot cannot be reused
                 try:
-                    ok = self._tag_ok(e, ptr)
+                    ok = self._buffer_id_ok(e, ptr)
                 except BaseException:
                     lib.gpc_release(self._c, r)  # the query failed: do not keep the reference
                     raise
                 if ok:
                     return r
-                self._py_tag_stale += 1
+                self._py_buffer_id_stale += 1
                 lib.gpc_release(self._c, r)
                 self._invalidate(e, "buffer_id")
                 self._finish(e)  # if another thread made it stale first
@@ -538,7 +538,7 @@ class RegistrationCache:
                 raise InvalidArgument("this RegistrationCache is closed (or closing)")
             return e.token
 
-    def _tag_ok(self, e: _Entry, ptr: int) -> bool:
+    def _buffer_id_ok(self, e: _Entry, ptr: int) -> bool:
         try:
             return bool(self.memory.buffer_id(ptr) == e.buffer_id)
         except NotGpuMemory:
@@ -646,11 +646,11 @@ class RegistrationCache:
         finally:
             os.close(fd)
 
-    def _pin(self, start: int, size: int, tag: int) -> Any:
+    def _pin(self, start: int, size: int, base: int) -> Any:
         st = self._st
         while True:
             try:
-                return self._pin_once(start, size, tag)
+                return self._pin_once(start, size, base)
             except (BarExhausted, BudgetExceeded) as exc:
                 st.pin_failures += 1
                 self._drain_locked()
@@ -763,7 +763,7 @@ class RegistrationCache:
             lib.gpc_counts(self._c, acq, hits)
             st = CacheStats(**self._st.__dict__)
             st.acquires = int(acq[0]) - self._relookups
-            st.hits = int(hits[0]) - self._py_tag_stale
+            st.hits = int(hits[0]) - self._py_buffer_id_stale
             st.misses = st.acquires - st.hits
             st.in_use = self.held()
             return st
@@ -803,7 +803,7 @@ class RegistrationCache:
         self._by_handle.clear()
         self._indexed.clear()
         self._st = CacheStats()
-        self._py_tag_stale = 0
+        self._py_buffer_id_stale = 0
         self._relookups = 0
         self._life.owned = None  # a device the parent opened in its own fork child: not this one's
         self._reopen = not self._closed
@@ -856,8 +856,8 @@ class RegistrationCache:
         if self._pid != os.getpid():
             self._forget()  # a fork child without the hook: drop the parent's pins unreleased
         if timeout > 0 and not self._closed:
-            # Waited for without the lock: a holder may need it to finish (a hit whose tag is
-            # checked in Python holds its reference while it waits for the lock).
+            # Waited for without the lock: a holder may need it to finish (a hit whose buffer id
+            # is checked in Python holds its reference while it waits for the lock).
             self.quiesce(True)
             deadline = time.monotonic() + timeout
             while lib.gpc_held(self._c) and time.monotonic() < deadline:
@@ -991,7 +991,7 @@ def _closed_lookup(ptr: int, size: int) -> int:
 def _call_cache(
     ref: weakref.ref[RegistrationCache], method: Callable[..., Any], *args: Any, gone_ok: bool = False
 ) -> Any:
-    """A saved fast path in Python (tag checks in Python): the method, while the cache lives.
+    """A saved fast path in Python (buffer-id checks in Python): the method, while the cache lives.
     ``gone_ok``: a dead cache is no error (a stale entry's last release: its finalizer unpins)."""
     cache = ref()
     if cache is None:

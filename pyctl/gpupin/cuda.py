@@ -122,8 +122,8 @@ class CudaMemory(ProviderBase):
         self._synced: set[tuple[int, int]] = set()
         self.sync_memops_calls = 0
         self.device = device
-        # The tag query on the hot path goes straight to libcuda (no cuda-python layer).
-        self.direct_tag_query = lib.gp_cuda_open(int(self._buffer_id_attr)) == 0
+        # The buffer-id query on the hot path goes straight to libcuda (no cuda-python layer).
+        self.direct_buffer_id_query = lib.gp_cuda_open(int(self._buffer_id_attr)) == 0
         self._direct = cuda_buffer_id or lib.gp_cuda_buffer_id_or_0
         # VMM chunks: RANGE_* spans the whole reserved range, MAPPING_* the chunk
         # (measured on an H200, driver 580); cuda-python does not wrap MAPPING_*.
@@ -159,7 +159,7 @@ class CudaMemory(ProviderBase):
         if int(managed):
             raise NotGpuMemory(f"{ptr:#x} is managed (unified) memory, which GPUDirect RDMA cannot pin: use cuMemAlloc")
         base, end = int(start), int(start) + int(size)
-        if self.direct_tag_query and len(self._mapping_attrs) == 2:
+        if self.direct_buffer_id_query and len(self._mapping_attrs) == 2:
             # The allocation is where the address range and the physical mapping overlap:
             # a VMM chunk is a mapping inside a larger reserved range, while a small
             # cuMemAlloc or pool allocation sits inside a larger mapping (measured: 1 MiB
@@ -195,7 +195,7 @@ class CudaMemory(ProviderBase):
 
     def buffer_id(self, ptr: int) -> int:
         """The allocation's buffer id, queried directly through libcuda when possible."""
-        if self.direct_tag_query:
+        if self.direct_buffer_id_query:
             bid = int(self._direct(ptr))
             if bid == 0:
                 raise NotGpuMemory(f"{ptr:#x} is not CUDA memory: freed, or never allocated")

@@ -337,7 +337,7 @@ class GdsCache(RegistrationCache):
 
     ``acquire(ptr, size)`` registers the allocation holding ``ptr`` on first use and
     returns a :class:`Registration`; hold it for the IO, release it after.  The hot
-    path is ``fast_lookup`` + ``release_token`` (the tag-mode C path).  ``use()`` applies
+    path is ``fast_lookup`` + ``release_token`` (the buffer-id check in C).  ``use()`` applies
     :class:`GdsPolicy` first and registers only where it pays.  ``max_bytes`` defaults
     to cuFile's ``max_device_pinned_mem_size``; a registration cuFile refuses for lack
     of pinnable memory evicts the least recently used unused entry and retries.
@@ -412,7 +412,7 @@ class GdsCache(RegistrationCache):
         adv = self.advise(r.size, reuse, bar_free)
         if not adv.register:
             with self._lock:
-                if stale is not None and self._entry_of(stale.token) is stale and not self._tag_ok(stale, ptr):
+                if stale is not None and self._entry_of(stale.token) is stale and not self._buffer_id_ok(stale, ptr):
                     # cuFile finds registrations by address: an unregistered IO here would
                     # use the freed memory's registration.  Drop it now, held or not.
                     self._invalidate(stale, "buffer_id")

@@ -81,7 +81,7 @@ if [ "${GPUPIN_GPU_BENCH:-all}" = nixl ]; then
 fi
 step "$OUT/gds-status.txt" python3 -m gpupin gds status
 step "$OUT/bench-gds.txt" python3 -m gpupin.tools.bench --gds --out "$OUT/bench-gds.json"
-# GPUPIN_GPU_BENCH=gds: only the GDS figures (the CUDA tag-query figures take minutes)
+# GPUPIN_GPU_BENCH=gds: only the GDS figures (the CUDA buffer-id query figures take minutes)
 [ "${GPUPIN_GPU_BENCH:-all}" = gds ] ||
 	step "$OUT/bench-gpu.txt" python3 -m gpupin.tools.bench --only-cuda --out "$OUT/bench-gpu.json"
 exit "$rc"

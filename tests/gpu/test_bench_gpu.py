@@ -1,6 +1,6 @@
 """The GPU benchmarks run small: they are programs users run, so they are tested.
 
-Counts are asserted (the cache registers each buffer once; the tag queries answer), never
+Counts are asserted (the cache registers each buffer once; the buffer-id queries answer), never
 times: those live in ``make bench`` (a shared machine is noisy).
 """
 
@@ -17,10 +17,10 @@ def test_cuda_bench_answers_every_figure(cuda) -> None:  # type: ignore[no-untyp
     assert res["cuda_direct_available"] is True
     assert res["direct_binding"] in ("vectorcall", "cffi")
     for key in (
-        "cuda_python_tag_query_ns",
-        "direct_tag_query_ns",
-        "direct_tag_query_cffi_ns",
-        "direct_tag_query_wrapped_ns",
+        "cuda_python_buffer_id_query_ns",
+        "direct_buffer_id_query_ns",
+        "direct_buffer_id_query_cffi_ns",
+        "direct_buffer_id_query_wrapped_ns",
         "cuda_dict_lookup_ns",
         "cuda_hit_buffer_id_ns",
         "cuda_hit_both_ns",
@@ -41,6 +41,6 @@ def test_gds_bench_registers_each_buffer_once(cuda) -> None:  # type: ignore[no-
     assert res["gds_registration_reduction"] == ios / used
     if not res["gds_reads"]:
         assert res["gds_reads_skipped"], res  # says why cuFile would not read the file
-    for key in ("gds_pattern1_s", "gds_cache_s", "gds_hit_ns", "gds_hit_release_ns", "gds_direct_tag_query_ns"):
+    for key in ("gds_pattern1_s", "gds_cache_s", "gds_hit_ns", "gds_hit_release_ns", "gds_direct_buffer_id_query_ns"):
         assert isinstance(res[key], float) and res[key] > 0, (key, res[key])
     assert isinstance(res["gds_cufile_version"], int) and res["gds_cufile_version"] > 0

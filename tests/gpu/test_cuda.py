@@ -171,10 +171,10 @@ def test_sync_memops_once_per_allocation(cuda, cu) -> None:  # type: ignore[no-u
 
 
 @pytest.mark.parametrize("validate", ["buffer_id", "both"])
-def test_cache_tag_mode_misses_on_realloc(cuda, validate: str) -> None:  # type: ignore[no-untyped-def]
+def test_cache_buffer_id_check_misses_on_realloc(cuda, validate: str) -> None:  # type: ignore[no-untyped-def]
     dev = FakeDevice(cuda)
     cache = RegistrationCache(dev, cuda, validate=validate)  # type: ignore[arg-type]
-    assert cache._py_tag is False, "the tag check should run in C through libcuda"
+    assert cache._py_buffer_id is False, "the buffer-id check should run in C through libcuda"
     for _ in range(8):  # until cuMemAlloc hands the freed address back: the case under test
         a = cuda.alloc(2 * MiB)
         with cache.acquire(a + 100, 100) as r:
@@ -182,7 +182,7 @@ def test_cache_tag_mode_misses_on_realloc(cuda, validate: str) -> None:  # type:
         with cache.acquire(a, 2 * MiB) as r:
             assert r.handle == h
         cuda.free(a)
-        # The fake device is not told about the free: only the tag can catch it.
+        # The fake device is not told about the free: only the buffer id can catch it.
         b = cuda.alloc(2 * MiB)
         if b == a:
             break

@@ -36,7 +36,7 @@ def registered(drv: CuFileDriver, ptr: int, size: int) -> bool:
 
 def test_whole_allocation_registered_once(cuda, driver) -> None:  # type: ignore[no-untyped-def]
     cache = GdsCache(driver, cuda)
-    assert cache._py_tag is False, "the tag check should run in C through libcuda"
+    assert cache._py_buffer_id is False, "the buffer-id check should run in C through libcuda"
     assert cache.max_bytes == cache.properties.max_device_pinned_mem_bytes > 0
     a = cuda.alloc(4 * MiB)
     try:

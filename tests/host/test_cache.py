@@ -141,7 +141,7 @@ def test_same_va_reuse_misses(validate: str, reason: str) -> None:
     r2.release()
 
 
-def test_tag_checked_at_the_pointer_not_the_base() -> None:
+def test_buffer_id_checked_at_the_pointer_not_the_base() -> None:
     """A freed allocation replaced by two smaller ones: the second starts inside the old entry."""
     mem, dev, cache = make(validate="buffer_id")
     a = mem.alloc(2 * MiB)
@@ -365,7 +365,7 @@ def test_close_refuses_while_a_registration_is_held() -> None:
         cache.release_token(tok)  # a token after close is an error, not silently taken
 
 
-def test_python_tag_mode_cache_is_freed_without_gc() -> None:
+def test_python_buffer_id_check_cache_is_freed_without_gc() -> None:
     import gc
     import weakref
 

@@ -211,7 +211,7 @@ def test_fast_lookup_takes_what_lookup_takes() -> None:
     cache.close()
 
 
-class FlakyTag(FakeMemory):
+class FlakyBufferId(FakeMemory):
     """A provider whose buffer-id query can fail with something other than NotGpuMemory."""
 
     fail = False
@@ -222,8 +222,8 @@ class FlakyTag(FakeMemory):
         return super().buffer_id(ptr)
 
 
-def test_a_failing_tag_check_on_a_hit_keeps_no_reference() -> None:
-    mem = FlakyTag()
+def test_a_failing_buffer_id_check_on_a_hit_keeps_no_reference() -> None:
+    mem = FlakyBufferId()
     dev = FakeDevice(mem)
     cache = RegistrationCache(dev, mem, validate="both")
     a = mem.alloc(MiB)
@@ -338,7 +338,7 @@ def test_gds_failed_deregistration_is_counted_raised_and_retried() -> None:
 
 # -- threads ---------------------------------------------------------------------------------
 def test_threads_acquire_release_miss_evict_and_close_exactly() -> None:
-    """Eight threads mix hits, misses, frees (tag invalidation), purges and bare tokens over
+    """Eight threads mix hits, misses, frees (buffer-id invalidation), purges and bare tokens over
     a small cache with limits.  No hang, no leaked pin or reference, counters add up."""
     mem = FakeMemory()
     dev = FakeDevice(mem)

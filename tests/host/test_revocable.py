@@ -109,10 +109,10 @@ def test_kernel_validation_refuses_a_pin_the_kernel_does_not_call_revocable() ->
         cache.acquire(mem.alloc(MiB), 1)
     assert dev.pins == {}
     # Buffer-id validation works with the same pins.
-    tagged = RegistrationCache(dev, mem, validate="buffer_id")
-    with tagged.acquire(mem.alloc(MiB), 1) as r:
+    by_id = RegistrationCache(dev, mem, validate="buffer_id")
+    with by_id.acquire(mem.alloc(MiB), 1) as r:
         assert r.valid
-    tagged.close()
+    by_id.close()
     assert dev.pins == {}
 
 

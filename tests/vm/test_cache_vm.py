@@ -264,10 +264,10 @@ def test_kernel_validation_follows_the_dmabuf_exporter(device: Device, memory: M
         with pytest.raises(gpupin.NotRevocable, match="validate='buffer_id' or 'both'"):
             cache.acquire(va, 10)
         assert device.info().file_pins == 0 and len(cache) == 0
-        tagged = RegistrationCache(device, memory, validate="both", backend="dmabuf")
-        with tagged.acquire(va, 10) as r:
+        checked = RegistrationCache(device, memory, validate="both", backend="dmabuf")
+        with checked.acquire(va, 10) as r:
             assert r.valid
-        tagged.close()
+        checked.close()
         cache.close()
         memory.free(va)
     assert device.info().file_pins == 0 and (NATIVE or sim_stats().dmabuf_exports == 0)

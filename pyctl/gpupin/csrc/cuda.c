@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT OR GPL-2.0
 /*
  * CUDA pointer attributes straight from libcuda, resolved at run time (no
- * link-time dependency): the tag query of the cache's hot path.
+ * link-time dependency): the buffer-id query of the cache's hot path.
  */
 #include <dlfcn.h>
 

@@ -72,7 +72,7 @@ struct gpc {
 	pthread_mutex_t lock;
 	const volatile uint64_t *words;
 	uint64_t nwords;
-	int check_kernel, check_tag_cuda;
+	int check_kernel, check_buffer_id_cuda;
 	int closed;			/* gpc_close(): every lookup says GPC_CLOSED */
 	int closing;			/* gpc_quiesce(): lookups say GPC_CLOSED, releases go on */
 	uint32_t gen;			/* the last generation given out */
@@ -342,7 +342,7 @@ static int gpc_get(struct gpc *c, int64_t id)
 	return 1;
 }
 
-struct gpc *gpc_new(const uint64_t *words, uint64_t nwords, int check_kernel, int check_tag_cuda)
+struct gpc *gpc_new(const uint64_t *words, uint64_t nwords, int check_kernel, int check_buffer_id_cuda)
 {
 	struct gpc *c = calloc(1, sizeof(*c));
 
@@ -352,7 +352,7 @@ struct gpc *gpc_new(const uint64_t *words, uint64_t nwords, int check_kernel, in
 	c->words = words;
 	c->nwords = nwords;
 	c->check_kernel = check_kernel;
-	c->check_tag_cuda = check_tag_cuda;
+	c->check_buffer_id_cuda = check_buffer_id_cuda;
 	c->max_refs = INT32_MAX;
 	c->lru_head = c->lru_tail = -1;
 	return c;
@@ -552,7 +552,7 @@ int64_t gpc_lookup_locked(struct gpc *c, uint64_t ptr, uint64_t size)
 		return GPC_MISS;
 	if (c->check_kernel && (e->slot >= c->nwords || c->words[e->slot] != e->valid_word))
 		return -(gpc_token(c, id) + GPC_STALE_BASE);
-	if (c->check_tag_cuda) {
+	if (c->check_buffer_id_cuda) {
 		uint64_t bid = 0;
 
 		if (gp_cuda_buffer_id(ptr, &bid) != 0 || bid != e->buffer_id)

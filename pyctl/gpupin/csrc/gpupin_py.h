@@ -24,7 +24,7 @@ int gpupin_call(int fd, unsigned long cmd, void *arg);
 int gpupin_cover_zero(uint64_t addr, uint64_t len);
 
 struct gpc;
-struct gpc *gpc_new(const uint64_t *words, uint64_t nwords, int check_kernel, int check_tag_cuda);
+struct gpc *gpc_new(const uint64_t *words, uint64_t nwords, int check_kernel, int check_buffer_id_cuda);
 void gpc_free(struct gpc *c);
 int64_t gpc_close(struct gpc *c, int force);
 void gpc_quiesce(struct gpc *c, int on);

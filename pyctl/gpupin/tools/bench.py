@@ -3,7 +3,7 @@
 Figures are ratios measured in one run (these machines are shared and noisy):
 - hit: median ns of a cache hit (``lookup``: find, validate, reference, in one
   call into C) for validate=kernel, buffer_id and both, against a bare Python dict
-  lookup and a bare tag query of the provider; also lookup + release_token and
+  lookup and a bare buffer-id query of the provider; also lookup + release_token and
   the convenient acquire() + release() through Registration objects;
 - trace: 10,000 transfers over 64 buffers with Zipf reuse and 100 us pins,
   cache against pin-per-transfer (pins issued and wall time);
@@ -17,8 +17,8 @@ Progress goes to stderr, the table (or JSON) to stdout.
 Host figures use FakeDevice (gpupin.testing.fake, imported by the figures that
 use it, not when the gpupin command reads these arguments), whose validity map
 is an anonymous shared mapping read like the kernel's page.  ``--vm`` adds real
-ioctl pin/unpin times against the simulator; ``--cuda`` adds the tag query on a
-real GPU.
+ioctl pin/unpin times against the simulator; ``--cuda`` adds the buffer-id query on
+a real GPU.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ TARGETS = {
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="fewer repetitions (for tests)")
     p.add_argument("--vm", action="store_true", help="also time real pin/unpin ioctls (needs the modules)")
-    p.add_argument("--cuda", action="store_true", help="also measure tag queries on a real GPU")
+    p.add_argument("--cuda", action="store_true", help="also measure buffer-id queries on a real GPU")
     p.add_argument("--only-cuda", action="store_true", help="only the GPU figures")
     p.add_argument(
         "--gds", action="store_true", help="only the GPUDirect Storage figures (needs a GPU, cuda-python and libcufile)"
@@ -181,7 +181,7 @@ def dict_loop(ptrs: list[int]) -> Callable[[int], None]:
     return run
 
 
-def tag_loop(buffer_id: Callable[[int], int], ptrs: list[int]) -> Callable[[int], None]:
+def query_loop(buffer_id: Callable[[int], int], ptrs: list[int]) -> Callable[[int], None]:
     seq = [ptrs[i % len(ptrs)] + 64 for i in range(4096)]
 
     def run(n: int) -> None:
@@ -209,10 +209,10 @@ def bench_hit(reps: int, n: int) -> dict[str, Any]:
     loops["acquire_release_kernel_ns"] = acquire_loop(cache, ptrs)
     cache, ptrs = caches["kernel"]
     loops["dict_lookup_ns"] = dict_loop(ptrs)
-    loops["tag_query_ns"] = tag_loop(cache.memory.buffer_id, ptrs)
+    loops["buffer_id_query_ns"] = query_loop(cache.memory.buffer_id, ptrs)
     out: dict[str, Any] = dict(interleaved_ns(loops, n, reps))
     out["kernel_hit_over_dict"] = out["hit_kernel_ns"] / out["dict_lookup_ns"]
-    out["buffer_id_hit_over_query"] = out["hit_buffer_id_ns"] / out["tag_query_ns"]
+    out["buffer_id_hit_over_query"] = out["hit_buffer_id_ns"] / out["buffer_id_query_ns"]
     return out
 
 
@@ -380,7 +380,7 @@ def bench_vm(reps: int) -> dict[str, Any]:
 
 
 def bench_cuda(reps: int, n: int) -> dict[str, Any]:
-    """Tag queries and tag-mode hits on a real GPU (no kernel module needed: FakeDevice pins)."""
+    """Buffer-id queries and buffer-id-checked hits on a real GPU (no kernel module needed: FakeDevice pins)."""
     from .._native import cuda_buffer_id
     from ..cuda import CudaMemory
     from ..testing.fake import FakeDevice
@@ -388,7 +388,7 @@ def bench_cuda(reps: int, n: int) -> dict[str, Any]:
     mem = CudaMemory()
     ptrs = [mem.alloc(1 << 20) for _ in range(8)]
     out: dict[str, Any] = {
-        "cuda_direct_available": mem.direct_tag_query,
+        "cuda_direct_available": mem.direct_buffer_id_query,
         "direct_binding": "vectorcall" if cuda_buffer_id else "cffi",
     }
     caches = []
@@ -398,10 +398,10 @@ def bench_cuda(reps: int, n: int) -> dict[str, Any]:
         # CudaMemory.buffer_id.  All measured in turn (interleaved_ns).
         direct = cuda_buffer_id or lib.gp_cuda_buffer_id_or_0
         loops = {
-            "cuda_python_tag_query_ns": tag_loop(mem.buffer_id_cuda_python, ptrs),
-            "direct_tag_query_ns": tag_loop(direct, ptrs),
-            "direct_tag_query_cffi_ns": tag_loop(lib.gp_cuda_buffer_id_or_0, ptrs),
-            "direct_tag_query_wrapped_ns": tag_loop(mem.buffer_id, ptrs),
+            "cuda_python_buffer_id_query_ns": query_loop(mem.buffer_id_cuda_python, ptrs),
+            "direct_buffer_id_query_ns": query_loop(direct, ptrs),
+            "direct_buffer_id_query_cffi_ns": query_loop(lib.gp_cuda_buffer_id_or_0, ptrs),
+            "direct_buffer_id_query_wrapped_ns": query_loop(mem.buffer_id, ptrs),
             "cuda_dict_lookup_ns": dict_loop(ptrs),
         }
         for mode in ("buffer_id", "both"):
@@ -413,8 +413,8 @@ def bench_cuda(reps: int, n: int) -> dict[str, Any]:
         out.update(interleaved_ns(loops, n, reps))
         for cache in caches:
             cache.purge()
-        out["direct_over_cuda_python"] = out["direct_tag_query_ns"] / out["cuda_python_tag_query_ns"]
-        out["cuda_buffer_id_hit_over_direct_query"] = out["cuda_hit_buffer_id_ns"] / out["direct_tag_query_ns"]
+        out["direct_over_cuda_python"] = out["direct_buffer_id_query_ns"] / out["cuda_python_buffer_id_query_ns"]
+        out["cuda_buffer_id_hit_over_direct_query"] = out["cuda_hit_buffer_id_ns"] / out["direct_buffer_id_query_ns"]
     finally:
         for p in ptrs:
             mem.free(p)
@@ -556,7 +556,7 @@ def bench_nixl(
             from .._native import cuda_buffer_id
 
             query = cuda_buffer_id or lib.gp_cuda_buffer_id_or_0
-        t = interleaved_ns({"hit": hit_loop(ini.cache, ptrs), "query": tag_loop(query, ptrs)}, n, reps)
+        t = interleaved_ns({"hit": hit_loop(ini.cache, ptrs), "query": query_loop(query, ptrs)}, n, reps)
         out["nixl_hit_ns"], out["nixl_direct_query_ns"] = t["hit"], t["query"]
         out["nixl_hit_over_direct_query"] = t["hit"] / t["query"]
         release_all(ini.cache, ptrs)
@@ -666,7 +666,7 @@ def bench_gds(
         out.update(
             interleaved_ns(
                 {
-                    "gds_direct_tag_query_ns": tag_loop(direct, ptrs),
+                    "gds_direct_buffer_id_query_ns": query_loop(direct, ptrs),
                     "gds_hit_ns": hit_loop(cache, ptrs),
                     "gds_hit_release_ns": hit_release_loop(cache, ptrs),
                 },
@@ -676,7 +676,7 @@ def bench_gds(
         )
         release_all(cache, ptrs)
         cache.close()
-        out["gds_hit_over_direct_query"] = out["gds_hit_ns"] / out["gds_direct_tag_query_ns"]
+        out["gds_hit_over_direct_query"] = out["gds_hit_ns"] / out["gds_direct_buffer_id_query_ns"]
     finally:
         if gf is not None:
             gf.close()
@@ -731,7 +731,7 @@ def run(
     if vm:
         steps.append(("real ioctls", lambda: bench_vm(5 if quick else 50)))
     if cuda:
-        steps.append(("CUDA tag queries", lambda: bench_cuda(reps, n)))
+        steps.append(("CUDA buffer-id queries", lambda: bench_cuda(reps, n)))
     t0 = time.monotonic()
     for i, (name, step) in enumerate(steps, 1):
         progress(f"bench: {i}/{len(steps)} {name} ({time.monotonic() - t0:.0f} s so far)")
