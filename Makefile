@@ -130,8 +130,10 @@ check-nvidia: setup
 deb:
 	packaging/make-deb.sh
 
-# The Python package as a wheel in dist/ (the cffi extensions compiled in).
+# The Python package as a wheel in dist/ (the cffi extensions compiled in).  setuptools
+# never prunes build/lib: a file left there by an earlier build would ship, so it goes first.
 wheel: setup
+	rm -rf build/lib.*/gpupin
 	$(PY) -m pip wheel --no-deps -w dist . >/dev/null && ls dist/*.whl
 
 # Install the .deb, let DKMS build for the VM's kernel, modprobe there, run a smoke suite,

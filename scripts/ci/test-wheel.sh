@@ -11,6 +11,7 @@ TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 
 rm -f "$ROOT"/dist/gpupin-*.whl
+rm -rf "$ROOT"/build/lib.*/gpupin # never pruned by setuptools: what an earlier build left would ship
 "$ROOT/.venv/bin/python" -m pip wheel -q --no-deps -w "$ROOT/dist" "$ROOT" >"$TMP/build.txt" 2>&1 ||
 	{ cat "$TMP/build.txt"; die "the wheel does not build"; }
 whl=$(ls "$ROOT"/dist/gpupin-*.whl)
@@ -19,6 +20,7 @@ whl=$(ls "$ROOT"/dist/gpupin-*.whl)
 	{ cat "$TMP/install.txt"; die "the wheel does not install into a clean venv"; }
 cd "$TMP"
 GPUPIN_KO_DIR='' "$TMP/venv/bin/python" - "$TMP/venv" <<'PYEOF' || die "the installed wheel does not work (above)"
+import os
 import sys
 import gpupin, gpupin._gpupin_cffi, gpupin._gpupin_kmod
 from gpupin import kmod
@@ -28,6 +30,8 @@ from gpupin.testing.fake import FakeDevice, FakeMemory
 venv = sys.argv[1]
 for m in (gpupin, gpupin._gpupin_cffi, gpupin._gpupin_kmod):
     assert m.__file__.startswith(venv), f"{m.__name__} comes from {m.__file__}, not the venv"
+# csrc/ is compiled into the extensions; its sources are no use installed.
+assert not os.path.exists(os.path.join(os.path.dirname(gpupin.__file__), "csrc")), "the wheel ships csrc/"
 # Without a source tree the modules are loaded by name, as modprobe would.
 assert kmod.module_file("gpupin") == "gpupin", kmod.module_file("gpupin")
 mem = FakeMemory()
