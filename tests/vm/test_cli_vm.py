@@ -65,6 +65,7 @@ SCRIPT = """
 sim alloc 2M
 sim write $va hello
 sim read $va 5 --json
+sim query $va --json
 pin $va 2M --tag 7
 query $handle --json
 pages $handle --count 2
@@ -86,6 +87,7 @@ def test_shell_script_on_stdin(gpupin_loaded: None, leakcheck: None) -> None:
     out = r.stdout
     assert r.returncode == 1, out  # the last command fails, the rest ran
     assert '"text": "hello"' in out
+    assert '"base": "0x' in out and '"buffer_id": ' in out  # sim query: the address in hex
     assert '"state": "pinned"' in out and '"user_tag": 7' in out
     assert "physical_address" in out
     assert '"entries": 32' in out  # dma-map of 2 MiB

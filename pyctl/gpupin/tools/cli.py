@@ -378,7 +378,9 @@ def cmd_sim(s: Session, a: argparse.Namespace) -> Result:
         data = sim.read(a.va, a.size)
         return {"hex": data.hex(), "text": data.decode(errors="replace")}
     if a.op == "query":
-        return asdict(sim.range_of(a.va))
+        row = asdict(sim.range_of(a.va))
+        row["base"] = hex(row["base"])  # in hex, as every command prints addresses
+        return row
     if a.op == "stats":
         return asdict(sim_stats())
     if a.op == "set":
