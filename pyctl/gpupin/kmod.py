@@ -27,16 +27,23 @@ lib: Any = _ext.lib
 _REQUIRED_SYMBOLS = ("nvidia_p2p_get_pages", "nvidia_p2p_put_pages")
 
 
-def ko_dir() -> Path:
-    """Where the built modules are: $GPUPIN_KO_DIR, else the source tree holding this package."""
+def ko_dir() -> Path | None:
+    """Where the built modules are: $GPUPIN_KO_DIR, else the source tree holding this package
+    (pyctl/gpupin/ with the Kbuild file two levels up); None for an installed package, whose
+    modules are the installed ones, loaded by name (a stray gpupin.ko in site-packages' parent
+    must not be loaded)."""
     env = os.environ.get("GPUPIN_KO_DIR")
-    return Path(env) if env else Path(__file__).resolve().parent.parent.parent
+    if env:
+        return Path(env)
+    tree = Path(__file__).resolve().parents[2]
+    return tree if (tree / "Kbuild").is_file() else None
 
 
 def module_file(name: str) -> str:
     """The built ``name.ko`` if there is one, else ``name`` (installed modules, loaded by name)."""
-    ko = ko_dir() / f"{name}.ko"
-    return str(ko) if ko.exists() else name
+    where = ko_dir()
+    ko = where / f"{name}.ko" if where is not None else None
+    return str(ko) if ko is not None and ko.exists() else name
 
 
 @dataclass(frozen=True)
