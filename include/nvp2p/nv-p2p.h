@@ -2,11 +2,13 @@
 /*
  * gpupin's own declaration of the documented NVIDIA nv-p2p kernel ABI.
  *
- * Written from NVIDIA's GPUDirect RDMA documentation (see shared DESIGN.md
- * section 2).  It is used when no NVIDIA driver sources are given; the
- * simulator (kernel/sim) implements it and gpupin.ko calls it.  It declares
- * the newest layout gpupin knows (page table 2.0, R580 on); gpupin also reads
- * 1.2 tables (R535..R575), and the simulator hands out either.
+ * Written from NVIDIA's GPUDirect RDMA documentation (the kernel API of its
+ * GPUDirect RDMA guide); what NVIDIA's driver does behind each call is in
+ * kernel/sim/FIDELITY.md.  It is used when no NVIDIA driver sources are
+ * given; the simulator (kernel/sim) implements it and gpupin.ko calls it.
+ * It declares the newest layout gpupin knows (page table 2.0, R580 on);
+ * gpupin also reads 1.2 tables (R535..R575), and the simulator hands out
+ * either.
  *
  * With NVIDIA_SRC=... the driver's own nv-p2p.h is used instead.  The symbol
  * CRCs of a build against this header never match a real driver's (genksyms

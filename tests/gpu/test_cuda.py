@@ -1,4 +1,5 @@
-"""CudaMemory facts (DESIGN.md section 5) and the registration cache over real CUDA memory."""
+"""CudaMemory facts (the buffer-id facts of Documentation/measurements.md) and the registration
+cache over real CUDA memory."""
 
 from __future__ import annotations
 
