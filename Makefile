@@ -96,8 +96,10 @@ test-gpu: pyext
 	$(VENV)/bin/pytest -q -m gpu tests/gpu
 
 # On a GPU host where modules load: gpupin selftest (loads nvidia, gpupin and the example peer
-# for PEER_PCI, prints the table, keeps them loaded), then the VM suite against them.
-test-native: pyext modules
+# for PEER_PCI, prints the table, keeps them loaded), then the VM suite against them.  A build
+# for NVIDIA's driver leaves the example peer out unless GPUPIN_EXAMPLES=1 asks for it.
+test-native: pyext
+	$(MAKE) modules GPUPIN_EXAMPLES=1
 	$(VENV)/bin/python -m gpupin selftest --native --keep --require-modules $(if $(PEER_PCI),--pci $(PEER_PCI))
 	GPUPIN_NATIVE=1 GPUPIN_PEER_PCI=$(PEER_PCI) $(VENV)/bin/pytest -q tests/vm
 
@@ -161,8 +163,10 @@ check-newest:
 coverage: setup pyext
 	scripts/ci/coverage.sh
 
+# Built for NVIDIA's driver, that is gpupin.ko alone (Kbuild leaves the example peer out);
+# over the simulator, nvp2p_sim.ko and gpupin_peer.ko too.  depmod for KDIR's kernel.
 install: modules
 	$(KMAKE) modules_install
-	depmod -a $(notdir $(patsubst %/build,%,$(KDIR))) || depmod -a
+	depmod -a $(KDIR_KVER)
 	install -D -m 0644 packaging/99-gpupin.rules /etc/udev/rules.d/99-gpupin.rules
 	getent group gpupin >/dev/null || groupadd --system gpupin
