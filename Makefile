@@ -19,18 +19,29 @@ KMAKE = $(MAKE) -C $(KDIR) M=$(CURDIR) $(if $(NVIDIA_SRC),NVIDIA_SRC=$(NVIDIA_SR
 all: modules
 
 help:
-	@echo "make [modules]   build gpupin.ko (+ nvp2p_sim.ko) against KDIR=$(KDIR)"
+	@echo "make [modules]   build against KDIR=$(KDIR)"
+	@echo "                 over the simulator: gpupin.ko, nvp2p_sim.ko and the example peer gpupin_peer.ko;"
+	@echo "                 with NVIDIA's sources (/usr/src/nvidia-* or NVIDIA_SRC=): gpupin.ko alone"
+	@echo "                 (+ gpupin_peer.ko with GPUPIN_EXAMPLES=1 on the command line)"
+	@echo "make clean       remove the build outputs and the compiled Python extensions"
+	@echo "make setup       Debian packages and the virtualenv .venv (scripts/setup.sh; idempotent)"
+	@echo "make pyext       compile the Python package's cffi extensions into the tree"
 	@echo "make demo        build, load (in a VM if needed) and show pinning end to end"
 	@echo "make test        check, check-nvidia, check-newest, test-host, test-vm, test-vm-6.12, test-deb, check-fresh (+ test-gpu)"
-	@echo "make check       versions agree, netlink header = its spec, W=1, sparse, checkpatch --strict, ruff (lint, format), mypy, gcc -fanalyzer on pyctl C"
-	@echo "make netlink-header  generate include/uapi/gpupin_netlink.h from Documentation/netlink/specs/gpupin.yaml"
+	@echo "make check       check-version, check-netlink, check-kernel, check-py"
+	@echo "make check-version  the DKMS configurations, gpupin.h and __init__.py carry pyproject.toml's version"
+	@echo "make check-netlink  the committed netlink header is what its YNL spec generates"
+	@echo "make check-kernel   W=1 (and the unicast-events variant), sparse, checkpatch --strict"
+	@echo "make check-py       ruff (lint, format), mypy, gcc -fanalyzer on the package's C"
+	@echo "make netlink-header generate include/uapi/gpupin_netlink.h from Documentation/netlink/specs/gpupin.yaml"
 	@echo "make check-nvidia  build against NVIDIA's 535 and 550 open driver sources, check CRCs"
 	@echo "make deb | wheel   Debian packages (gpupin-dkms, gpupin-sim-dkms) / the Python wheel in dist/"
 	@echo "make test-deb      install the .deb, DKMS, modprobe in the VM, smoke suite; the wheel in a clean venv"
 	@echo "make check-fresh   setup.sh on a fresh Debian 12 (debootstrap chroot)"
 	@echo "make check-newest  W=1 -Werror against Debian unstable's newest kernel headers (chroot)"
 	@echo "make coverage      kernel (gcov) and Python coverage of the host and VM suites: results/coverage/"
-	@echo "make test-host | test-vm | test-gpu | test-native | test-long | test-debug | bench | install"
+	@echo "make install       modules_install (for NVIDIA: gpupin.ko alone), depmod, udev rule, gpupin group"
+	@echo "make test-host | test-vm | test-vm-6.12 | test-gpu | test-native | test-long | test-debug | bench"
 
 # With NVIDIA's driver sources under /usr/src (and no NVIDIA_SRC=), build the way DKMS does:
 # against the installed driver, with the CRCs of its nvidia.ko.
