@@ -9,23 +9,39 @@ CP="$ROOT/.cache/checkpatch/checkpatch.pl"
 LOG=$(mktemp -d)
 fail=0
 
-make -s -C "$KDIR" M="$ROOT" clean >/dev/null
+# w1_clean WHAT LOG: say and fail when the build log LOG shows warnings or errors.
 # Case-insensitive: modpost says "WARNING: modpost: ..." (a missing export, a section mismatch).
+w1_clean() {
+	if grep -iE "warning:|error:" "$2"; then
+		echo "check: W=1 build of $1 has warnings or errors" >&2
+		fail=1
+		return 1
+	fi
+}
+
+make -s -C "$KDIR" M="$ROOT" clean >/dev/null
 make -C "$KDIR" M="$ROOT" W=1 modules >"$LOG/w1.txt" 2>&1 || fail=1
-if grep -iE "warning:|error:" "$LOG/w1.txt"; then
-	echo "check: W=1 build has warnings or errors" >&2
-	fail=1
-else
-	echo "check: W=1 build clean"
-fi
+w1_clean "the modules" "$LOG/w1.txt" && echo "check: W=1 build clean"
 
 # The unicast-events variant (kernels without GENL_MCAST_CAP_NET_ADMIN) must be clean too.
 UC="$LOG/unicast"
 copy_module_sources "$UC"
 make -C "$KDIR" M="$UC" W=1 GPUPIN_NL_EVENTS=unicast NVIDIA_SRC=none modules >"$LOG/w1-unicast.txt" 2>&1 || fail=1
-if grep -iE "warning:|error:" "$LOG/w1-unicast.txt"; then
-	echo "check: W=1 build of the unicast-events variant has warnings or errors" >&2
+w1_clean "the unicast-events variant" "$LOG/w1-unicast.txt"
+
+# The example peer on its own, as its README tells a driver writer to build one: its Makefile
+# in a copy of the tree, against the Module.symvers of the build above (KBUILD_EXTRA_SYMBOLS).
+SA="$LOG/standalone"
+copy_module_sources "$SA" examples/peer/Makefile
+make -C "$SA/examples/peer" KDIR="$KDIR" GPUPIN_SYMVERS="$ROOT/Module.symvers" W=1 >"$LOG/w1-peer.txt" 2>&1 || fail=1
+if ! w1_clean "examples/peer/Makefile (the peer on its own)" "$LOG/w1-peer.txt"; then
+	: # said
+elif [ "$(modinfo -F depends "$SA/examples/peer/gpupin_peer.ko" 2>/dev/null)" != gpupin ]; then
+	echo "check: examples/peer/Makefile built no gpupin_peer.ko that depends on gpupin" >&2
+	cat "$LOG/w1-peer.txt" >&2
 	fail=1
+else
+	echo "check: examples/peer/Makefile builds gpupin_peer.ko on its own, W=1 clean"
 fi
 
 # A driver without the persistent API (nv-p2p.h of 515.43.04 or 530.41.03: neither
