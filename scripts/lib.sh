@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: (GPL-2.0 OR MIT)
 # Sourced by the shell scripts of this tree (not run): what more than one of
 # them needs, written once.  Sets ROOT (the tree's top) and PROG (the script's
-# name, the prefix of its messages); defines die, need, copy_module_sources,
-# private_apt, cached_chroot and project_version.  It sets no shell options:
+# name, the prefix of its messages); defines die, need, need_root,
+# copy_module_sources, private_apt, cached_chroot, chroot_enter, chroot_leave,
+# chroot_remove and project_version.  It sets no shell options:
 # each script keeps its own.  packaging/dkms-build.sh does not source it (it
 # runs on users' hosts from the DKMS source dir, where lib.sh is not installed).
 # shellcheck shell=bash
@@ -22,6 +23,11 @@ need() {
 	for tool in "$@"; do
 		command -v "$tool" >/dev/null || die "'$tool' is missing (run 'make setup')"
 	done
+}
+
+# need_root WHY: die unless running as root, saying WHY root is needed.
+need_root() {
+	[ "$(id -u)" -eq 0 ] || die "needs root ($1)"
 }
 
 # copy_module_sources DEST [FILE...]: what Kbuild builds from (Kbuild and the
@@ -73,6 +79,37 @@ cached_chroot() {
 		"$suite" "$dir" "$mirror" >"$log" 2>&1 || { tail -n 20 "$log" >&2; die "debootstrap failed ($log)"; }
 	[ $# -eq 0 ] || "$@"
 	tar -C "$dir" -cf "$tarball.new" . && mv "$tarball.new" "$tarball"
+}
+
+# chroot_enter DIR [HOSTDIR...]: make the chroot DIR ready to run commands in:
+# proc and sysfs mounted, the host's /dev, /dev/pts and each HOSTDIR bound at
+# the same paths inside, the host's resolv.conf copied in.
+chroot_enter() {
+	local dir=$1 d
+	shift
+	mount -t proc proc "$dir/proc"
+	mount -t sysfs sys "$dir/sys"
+	for d in /dev /dev/pts "$@"; do
+		mkdir -p "$dir$d"
+		mount --bind "$d" "$dir$d"
+	done
+	cp /etc/resolv.conf "$dir/etc/resolv.conf"
+}
+
+# chroot_leave DIR: unmount everything mounted below DIR, the deepest first
+# (lazily: a process still inside does not keep it).
+chroot_leave() {
+	local m
+	awk -v d="$1/" 'index($2, d) == 1 {print $2}' /proc/mounts | sort -r | while read -r m; do
+		umount -l "$m"
+	done
+}
+
+# chroot_remove DIR: chroot_leave, then delete DIR, never crossing into a file
+# system still mounted below it.  For an EXIT trap.
+chroot_remove() {
+	chroot_leave "$1"
+	rm -rf --one-file-system "$1"
 }
 
 # project_version: the version of gpupin, from its one source, pyproject.toml

@@ -11,22 +11,13 @@ set -euo pipefail
 . "$(dirname "$0")/../lib.sh"
 CACHE=${GPUPIN_CACHE:-/var/cache/gpupin}/fresh
 BASE=$CACHE/bookworm-minbase.tar
-[ "$(id -u)" -eq 0 ] || die "needs root (debootstrap, chroot)"
+need_root "debootstrap, chroot"
 
 R=$(mktemp -d /var/tmp/gpupin-fresh.XXXXXX)
-cleanup() {
-	for m in var/cache/apt/archives dev/pts dev proc sys; do umount -l "$R/$m" 2>/dev/null || true; done
-	rm -rf --one-file-system "$R"
-}
-trap cleanup EXIT
+trap 'chroot_remove "$R"' EXIT
 cached_chroot "$R" "$BASE" bookworm http://deb.debian.org/debian "$CACHE/debootstrap.log"
-mount -t proc proc "$R/proc"
-mount -t sysfs sys "$R/sys"
-mount --bind /dev "$R/dev"
-mount --bind /dev/pts "$R/dev/pts"
 # Reuse the machine's downloaded .debs (the installs are what is tested, not the downloads).
-mount --bind /var/cache/apt/archives "$R/var/cache/apt/archives"
-cp /etc/resolv.conf "$R/etc/resolv.conf"
+chroot_enter "$R" /var/cache/apt/archives
 # The machine's apt sources (a pinned snapshot, mirrors), as a fresh install of it would have.
 rm -f "$R/etc/apt/sources.list"
 cp -r /etc/apt/sources.list* "$R/etc/apt/" 2>/dev/null || true

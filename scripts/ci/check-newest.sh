@@ -13,38 +13,26 @@ CACHE=${GPUPIN_CACHE:-/var/cache/gpupin}
 BASE=$CACHE/newest-sid.tar
 SUITE=${GPUPIN_NEWEST_SUITE:-sid}
 MIRROR=${GPUPIN_NEWEST_MIRROR:-http://deb.debian.org/debian}
-[ "$(id -u)" -eq 0 ] || die "needs root (debootstrap, chroot)"
+need_root "debootstrap, chroot"
 
 R=$(mktemp -d /var/tmp/gpupin-newest.XXXXXX)
-cleanup() {
-	for m in dev proc; do umount -l "$R/$m" 2>/dev/null || true; done
-	rm -rf --one-file-system "$R"
-}
-trap cleanup EXIT
-enter() {
-	mount -t proc proc "$R/proc"
-	mount --bind /dev "$R/dev"
-	cp /etc/resolv.conf "$R/etc/resolv.conf"
-}
-leave() {
-	umount -l "$R/dev" "$R/proc"
-}
+trap 'chroot_remove "$R"' EXIT
 
 # The headers depend on the compiler their kernel was built with (linux-compiler-gcc-N-x86).
 # Check-Valid-Until off: the registry here may serve a snapshot older than its Valid-Until
 # (the signatures are still checked).
 add_headers() {
 	echo "check-newest: then $SUITE's linux-headers-amd64"
-	enter
+	chroot_enter "$R"
 	chroot "$R" /bin/sh -c 'export DEBIAN_FRONTEND=noninteractive
 		apt-get -o Acquire::Check-Valid-Until=false update -qq &&
 		apt-get install -y -qq --no-install-recommends linux-headers-amd64 make libc6-dev && apt-get clean' \
 		>>"$log" 2>&1 || { tail -n 20 "$log" >&2; die "installing the headers failed ($log)"; }
-	leave
+	chroot_leave "$R"
 }
 log=$CACHE/newest-sid.log
 cached_chroot "$R" "$BASE" "$SUITE" "$MIRROR" "$log" add_headers
-enter
+chroot_enter "$R"
 
 kdir=$(ls -d "$R"/usr/src/linux-headers-*-amd64 | sort -V | tail -n 1)
 kdir=${kdir#"$R"}

@@ -14,7 +14,7 @@ set -euo pipefail
 VM_KVER=${VM_KVER:-$("$ROOT/scripts/vm-kver.sh")}
 LOG=$(mktemp -d)
 trap 'dpkg -P gpupin-sim-dkms gpupin-dkms >/dev/null 2>&1 || true; rm -rf "$LOG"' EXIT
-[ "$(id -u)" -eq 0 ] || die "needs root (dpkg -i)"
+need_root "dpkg -i"
 command -v dkms >/dev/null || die "dkms is missing (make setup installs it)"
 
 "$ROOT/packaging/make-deb.sh"
