@@ -39,12 +39,7 @@ if [ -f "$STAMP" ] && [ -f "$TREE/arch/x86/boot/bzImage" ]; then
 	echo "$TREE"
 	exit 0
 fi
-for p in flex bison bc libelf-dev libssl-dev dwarves; do
-	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing="${missing:-} $p"
-done
-if [ -n "${missing:-}" ]; then
-	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null
-fi
+apt_install_missing flex bison bc libelf-dev libssl-dev dwarves
 if [ ! -f "$TREE/Makefile" ]; then
 	rm -rf "$TREE" "$CACHE/linux-source-6.1"
 	mkdir -p "$CACHE"

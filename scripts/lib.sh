@@ -2,7 +2,7 @@
 # Sourced by the shell scripts of this tree (not run): what more than one of
 # them needs, written once.  Sets ROOT (the tree's top) and PROG (the script's
 # name, the prefix of its messages); defines die, need, need_root,
-# copy_module_sources, private_apt, cached_chroot, chroot_enter, chroot_leave,
+# apt_install_missing, copy_module_sources, private_apt, cached_chroot, chroot_enter, chroot_leave,
 # chroot_remove and project_version.  It sets no shell options:
 # each script keeps its own.  packaging/dkms-build.sh does not source it (it
 # runs on users' hosts from the DKMS source dir, where lib.sh is not installed).
@@ -28,6 +28,20 @@ need() {
 # need_root WHY: die unless running as root, saying WHY root is needed.
 need_root() {
 	[ "$(id -u)" -eq 0 ] || die "needs root ($1)"
+}
+
+# apt_install_missing PACKAGE...: those of the Debian PACKAGEs not installed,
+# installed (apt-get update first); as root only, else die naming them.
+apt_install_missing() {
+	local p missing=()
+	for p in "$@"; do
+		dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
+	done
+	[ ${#missing[@]} -gt 0 ] || return 0
+	[ "$(id -u)" -eq 0 ] || die "missing Debian packages: ${missing[*]} (run as root, or install them)"
+	echo "$PROG: installing ${missing[*]}" >&2
+	DEBIAN_FRONTEND=noninteractive apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 }
 
 # copy_module_sources DEST [FILE...]: what Kbuild builds from (Kbuild and the
@@ -69,10 +83,7 @@ cached_chroot() {
 		tar -C "$dir" -xf "$tarball"
 		return
 	fi
-	command -v debootstrap >/dev/null || {
-		echo "$PROG: installing debootstrap"
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap >/dev/null
-	}
+	apt_install_missing debootstrap
 	mkdir -p "$(dirname "$tarball")" "$(dirname "$log")"
 	echo "$PROG: debootstrap --variant=minbase $suite (once a week)"
 	debootstrap --variant=minbase --keyring=/usr/share/keyrings/debian-archive-keyring.gpg \

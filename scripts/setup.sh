@@ -42,20 +42,7 @@ if [ "${1:-}" = --verify ]; then
 	verify && echo "setup: every tool and file the README's commands need is here"
 	exit
 fi
-missing=()
-for p in "${PKGS[@]}"; do
-	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-	if [ "$(id -u)" -ne 0 ]; then
-		echo "setup: missing Debian packages: ${missing[*]} (run as root, or install them)" >&2
-		exit 1
-	fi
-	echo "setup: installing ${missing[*]}"
-	export DEBIAN_FRONTEND=noninteractive
-	apt-get update -qq
-	apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+apt_install_missing "${PKGS[@]}"
 
 verify
 
