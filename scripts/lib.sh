@@ -2,7 +2,7 @@
 # Sourced by the shell scripts of this tree (not run): what more than one of
 # them needs, written once.  Sets ROOT (the tree's top) and PROG (the script's
 # name, the prefix of its messages); defines die, need, need_root,
-# apt_install_missing, copy_module_sources, private_apt, cached_chroot, chroot_enter, chroot_leave,
+# apt_install_missing, copy_module_sources, build_unicast_variant, private_apt, cached_chroot, chroot_enter, chroot_leave,
 # chroot_remove and project_version.  It sets no shell options:
 # each script keeps its own.  packaging/dkms-build.sh does not source it (it
 # runs on users' hosts from the DKMS source dir, where lib.sh is not installed).
@@ -55,6 +55,18 @@ copy_module_sources() {
 	mkdir -p "$dest"
 	(cd "$ROOT" && { find kernel include examples -name '*.[ch]' -print0 && printf '%s\0' Kbuild "$@"; } |
 		tar --null -T - -cf -) | tar -C "$dest" -xf -
+}
+
+# build_unicast_variant DEST KDIR [MAKE-ARG...]: the modules over the simulator
+# with netlink events by SUBSCRIBE and unicast (GPUPIN_NL_EVENTS=unicast, the
+# path for kernels without GENL_MCAST_CAP_NET_ADMIN), built in DEST (emptied
+# first, then a copy of the sources) against KDIR; MAKE-ARGs go to make.
+build_unicast_variant() {
+	local dest=$1 kdir=$2
+	shift 2
+	rm -rf "$dest"
+	copy_module_sources "$dest"
+	make -C "$kdir" M="$dest" GPUPIN_NL_EVENTS=unicast NVIDIA_SRC=none "$@" modules
 }
 
 # private_apt DIR SOURCES-LINE...: an apt configuration of its own in DIR (the

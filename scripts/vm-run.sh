@@ -20,10 +20,7 @@ VM_MEM=${VM_MEM:-2560M}   # q35 keeps all RAM below 4 GiB up to 2.75 GiB: no bou
 echo "vm-run: building modules against $VM_KDIR"
 make -s -C "$ROOT" modules KDIR="$VM_KDIR" >/dev/null
 # A variant with unicast events (the path for kernels without GENL_MCAST_CAP_NET_ADMIN).
-UC="$ROOT/build/unicast"
-rm -rf "$UC"
-copy_module_sources "$UC"
-make -s -C "$VM_KDIR" M="$UC" GPUPIN_NL_EVENTS=unicast NVIDIA_SRC=none modules >/dev/null
+build_unicast_variant "$ROOT/build/unicast" "$VM_KDIR" -s >/dev/null
 
 # vgem (a second dma-buf exporter for the tests): from a kernel tree's build when booting one,
 # copied into the source tree (the guest does not see the host's /var).

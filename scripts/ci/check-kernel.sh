@@ -24,9 +24,7 @@ make -C "$KDIR" M="$ROOT" W=1 modules >"$LOG/w1.txt" 2>&1 || fail=1
 w1_clean "the modules" "$LOG/w1.txt" && echo "check: W=1 build clean"
 
 # The unicast-events variant (kernels without GENL_MCAST_CAP_NET_ADMIN) must be clean too.
-UC="$LOG/unicast"
-copy_module_sources "$UC"
-make -C "$KDIR" M="$UC" W=1 GPUPIN_NL_EVENTS=unicast NVIDIA_SRC=none modules >"$LOG/w1-unicast.txt" 2>&1 || fail=1
+build_unicast_variant "$LOG/unicast" "$KDIR" W=1 >"$LOG/w1-unicast.txt" 2>&1 || fail=1
 w1_clean "the unicast-events variant" "$LOG/w1-unicast.txt"
 
 # The example peer on its own, as its README tells a driver writer to build one: its Makefile
