@@ -2,10 +2,11 @@
 # Sourced by the shell scripts of this tree (not run): what more than one of
 # them needs, written once.  Sets ROOT (the tree's top) and PROG (the script's
 # name, the prefix of its messages); defines die, need, need_root,
-# apt_install_missing, copy_module_sources, build_unicast_variant, private_apt, cached_chroot, chroot_enter, chroot_leave,
-# chroot_remove and project_version.  It sets no shell options:
-# each script keeps its own.  packaging/dkms-build.sh does not source it (it
-# runs on users' hosts from the DKMS source dir, where lib.sh is not installed).
+# apt_install_missing, copy_module_sources, build_unicast_variant,
+# private_apt, cached_chroot, chroot_enter, chroot_leave, chroot_remove,
+# newest_kernel and project_version.  It sets no shell options: each script
+# keeps its own.  packaging/dkms-build.sh does not source it (it runs on
+# users' hosts from the DKMS source dir, where lib.sh is not installed).
 # shellcheck shell=bash
 
 ROOT=$(CDPATH='' cd -- "$(dirname "${BASH_SOURCE[0]}")/.." >/dev/null && pwd)
@@ -133,6 +134,23 @@ chroot_leave() {
 chroot_remove() {
 	chroot_leave "$1"
 	rm -rf --one-file-system "$1"
+}
+
+# newest_kernel [PATTERN]: print the release of the newest Debian kernel (the
+# newest whose release matches the glob PATTERN-amd64, default *-amd64) with
+# both its headers (/usr/src/linux-headers-*) and its image (/boot/vmlinuz-*)
+# installed; fail, printing nothing, when there is none.
+newest_kernel() {
+	local h v
+	# shellcheck disable=SC2086 # the pattern is meant to glob
+	for h in $(printf '%s\n' /usr/src/linux-headers-${1:-*}-amd64 | sort -rV); do
+		v=${h#/usr/src/linux-headers-}
+		if [ -d "$h" ] && [ -f "/boot/vmlinuz-$v" ]; then
+			echo "$v"
+			return 0
+		fi
+	done
+	return 1
 }
 
 # project_version: the version of gpupin, from its one source, pyproject.toml

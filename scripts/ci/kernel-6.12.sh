@@ -5,15 +5,7 @@
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 . "$(dirname "$0")/../lib.sh"
-installed() {
-	local h v
-	for h in $(ls -d /usr/src/linux-headers-6.12.*-amd64 2>/dev/null | sort -rV); do
-		v=${h#/usr/src/linux-headers-}
-		[ -f "/boot/vmlinuz-$v" ] && { echo "$v"; return 0; }
-	done
-	return 1
-}
-if v=$(installed); then
+if v=$(newest_kernel '6.12.*'); then
 	echo "$v"
 	exit 0
 fi
@@ -26,4 +18,4 @@ v=$(apt-cache search --names-only '^linux-headers-6\.12\.[0-9]+\+deb12-amd64$' |
 echo "kernel-6.12: installing linux-image-$v and linux-headers-$v" >&2
 apt-get install -y -qq --no-install-recommends "linux-image-$v" "linux-headers-$v" >/dev/null ||
 	die "apt-get install linux-image-$v linux-headers-$v failed"
-installed || die "linux-image-$v installed but no image and headers found"
+newest_kernel '6.12.*' || die "linux-image-$v installed but no image and headers found"
