@@ -8,7 +8,7 @@ KDIR ?= $(or $(wildcard /lib/modules/$(KVER)/build),$(shell scripts/kdir.sh))
 # NVIDIA driver sources (dir with nvidia/nv-p2p.h): found under /usr/src when empty; 'none' = simulator.
 NVIDIA_SRC ?=
 # The kernel release KDIR builds for (/usr/src/linux-headers-<kver> or /lib/modules/<kver>/build).
-KDIR_KVER = $(patsubst linux-headers-%,%,$(notdir $(patsubst %/build,%,$(KDIR))))
+KDIR_KVER = $(shell . scripts/lib.sh && kver_of_kdir "$(KDIR)")
 VENV ?= $(CURDIR)/.venv
 PY := $(VENV)/bin/python
 KMAKE = $(MAKE) -C $(KDIR) M=$(CURDIR) $(if $(NVIDIA_SRC),NVIDIA_SRC=$(NVIDIA_SRC))

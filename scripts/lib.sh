@@ -4,9 +4,10 @@
 # name, the prefix of its messages); defines die, need, need_root,
 # apt_install_missing, copy_module_sources, build_unicast_variant,
 # private_apt, cached_chroot, chroot_enter, chroot_leave, chroot_remove,
-# newest_kernel and project_version.  It sets no shell options: each script
-# keeps its own.  packaging/dkms-build.sh does not source it (it runs on
-# users' hosts from the DKMS source dir, where lib.sh is not installed).
+# newest_kernel, kver_of_kdir and project_version.  It sets no shell options:
+# each script keeps its own.  packaging/dkms-build.sh does not source it (it
+# runs on users' hosts from the DKMS source dir, where lib.sh is not
+# installed).
 # shellcheck shell=bash
 
 ROOT=$(CDPATH='' cd -- "$(dirname "${BASH_SOURCE[0]}")/.." >/dev/null && pwd)
@@ -151,6 +152,15 @@ newest_kernel() {
 		fi
 	done
 	return 1
+}
+
+# kver_of_kdir KDIR: the kernel release a build dir is for, read from its
+# path: /lib/modules/<release>/build or /usr/src/linux-headers-<release>.
+# (The Makefile's KDIR_KVER calls it.)
+kver_of_kdir() {
+	local d=${1%/}
+	d=$(basename "${d%/build}")
+	echo "${d#linux-headers-}"
 }
 
 # project_version: the version of gpupin, from its one source, pyproject.toml

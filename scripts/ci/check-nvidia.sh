@@ -23,8 +23,7 @@ SUITES=("$@")
 . "$(dirname "$0")/../lib.sh"
 CACHE=${GPUPIN_CACHE:-/var/cache/gpupin}/nvidia
 KDIR=${KDIR%/}
-KVER=$(basename "${KDIR%/build}")
-KVER=${KVER#linux-headers-}
+KVER=$(kver_of_kdir "$KDIR")
 JOBS=$(nproc)
 
 need apt-get dpkg-deb modprobe modinfo make gcc
