@@ -11,7 +11,6 @@
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 . "$(dirname "$0")/lib.sh"
-VENV=${VENV:-$ROOT/.venv}
 CACHE=${GPUPIN_DEBUG_CACHE:-/var/cache/gpupin}
 VARIANT=${1:-debug}
 case "$VARIANT" in

@@ -4,7 +4,6 @@
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 . "$(dirname "$0")/lib.sh"
-VENV=${VENV:-$ROOT/.venv}
 if [ "$(id -u)" -eq 0 ] && [ -d "/lib/modules/$(uname -r)/build" ] && \
    [ "$(cat /proc/sys/kernel/modules_disabled 2>/dev/null || echo 1)" = 0 ] && [ "${GPUPIN_DEMO_VM:-0}" != 1 ]; then
 	echo "demo: loading the modules into this host's kernel $(uname -r)"

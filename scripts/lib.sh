@@ -1,17 +1,19 @@
 # SPDX-License-Identifier: (GPL-2.0 OR MIT)
 # Sourced by the shell scripts of this tree (not run): what more than one of
-# them needs, written once.  Sets ROOT (the tree's top) and PROG (the script's
-# name, the prefix of its messages); defines die, need, need_root,
+# them needs, written once.  Sets ROOT (the tree's top), PROG (the script's
+# name, the prefix of its messages) and VENV (the virtualenv of `make setup`,
+# unless given); defines die, need, need_root,
 # apt_install_missing, copy_module_sources, build_unicast_variant,
 # private_apt, cached_chroot, chroot_enter, chroot_leave, chroot_remove,
-# newest_kernel, kver_of_kdir and project_version.  It sets no shell options:
-# each script keeps its own.  packaging/dkms-build.sh does not source it (it
-# runs on users' hosts from the DKMS source dir, where lib.sh is not
-# installed).
+# newest_kernel, kver_of_kdir, venv_python and project_version.  It sets no
+# shell options: each script keeps its own.  packaging/dkms-build.sh does not
+# source it (it runs on users' hosts from the DKMS source dir, where lib.sh is
+# not installed).
 # shellcheck shell=bash
 
 ROOT=$(CDPATH='' cd -- "$(dirname "${BASH_SOURCE[0]}")/.." >/dev/null && pwd)
 PROG=$(basename "$0" .sh)
+VENV=${VENV:-$ROOT/.venv}
 
 # die MESSAGE...: say it on stderr, prefixed with the script's name, and exit 1.
 die() {
@@ -161,6 +163,14 @@ kver_of_kdir() {
 	local d=${1%/}
 	d=$(basename "${d%/build}")
 	echo "${d#linux-headers-}"
+}
+
+# venv_python: print the Python to run the tree's tools with: $PY when given,
+# else the virtualenv's; python3 when that is not there.
+venv_python() {
+	local py=${PY:-$VENV/bin/python}
+	[ -x "$py" ] || py=python3
+	echo "$py"
 }
 
 # project_version: the version of gpupin, from its one source, pyproject.toml

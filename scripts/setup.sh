@@ -4,7 +4,6 @@
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 . "$(dirname "$0")/lib.sh"
-VENV=${VENV:-$ROOT/.venv}
 
 PKGS=(build-essential python3 python3-venv python3-dev libkmod-dev libffi-dev kmod
       qemu-system-x86 linux-image-amd64 linux-headers-amd64 sparse linux-source-6.1

@@ -6,7 +6,6 @@ RESULTS=$2
 shift 2
 # shellcheck source=scripts/lib.sh
 . "$(dirname "$0")/lib.sh"
-VENV=${VENV:-$ROOT/.venv}
 # PYTHONUNBUFFERED: pytest's progress reaches results/pytest.txt as it happens (long runs).
 export PATH="$VENV/bin:$PATH" GPUPIN_KO_DIR="$ROOT" GPUPIN_REQUIRE_VM=1 PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 cd "$ROOT" || exit 1

@@ -7,7 +7,6 @@ set -euo pipefail
 MODE=${1:-test}
 # shellcheck source=scripts/lib.sh
 . "$(dirname "$0")/lib.sh"
-VENV=${VENV:-$ROOT/.venv}
 RESULTS=${RESULTS:-$ROOT/results}
 VM_KVER=${VM_KVER:-$("$ROOT/scripts/vm-kver.sh")}
 # VM_KIMAGE/VM_KDIR boot another kernel (make test-debug: a KASAN/lockdep build).

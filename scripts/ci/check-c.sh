@@ -6,8 +6,7 @@
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 . "$(dirname "$0")/../lib.sh"
-PY=${PY:-$ROOT/.venv/bin/python}
-[ -x "$PY" ] || PY=python3
+PY=$(venv_python)
 pyinc=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
 [ -f "$pyinc/Python.h" ] || { echo "check-c: no Python.h in $pyinc: apt-get install python3-dev" >&2; exit 1; }
 rc=0

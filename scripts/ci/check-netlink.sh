@@ -17,8 +17,7 @@ if [ $# -eq 0 ]; then
 fi
 [ $# -eq 2 ] || die "usage: check-netlink.sh [SPEC HEADER]"
 spec=$1 header=$2
-py=${PY:-$ROOT/.venv/bin/python}
-[ -x "$py" ] || py=python3
+py=$(venv_python)
 tmp=$(mktemp)
 trap 'rm -f "$tmp"' EXIT
 "$py" "$ROOT/scripts/gen-netlink-header.py" "$spec" -o "$tmp" || die "cannot generate the header from $spec"

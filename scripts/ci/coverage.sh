@@ -13,7 +13,6 @@
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 . "$(dirname "$0")/../lib.sh"
-VENV=${VENV:-$ROOT/.venv}
 OUT=${COVERAGE_OUT:-$ROOT/results/coverage}
 head=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)
 git -C "$ROOT" diff --quiet HEAD -- kernel include tests pyctl Kbuild 2>/dev/null || head="$head+changes"

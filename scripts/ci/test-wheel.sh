@@ -12,7 +12,7 @@ trap 'rm -rf "$TMP"' EXIT
 
 rm -f "$ROOT"/dist/gpupin-*.whl
 rm -rf "$ROOT"/build/lib.*/gpupin # never pruned by setuptools: what an earlier build left would ship
-"$ROOT/.venv/bin/python" -m pip wheel -q --no-deps -w "$ROOT/dist" "$ROOT" >"$TMP/build.txt" 2>&1 ||
+"$VENV/bin/python" -m pip wheel -q --no-deps -w "$ROOT/dist" "$ROOT" >"$TMP/build.txt" 2>&1 ||
 	{ cat "$TMP/build.txt"; die "the wheel does not build"; }
 whl=$(ls "$ROOT"/dist/gpupin-*.whl)
 "$PY" -m venv "$TMP/venv"
