@@ -1,5 +1,5 @@
 #!/bin/bash
-# Build (once, cached in $GPUPIN_DEBUG_CACHE, default /var/cache/gpupin) a 6.1
+# Build (once, cached in $GPUPIN_CACHE, default /var/cache/gpupin) a 6.1
 # kernel from Debian's linux-source-6.1 for the VM harness; prints the tree's
 # path.  Variants:
 #   debug (default)  KASAN, lockdep, DEBUG_ATOMIC_SLEEP, kmemleak: 'make test-debug'
@@ -11,7 +11,7 @@
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 . "$(dirname "$0")/lib.sh"
-CACHE=${GPUPIN_DEBUG_CACHE:-/var/cache/gpupin}
+CACHE=$GPUPIN_CACHE
 VARIANT=${1:-debug}
 case "$VARIANT" in
 debug)

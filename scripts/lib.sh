@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: (GPL-2.0 OR MIT)
 # Sourced by the shell scripts of this tree (not run): what more than one of
 # them needs, written once.  Sets ROOT (the tree's top), PROG (the script's
-# name, the prefix of its messages) and VENV (the virtualenv of `make setup`,
-# unless given); defines die, need, need_root,
-# apt_install_missing, copy_module_sources, build_unicast_variant,
+# name, the prefix of its messages), and unless given VENV (the virtualenv of
+# `make setup`) and GPUPIN_CACHE (where the caches live); defines die, need,
+# need_root, apt_install_missing, copy_module_sources, build_unicast_variant,
 # private_apt, cached_chroot, chroot_enter, chroot_leave, chroot_remove,
 # newest_kernel, kver_of_kdir, venv_python and project_version.  It sets no
 # shell options: each script keeps its own.  packaging/dkms-build.sh does not
@@ -14,6 +14,7 @@
 ROOT=$(CDPATH='' cd -- "$(dirname "${BASH_SOURCE[0]}")/.." >/dev/null && pwd)
 PROG=$(basename "$0" .sh)
 VENV=${VENV:-$ROOT/.venv}
+GPUPIN_CACHE=${GPUPIN_CACHE:-/var/cache/gpupin}
 
 # die MESSAGE...: say it on stderr, prefixed with the script's name, and exit 1.
 die() {

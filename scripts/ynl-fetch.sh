@@ -8,7 +8,7 @@
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 . "$(dirname "$0")/lib.sh"
-CACHE=${GPUPIN_CACHE:-/var/cache/gpupin}/ynl
+CACHE=$GPUPIN_CACHE/ynl
 SUITE=${YNL_SUITE:-trixie}
 PKG=${YNL_PACKAGE:-linux-source-6.12}
 

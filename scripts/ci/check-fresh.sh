@@ -9,7 +9,7 @@
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 . "$(dirname "$0")/../lib.sh"
-CACHE=${GPUPIN_CACHE:-/var/cache/gpupin}/fresh
+CACHE=$GPUPIN_CACHE/fresh
 BASE=$CACHE/bookworm-minbase.tar
 need_root "debootstrap, chroot"
 

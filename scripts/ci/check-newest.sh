@@ -9,7 +9,7 @@
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 . "$(dirname "$0")/../lib.sh"
-CACHE=${GPUPIN_CACHE:-/var/cache/gpupin}
+CACHE=$GPUPIN_CACHE
 BASE=$CACHE/newest-sid.tar
 SUITE=${GPUPIN_NEWEST_SUITE:-sid}
 MIRROR=${GPUPIN_NEWEST_MIRROR:-http://deb.debian.org/debian}

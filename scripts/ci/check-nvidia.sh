@@ -21,7 +21,7 @@ SUITES=("$@")
 [ ${#SUITES[@]} -gt 0 ] || SUITES=(bookworm trixie)
 # shellcheck source=scripts/lib.sh
 . "$(dirname "$0")/../lib.sh"
-CACHE=${GPUPIN_CACHE:-/var/cache/gpupin}/nvidia
+CACHE=$GPUPIN_CACHE/nvidia
 KDIR=${KDIR%/}
 KVER=$(kver_of_kdir "$KDIR")
 JOBS=$(nproc)
