@@ -125,9 +125,11 @@ chroot_enter() {
 }
 
 # chroot_leave DIR: unmount everything mounted below DIR, the deepest first
-# (lazily: a process still inside does not keep it).
+# (lazily: a process still inside does not keep it).  DIR must be a chroot's
+# own directory: an empty one or / would mean every mount of the host.
 chroot_leave() {
 	local m
+	case $1 in "" | /) die "chroot_leave: '$1' is not a chroot's directory" ;; esac
 	awk -v d="$1/" 'index($2, d) == 1 {print $2}' /proc/mounts | sort -r | while read -r m; do
 		umount -l "$m"
 	done
