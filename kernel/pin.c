@@ -289,7 +289,10 @@ static bool gpupin_put_pages(struct gpupin_pin_obj *pin, enum gpupin_pin_state c
 	spin_unlock(&pin->lock);
 	if (ret)
 		return true;	/* the callback released them */
-	/* Without the persistent API (before R535.43) no pin is persistent (gpupin_pin_create). */
+	/*
+	 * Without the persistent API (no NVIDIA_P2P_CAP_GET_PAGES_PERSISTENT_API:
+	 * 515.x, 530.x) no pin is persistent (gpupin_pin_create).
+	 */
 #ifdef NVIDIA_P2P_CAP_GET_PAGES_PERSISTENT_API
 	if (persistent)
 		ret = nvidia_p2p_put_pages_persistent(pin->aligned_va, pin->pt, 0);
