@@ -207,11 +207,15 @@ def test_free_during_unpins_dma_unmap(device: Device, sim: SimMemory, sim_params
 # -- C4: a DMA map racing the free never deadlocks the driver ------------------------------------
 
 
-def start_dma_map(device: Device, pin: gpupin.Pin, pci: str) -> tuple[threading.Thread, list[BaseException]]:
-    """DMA_MAP in a thread; the list gets what it raised."""
+def start_dma_map(
+    device: Device, pin: gpupin.Pin, pci: str, called: list[float] | None = None
+) -> tuple[threading.Thread, list[BaseException]]:
+    """DMA_MAP in a thread; the list gets what it raised, ``called`` when it called."""
     errs: list[BaseException] = []
 
     def mapper() -> None:
+        if called is not None:
+            called.append(time.monotonic())
         try:
             device.dma_map(pin, pci)
         except BaseException as exc:
@@ -267,13 +271,16 @@ def test_free_during_large_own_map_waits_one_batch(
     va = sim.alloc(size)
     pin = device.pin(va, size)
     before = sim_stats()
-    t, errs = start_dma_map(device, pin, pci)
+    called: list[float] = []
+    t, errs = start_dma_map(device, pin, pci, called)
     time.sleep(1.5 * delay)  # the mapper is in its second pause
     start = time.monotonic()
     sim.free(va)  # the callback waits for the mapper's current batch only
     took = time.monotonic() - start
     t.join()
     s = sim_stats()
+    # Else the free came first and the mapper was refused at once: nothing was tested.
+    assert called and called[0] < start - delay / 2, "the mapper thread started too late to race the free"
     assert took < 3 * delay, f"the free waited {took:.2f} s for a DMA map of {size // MiB} MiB"
     assert len(errs) == 1 and isinstance(errs[0], gpupin.PinInvalidated), errs
     assert s.callback_overruns == before.callback_overruns and s.use_after_free_calls == 0
