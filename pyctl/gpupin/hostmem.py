@@ -92,6 +92,20 @@ class FirstFit:
         r = self._allocs[self._bases[i]]
         return r if ptr < r.base + r.size else None
 
+    def holding(self, ptr: int, what: str) -> AllocationRange:
+        """The allocation containing ``ptr``; NotGpuMemory saying it is not ``what`` if none."""
+        r = self.find(ptr)
+        if r is None:
+            raise NotGpuMemory(f"{ptr:#x} is not {what} (freed, or never allocated)")
+        return r
+
+    def for_write(self, ptr: int, n: int, what: str) -> AllocationRange:
+        """:meth:`holding`, and [ptr, ptr + n) inside it (InvalidArgument past its end)."""
+        r = self.holding(ptr, what)
+        if ptr + n > r.base + r.size:
+            raise InvalidArgument(f"write({ptr:#x}, {n} bytes): past the allocation")
+        return r
+
 
 class HostMemory(ProviderBase):
     """Real host memory handed out like device memory: first-fit allocations inside one
@@ -115,10 +129,7 @@ class HostMemory(ProviderBase):
         self._fit.free(ptr)
 
     def range_of(self, ptr: int) -> AllocationRange:
-        r = self._fit.find(ptr)
-        if r is None:
-            raise NotGpuMemory(f"{ptr:#x} is not HostMemory (freed, or never allocated)")
-        return r
+        return self._fit.holding(ptr, "HostMemory")
 
     def buffer_id(self, ptr: int) -> int:
         return self.range_of(ptr).buffer_id
@@ -127,9 +138,7 @@ class HostMemory(ProviderBase):
         self.range_of(ptr)  # host memory is coherent: only check that it is ours
 
     def write(self, ptr: int, data: bytes) -> None:
-        r = self.range_of(ptr)
-        if ptr + len(data) > r.base + r.size:
-            raise InvalidArgument(f"write({ptr:#x}, {len(data)} bytes): past the allocation")
+        self._fit.for_write(ptr, len(data), "HostMemory")
         at = ptr - self.BASE
         self._arena[at : at + len(data)] = data
 

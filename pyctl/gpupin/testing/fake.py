@@ -327,10 +327,7 @@ class FakeMemory:
             d.invalidate_range(r.base, r.base + r.size)
 
     def range_of(self, ptr: int) -> AllocationRange:
-        r = self._fit.find(ptr)
-        if r is None:
-            raise NotGpuMemory(f"{ptr:#x} is not fake device memory (freed, or never allocated)")
-        return r
+        return self._fit.holding(ptr, "fake device memory")
 
     def buffer_id(self, ptr: int) -> int:
         return self.range_of(ptr).buffer_id
@@ -365,9 +362,7 @@ class FakeMemory:
             self.sync_memops_calls += 1
 
     def write(self, ptr: int, data: bytes) -> None:
-        r = self.range_of(ptr)
-        if ptr + len(data) > r.base + r.size:
-            raise InvalidArgument(f"write({ptr:#x}, {len(data)} bytes): past the allocation")
+        r = self._fit.for_write(ptr, len(data), "fake device memory")
         buf = self.data.get(r.base)
         if buf is None:
             buf = self.data[r.base] = bytearray(r.size)
