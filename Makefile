@@ -146,8 +146,7 @@ deb:
 # The Python package as a wheel in dist/ (the cffi extensions compiled in).  setuptools
 # never prunes build/lib: a file left there by an earlier build would ship, so it goes first.
 wheel: setup
-	rm -rf build/lib.*/gpupin
-	$(PY) -m pip wheel --no-deps -w dist . >/dev/null && ls dist/*.whl
+	. scripts/lib.sh && VENV=$(VENV) build_wheel
 
 # Install the .deb, let DKMS build for the VM's kernel, modprobe there, run a smoke suite,
 # purge; then the wheel in a clean venv, used from outside the source tree.

@@ -5,7 +5,7 @@
 # `make setup`) and GPUPIN_CACHE (where the caches live); defines die, need,
 # need_root, apt_install_missing, copy_module_sources, build_unicast_variant,
 # private_apt, cached_chroot, chroot_enter, chroot_leave, chroot_remove,
-# newest_kernel, kver_of_kdir, venv_python and project_version.  It sets no
+# newest_kernel, kver_of_kdir, venv_python, build_wheel and project_version.  It sets no
 # shell options: each script keeps its own.  packaging/dkms-build.sh does not
 # source it (it runs on users' hosts from the DKMS source dir, where lib.sh is
 # not installed).
@@ -174,6 +174,17 @@ venv_python() {
 	local py=${PY:-$VENV/bin/python}
 	[ -x "$py" ] || py=python3
 	echo "$py"
+}
+
+# build_wheel: the Python wheel in ROOT/dist (an older one removed first), built
+# with the virtualenv's pip (its output on stderr); prints the wheel's path.
+# setuptools never prunes build/lib, so what an earlier build left there would
+# ship: it goes too.
+build_wheel() {
+	rm -f "$ROOT"/dist/gpupin-*.whl
+	rm -rf "$ROOT"/build/lib.*/gpupin
+	"$VENV/bin/python" -m pip wheel -q --no-deps -w "$ROOT/dist" "$ROOT" >&2 || return 1
+	ls "$ROOT"/dist/gpupin-*.whl
 }
 
 # project_version: the version of gpupin, from its one source, pyproject.toml

@@ -10,11 +10,7 @@ PY=${PYTHON:-python3}
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 
-rm -f "$ROOT"/dist/gpupin-*.whl
-rm -rf "$ROOT"/build/lib.*/gpupin # never pruned by setuptools: what an earlier build left would ship
-"$VENV/bin/python" -m pip wheel -q --no-deps -w "$ROOT/dist" "$ROOT" >"$TMP/build.txt" 2>&1 ||
-	{ cat "$TMP/build.txt"; die "the wheel does not build"; }
-whl=$(ls "$ROOT"/dist/gpupin-*.whl)
+whl=$(build_wheel 2>"$TMP/build.txt") || { cat "$TMP/build.txt"; die "the wheel does not build"; }
 "$PY" -m venv "$TMP/venv"
 "$TMP/venv/bin/pip" install -q "$whl" >"$TMP/install.txt" 2>&1 ||
 	{ cat "$TMP/install.txt"; die "the wheel does not install into a clean venv"; }
