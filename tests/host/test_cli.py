@@ -137,6 +137,23 @@ def test_shell_on_a_terminal(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert "query --json 1" in hist.read_text().splitlines()
 
 
+def test_ctrl_c_reaches_a_shell_started_with_sigint_ignored(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """'make test &' from a non-interactive shell (as CI runners start it) hands every child
+    SIGINT ignored; the shell on a terminal must still drop the line on Ctrl-C."""
+    sh = ShellOnPty(str(tmp_path / "hist"), sigint_ignored=True)
+    try:
+        sh.read_until(b"gpupin> ")
+        sh.write(b"status --json")
+        sh.read_until(b"--json")  # echoed: readline has the line
+        sh.interrupt()
+        sh.read_until(b"^C")
+        sh.read_until(b"gpupin> ")
+        sh.write(b"exit\r")
+    finally:
+        status = sh.close()
+    assert status == 0
+
+
 def test_query_prints_addresses_in_hex_like_ls_and_pin() -> None:
     from gpupin.device import PinState
 

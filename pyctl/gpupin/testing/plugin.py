@@ -283,15 +283,20 @@ def sim_params(gpupin_loaded: None) -> Iterator[Any]:
 class ShellOnPty:
     """``gpupin shell`` on a pseudo-terminal, typed into as a developer would: the
     prompt, tab completion, Ctrl-C and Ctrl-D behave as in a terminal.  ``history``
-    is its history file; each wait gives up after ``timeout`` seconds."""
+    is its history file; each wait gives up after ``timeout`` seconds.  With
+    ``sigint_ignored`` the shell starts as a job started with '&' by a non-interactive shell
+    does: SIGINT ignored, and blocked too."""
 
-    def __init__(self, history: str, timeout: float = 30.0) -> None:
+    def __init__(self, history: str, timeout: float = 30.0, *, sigint_ignored: bool = False) -> None:
         self.timeout = timeout
         self._pending = b""  # printed after the token the last read_until waited for
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child only execs: never back into the caller's code
             try:
                 os.environ["GPUPIN_HISTORY"] = history
+                if sigint_ignored:  # both survive exec
+                    signal.signal(signal.SIGINT, signal.SIG_IGN)
+                    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
                 os.execv(sys.executable, [sys.executable, "-m", "gpupin", "shell"])
             finally:
                 os._exit(127)  # public, despite the underscore: exit without cleanup

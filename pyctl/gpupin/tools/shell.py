@@ -10,12 +10,24 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import sys
 from pathlib import Path
 
 from .cli import Session, build_parser, run_command
 
 HISTORY = Path(os.environ.get("GPUPIN_HISTORY", str(Path.home() / ".gpupin_history")))
+
+
+def take_ctrl_c() -> None:
+    """Make Ctrl-C at the prompt drop the line, whatever this process inherited.
+
+    A job started with '&' by a non-interactive shell (a CI runner, a scheduler, a test
+    harness) inherits SIGINT ignored, and exec keeps that, as it keeps a blocked signal mask:
+    Python then never installs its KeyboardInterrupt handler and Ctrl-C does nothing at all.
+    An interactive shell on a terminal takes the signal back."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 class Shell:
@@ -94,6 +106,7 @@ class Shell:
     def _interactive(self) -> int:
         import readline
 
+        take_ctrl_c()
         try:
             readline.read_history_file(HISTORY)
         except OSError:
