@@ -1,0 +1,45 @@
+#!/bin/bash
+# make test: run every leg named on the command line (make targets), each to its end
+# whatever the others did, then test-gpu where a GPU answers, then one line per leg
+# (passed/FAILED, minutes:seconds) and the exit status 1 if any leg failed.  A red leg
+# must not hide the ones after it: a user's first 'make test' reports every failure.
+# The table is also written to results/test-legs.txt.
+set -uo pipefail
+# shellcheck source=scripts/lib.sh
+. "$(dirname "$0")/../lib.sh"
+
+[ $# -gt 0 ] || die "usage: $0 LEG..."
+legs=("$@")
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+	legs+=(test-gpu)
+else
+	echo "$PROG: test-gpu skipped: no NVIDIA driver answers on this host (nvidia-smi -L)"
+fi
+
+rows=()
+failed=()
+t0=$SECONDS
+for leg in "${legs[@]}"; do
+	echo "$PROG: ---- $leg ----"
+	t=$SECONDS
+	if "${MAKE:-make}" --no-print-directory -C "$ROOT" "$leg"; then
+		verdict=passed
+	else
+		verdict=FAILED
+		failed+=("$leg")
+	fi
+	d=$((SECONDS - t))
+	rows+=("$(printf '%-14s %-7s %3d:%02d' "$leg" "$verdict" $((d / 60)) $((d % 60)))")
+	echo "$PROG: $leg $verdict after ${d}s"
+done
+d=$((SECONDS - t0))
+mkdir -p "$ROOT/results"
+{
+	printf '%s\n' "${rows[@]}"
+	printf '%-14s %-7s %3d:%02d\n' total "$([ ${#failed[@]} -eq 0 ] && echo passed || echo FAILED)" $((d / 60)) $((d % 60))
+} | tee "$ROOT/results/test-legs.txt"
+"$ROOT/scripts/ci/coverage.sh" --summary
+if [ ${#failed[@]} -gt 0 ]; then
+	echo "$PROG: ${#failed[@]} of ${#legs[@]} legs failed: ${failed[*]}" >&2
+	exit 1
+fi
