@@ -217,10 +217,11 @@ def scenario_churn(
     return {"registrations": ep.driver.registrations, "versions": len(versions), "rounds": rounds}
 
 
-def deregistered_through_nixl(ep: Any, ptr: int, size: int, remote: Any) -> bool:
+def deregistered_through_nixl(ep: Any, ptr: int, size: int, remote: Any, agent: Any = None) -> bool:
     """Whether NIXL itself no longer knows [ptr, ptr + size) as registered: a transfer from it
-    is refused with NIXL's NOT_FOUND (not our bookkeeping's word for it)."""
-    agent = ep.agent
+    is refused with NIXL's NOT_FOUND (not our bookkeeping's word for it).  ``agent``: the
+    endpoint's agent, taken before close() retired it from the endpoint."""
+    agent = agent if agent is not None else ep.agent
     local = agent.get_xfer_descs([(ptr, size, ep.driver.devid)], ep.driver.mem_type)
     rdesc = agent.get_xfer_descs([(remote.addr, size, remote.devid)], remote.mem_type)
     try:

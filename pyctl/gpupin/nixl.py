@@ -28,6 +28,7 @@ NIXL is imported when a driver is made (``load_nixl``), never at ``import gpupin
 
 from __future__ import annotations
 
+import atexit
 import gc
 import importlib
 import itertools
@@ -41,6 +42,7 @@ import tempfile
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,6 +106,79 @@ def nixl_version() -> str | None:
     return None
 
 
+# -- NIXL and the garbage collector ---------------------------------------------------------------
+# NIXL's default thread mode locks nothing, and UCX aborts the process (an assertion in its
+# arbiter) when an agent is destroyed before it progressed the failure of a peer that went away
+# (seen here: 2 aborts in ~120 destructions right after a killed peer's failed transfer, none in 80
+# after 0.3 s of progress).  The cyclic garbage collector runs finalizers on whichever thread allocates,
+# at any moment, also in the middle of that thread's own NIXL call.  So gpupin:
+# - calls an agent only under that agent's lock, one lock for every driver of the agent;
+# - makes no NIXL call while this thread collects garbage: a deregistration or an agent's retirement
+#   asked for by a finalizer waits in _DEFERRED and runs at gpupin's next NIXL call outside the
+#   collector, in reap(), or at exit;
+# - releases every transfer handle itself (a handle NIXL would not release is kept and retried,
+#   never left to its finalizer), and retires an agent it made in close(): after a peer failed,
+#   it progresses the agent for SETTLE_S first, then drops the last reference right there.
+SETTLE_S = 0.3
+
+_gc_state = threading.local()
+_DEFERRED: list[Callable[[], None]] = []
+_AGENT_LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
+_registry_lock = threading.Lock()  # guards _DEFERRED and _AGENT_LOCKS; held for no NIXL call
+_UNRELEASABLE: list[Any] = []  # transfer handles NIXL refused to release: never finalized before exit
+
+
+def _gc_phase(phase: str, info: dict[str, Any]) -> None:
+    _gc_state.collecting = phase == "start"
+
+
+gc.callbacks.append(_gc_phase)
+
+
+def collecting() -> bool:
+    """True while this thread runs the cyclic garbage collector (and the finalizers it calls)."""
+    return bool(getattr(_gc_state, "collecting", False))
+
+
+def _defer(work: Callable[[], None]) -> None:
+    with _registry_lock:
+        _DEFERRED.append(work)
+
+
+def reap() -> int:
+    """Run the NIXL work finalizers left for later (deregistrations, agents to retire) on this
+    thread, now; the number of items run.  gpupin does this itself before each NIXL call and at
+    exit; call it to have it done at a time of your choosing.  Does nothing inside a finalizer."""
+    done = 0
+    while not collecting():
+        with _registry_lock:
+            if not _DEFERRED:
+                break
+            work = _DEFERRED.pop(0)
+        try:
+            work()
+        except Exception as exc:  # noqa: BLE001 - one failure must not keep the rest waiting
+            what = f"{type(exc).__name__}: {exc}"
+            warnings.warn(f"gpupin.nixl: deferred NIXL cleanup failed: {what}", RuntimeWarning, stacklevel=2)
+        done += 1
+    return done
+
+
+atexit.register(reap)
+
+
+def _lock_of(agent: Any) -> threading.RLock:
+    """The one lock of ``agent``, shared by every driver over it."""
+    with _registry_lock:
+        try:
+            lock = _AGENT_LOCKS.get(agent)
+            if lock is None:
+                lock = _AGENT_LOCKS[agent] = threading.RLock()
+        except TypeError:  # an agent that takes no weak reference (a test double): its own lock
+            lock = threading.RLock()
+        return lock
+
+
 def _nixl_error(what: str, exc: BaseException) -> NixlError:
     status = type(exc).__name__
     return NixlError(f"{what} failed: {status} {exc} (NIXL's details are in its log on stderr)", status)
@@ -125,7 +200,9 @@ class NixlDriver(LibraryDriver):
     ``agent``: an agent of your own (else one named ``name`` is made with the UCX backend and
     no progress thread: NIXL's busy-spins a core, and the endpoint drives progress itself).
     ``mem_type``: "VRAM" (GPU memory, ``devid`` its CUDA device) or "DRAM".  Every agent call
-    is made under one lock: NIXL's default thread mode locks nothing.
+    is made under the agent's lock (``lock``, one for all drivers of an agent): NIXL's default
+    thread mode locks nothing.  ``close()`` retires an agent the driver made (see SETTLE_S);
+    an agent passed in stays the caller's to drop.
     """
 
     library = "NIXL"
@@ -143,6 +220,8 @@ class NixlDriver(LibraryDriver):
     ) -> None:
         if mem_type not in MEM_TYPES:
             raise InvalidArgument(f"mem_type={mem_type!r}: use 'VRAM' (GPU memory) or 'DRAM'")
+        reap()
+        made_here = agent is None
         if agent is None:
             api: Any = nixl if nixl is not None else load_nixl()
             cfg = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
@@ -152,11 +231,14 @@ class NixlDriver(LibraryDriver):
                 raise _nixl_error(f"nixl_agent({name!r})", exc) from None
             if "UCX" not in agent.backends:
                 raise NixlError(f"nixl_agent({name!r}): the UCX backend did not load; 'gpupin nixl status' says why")
-        self.agent = agent
+        self._agent: Any = agent
+        self._owns_agent = made_here
+        self._settle_until = 0.0  # progress the agent until then before it is destroyed
+        self._stuck: list[Any] = []  # transfer handles NIXL did not release yet
         self.name = str(getattr(agent, "name", name))
         self.mem_type = mem_type
         self.devid = devid
-        self.lock = threading.RLock()
+        self.lock = _lock_of(agent)
         self._next = itertools.count(1)
         self._regs: dict[int, NixlRegistration] = {}
         self.registrations = 0
@@ -164,11 +246,43 @@ class NixlDriver(LibraryDriver):
         self.register_s = 0.0
         self.deregister_s = 0.0
 
+    @property
+    def agent(self) -> Any:
+        """The ``nixl_agent``; NixlError once close() retired it."""
+        agent = self._agent
+        if agent is None:
+            raise NixlError(f"NIXL agent {self.name!r}: closed (its driver retired it); make a new endpoint")
+        return agent
+
+    def peer_failed(self) -> None:
+        """A transfer or notification with a peer failed: progress the agent for SETTLE_S before
+        it is destroyed (UCX aborts the process when it destroys an unprogressed failure)."""
+        self._settle_until = time.monotonic() + SETTLE_S
+
+    def release_xfer(self, handle: Any) -> bool:
+        """Release a transfer handle under the lock; one NIXL refuses (a transfer it cannot
+        cancel) is kept and retried, never left to its finalizer.  False if it was kept."""
+        with self.lock:
+            try:
+                self.agent.release_xfer_handle(handle)
+                return True
+            except Exception:  # noqa: BLE001 - NIXL's own classes; retried in _retry_stuck
+                self._stuck.append(handle)
+                self.peer_failed()
+                return False
+
+    def _retry_stuck(self) -> None:
+        with self.lock:
+            stuck, self._stuck = self._stuck, []
+            for h in stuck:
+                self.release_xfer(h)
+
     # -- the device protocol of RegistrationCache ------------------------------
     def pin(self, va: int, size: int, *, persistent: bool = False, user_tag: int = 0) -> NixlRegistration:
         if size <= 0:
             raise InvalidArgument(f"register_memory({va:#x}, {size}): size must be > 0")
         what = f"register_memory({va:#x}, {size}, {self.mem_type})"
+        reap()
         with self.lock:
             t = time.perf_counter()
             try:
@@ -187,6 +301,9 @@ class NixlDriver(LibraryDriver):
 
     def unpin(self, handle: Any) -> None:
         h = int(getattr(handle, "handle", handle))
+        if collecting():  # a finalizer: deregistered at the next NIXL call outside the collector
+            _defer(lambda: self.unpin(h))
+            return
         with self.lock:
             reg = self._regs.get(h)
             if reg is None:
@@ -207,8 +324,38 @@ class NixlDriver(LibraryDriver):
         return len(self._regs)
 
     def close(self) -> None:
-        """Close the cache over this driver (deregistering everything; InUse while one is held)."""
+        """Close the cache over this driver (deregistering everything; InUse while one is held),
+        then retire the agent if this driver made it."""
         self.close_cache()
+        self._retire()
+
+    def _retire(self) -> None:
+        if self._agent is None or not self._owns_agent:
+            return
+        if collecting():  # a finalizer: the agent lives until the next NIXL call outside it
+            _defer(self._retire)
+            return
+        self._owns_agent = False
+        with self.lock:
+            agent = self._agent
+            self._retry_stuck()
+            while time.monotonic() < self._settle_until:
+                try:
+                    agent.get_new_notifs()  # progresses UCX: the failed peer's requests end
+                except Exception:  # noqa: BLE001, S110 - progress only
+                    pass
+                time.sleep(0.001)
+            if self._stuck:
+                warnings.warn(
+                    f"gpupin.nixl: agent {self.name!r} keeps {len(self._stuck)} transfer(s) NIXL would not "
+                    "release; they and the agent stay until the process exits",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                _UNRELEASABLE.extend(self._stuck)
+                self._stuck = []
+            self._agent = None
+        del agent  # the last reference the driver had: destroyed here, on this thread
 
 
 class NixlCache(RegistrationCache):
@@ -380,11 +527,14 @@ class NixlEndpoint(Closable):
         return out
 
     def _pump(self) -> None:
+        if _DEFERRED:
+            reap()
         with self._plock:
             with self.driver.lock:
                 try:
                     new = self.agent.get_new_notifs()
                 except Exception as exc:  # noqa: BLE001
+                    self.driver.peer_failed()
                     raise _nixl_error("get_new_notifs", exc) from None
             for peer, msgs in new.items():
                 peer = peer.decode() if isinstance(peer, bytes) else str(peer)
@@ -412,6 +562,7 @@ class NixlEndpoint(Closable):
             try:
                 self.agent.send_notif(peer, _ACK + struct.pack(_ACK_FMT, seq, status, now))
             except Exception as exc:  # noqa: BLE001 - the other answers still go
+                self.driver.peer_failed()
                 self.unanswered += 1
                 if self.unanswered == 1:
                     warnings.warn(
@@ -455,6 +606,8 @@ class NixlEndpoint(Closable):
                 f"{op.lower()}({local:#x}, {size}, offset={offset}): [offset, offset + size) must lie inside the "
                 f"remote buffer of {remote.size} bytes"
             )
+        if _DEFERRED:
+            reap()
         peer = remote.agent
         if remote.generation not in self._loaded.get(peer, set()):
             self._reload(peer, remote.metadata)  # the target's registrations as of expose()
@@ -479,8 +632,10 @@ class NixlEndpoint(Closable):
     def _post(
         self, op: str, local: int, size: int, remote: RemoteBuffer, offset: int, note: bytes, what: str, timeout: float
     ) -> None:
-        """One NIXL transfer, polled to its end; its handle released on every path."""
+        """One NIXL transfer, polled to its end; its handle released on every path (by the
+        driver, never by NIXL's finalizer: no frame of an exception keeps it)."""
         h = None
+        state = "ERR"
         try:
             with self.driver.lock:
                 ldesc = self.agent.get_xfer_descs([(local, size, self.driver.devid)], self.driver.mem_type)
@@ -494,17 +649,17 @@ class NixlEndpoint(Closable):
                 with self.driver.lock:
                     state = self.agent.check_xfer_state(h)
         except NixlError:
+            self.driver.peer_failed()
             raise
         except Exception as exc:  # noqa: BLE001 - NIXL's own classes (a peer gone: REMOTE_DISCONNECT)
+            self.driver.peer_failed()
             raise _nixl_error(what, exc) from None
         finally:
             if h is not None:
-                with self.driver.lock:
-                    try:
-                        self.agent.release_xfer_handle(h)
-                    except Exception:  # noqa: BLE001, S110 - the transfer's own error says more
-                        pass
+                self.driver.release_xfer(h)  # the transfer's own error, if any, says more
+                h = None
         if state != "DONE":
+            self.driver.peer_failed()
             raise NixlError(f"{what} failed: {state} (the peer went away, or its registration did)", str(state))
 
     def _confirm(self, key: tuple[str, int], op: str, what: str, remote: RemoteBuffer, deadline: float) -> None:
@@ -531,12 +686,13 @@ class NixlEndpoint(Closable):
             )
 
     def close(self) -> None:
-        """Let go of the exposed ranges and deregister everything (InUse while a transfer holds
-        a registration)."""
+        """Let go of the exposed ranges, deregister everything (InUse while a transfer holds a
+        registration) and retire the agent if the endpoint made it.  An endpoint dropped without
+        close() makes no NIXL call from the garbage collector: see reap()."""
         for reg in self._exposed.values():
             reg.release()
         self._exposed.clear()
-        self.cache.close()
+        self.driver.close()
 
 
 # -- what works here: 'gpupin nixl status' and 'gpupin doctor' ----------------------------------

@@ -60,8 +60,9 @@ def test_churn_every_byte_lands_where_named(ep: NixlEndpoint, cuda: Any, target:
     rb = RemoteBufferOf(target, target.call("alloc", MiB), MiB)
     ep.write(x, 4096, rb)
     assert not deregistered_through_nixl(ep, x, 4096, rb)  # the check can tell
+    agent = ep.agent  # close() retires the endpoint's agent; this reference keeps it for the check
     ep.close()
-    assert ep.driver.live == 0 and deregistered_through_nixl(ep, x, 4096, rb)
+    assert ep.driver.live == 0 and deregistered_through_nixl(ep, x, 4096, rb, agent)
     assert target.close() == 0
     cuda.free(x)
 

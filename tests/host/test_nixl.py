@@ -7,8 +7,11 @@ dependency; 'make setup' installs it (nixl-cu13 without torch).
 from __future__ import annotations
 
 import sys
+import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -59,8 +62,9 @@ def test_churn_every_byte_lands_where_named(ep: tuple[NixlEndpoint, HostMemory],
     rb = RemoteBufferOf(target, target.call("alloc", MiB), MiB)
     e.write(x, 4096, rb)
     assert not deregistered_through_nixl(e, x, 4096, rb)  # the check can tell
+    agent = e.agent  # close() retires the endpoint's agent; this reference keeps it for the check
     e.close()
-    assert e.driver.live == 0 and deregistered_through_nixl(e, x, 4096, rb)
+    assert e.driver.live == 0 and deregistered_through_nixl(e, x, 4096, rb, agent)
     assert target.close() == 0
 
 
@@ -153,42 +157,28 @@ def test_one_process_two_agents_and_the_cache_counts(tmp_path: Path) -> None:
 
 class Pair:
     """A target and an initiator endpoint in this process, the target answering from a thread.
+    The garbage collector runs as it will: gpupin makes no NIXL call from it."""
 
-    The cyclic garbage collector is paused while the pump thread runs, and run on this thread
-    before and after: once in ~5 full host-suite runs a collection that happened to start in the
-    pump thread (inside ``_pump``) aborted the process in NIXL while this thread was in
-    ``check_xfer_state``. What the collection freed is not known; collecting here keeps NIXL
-    objects from being finalized on the pump thread."""
-
-    def __init__(self, *, connect_back: bool = True, target_max_bytes: int = 0) -> None:
-        import gc
+    def __init__(self, *, connect_back: bool = True, target_max_bytes: int = 0, tag: str = "") -> None:
         import threading
 
         self.mt, self.mi = HostMemory(16 << 20), HostMemory(16 << 20)
-        self.tgt = NixlEndpoint("t-pair", self.mt, mem_type="DRAM", max_bytes=target_max_bytes)
-        self.ini = NixlEndpoint("i-pair", self.mi, mem_type="DRAM")
+        self.tgt = NixlEndpoint(f"t-pair{tag}", self.mt, mem_type="DRAM", max_bytes=target_max_bytes)
+        self.ini = NixlEndpoint(f"i-pair{tag}", self.mi, mem_type="DRAM")
         self.ini.connect(self.tgt.metadata())
         if connect_back:
             self.tgt.connect(self.ini.metadata())
         self.stop = threading.Event()
         self.pump = threading.Thread(target=lambda: self.tgt.serve(120, self.stop.is_set))
-        gc.collect()
-        self._gc_was_enabled = gc.isenabled()
-        gc.disable()
         self.pump.start()
 
     def close(self) -> None:
-        import gc
-
         self.stop.set()
         self.pump.join()
         self.ini.close()
         self.tgt.close()
         self.mi.close()
         self.mt.close()
-        if self._gc_was_enabled:
-            gc.enable()
-        gc.collect()
 
 
 def test_answers_are_matched_to_the_endpoint_and_peer_that_asked() -> None:
@@ -261,3 +251,72 @@ def test_an_exposed_buffer_stays_registered_until_unexposed() -> None:
         assert p.tgt.cache.stats().evictions_limit == 1 and rb.addr == b
     finally:
         p.close()
+
+
+def _watch_calls(ep: NixlEndpoint, calls: list[tuple[str, bool]]) -> weakref.ref[Any]:
+    """Record each deregistration and notification read of ``ep``'s agent with whether the
+    garbage collector was running on that thread; a weak reference to the agent."""
+    agent = ep.agent
+    ref = weakref.ref(agent)
+    for name in ("deregister_memory", "get_new_notifs", "release_xfer_handle"):
+
+        def spy(*args: Any, _name: str = name) -> Any:
+            calls.append((_name, gpupin.nixl.collecting()))
+            return getattr(type(ref()), _name)(ref(), *args)
+
+        setattr(agent, name, spy)  # the spy holds the agent weakly: no cycle keeps it
+    return ref
+
+
+def test_endpoints_left_to_the_collector_make_no_nixl_call_from_it() -> None:
+    """Pairs of endpoints dropped without close(), in reference cycles, collected on another
+    thread while a third pair transfers on this one, many times: no NIXL call is made from the
+    collector (the registrations wait for reap()), nothing aborts, and once reaped every
+    dropped agent is destroyed with nothing left registered."""
+    import gc
+    import threading
+
+    busy = Pair(tag="-busy")
+    calls: list[tuple[str, bool]] = []
+    agents: list[weakref.ref[Any]] = []
+    stop = threading.Event()
+    collections = [0]
+
+    def collect() -> None:
+        while not stop.is_set():
+            gc.collect()
+            collections[0] += 1
+            time.sleep(0.002)
+
+    collector = threading.Thread(target=collect)
+    try:
+        dst, src = busy.mt.alloc(MiB), busy.mi.alloc(MiB)
+        rb = busy.tgt.expose(dst, MiB)
+        collector.start()
+        for i in range(12):
+            mt, mi = HostMemory(4 << 20), HostMemory(4 << 20)
+            tgt = NixlEndpoint(f"t-drop-{i}", mt, mem_type="DRAM")
+            ini = NixlEndpoint(f"i-drop-{i}", mi, mem_type="DRAM")
+            agents += [_watch_calls(tgt, calls), _watch_calls(ini, calls)]
+            ini.connect(tgt.metadata())
+            tgt.connect(ini.metadata())
+            r = tgt.expose(mt.alloc(MiB), MiB)  # registered, held until close
+            with ini.cache.acquire(mi.alloc(MiB), MiB):  # registered, then idle in the cache
+                pass
+            tgt.cycle, ini.cycle = ini, tgt  # type: ignore[attr-defined] - only the collector frees them
+            del tgt, ini, r
+            for _ in range(5):
+                busy.ini.write(src, 4096, rb)
+    finally:
+        stop.set()
+        if collector.is_alive():
+            collector.join()
+        busy.close()
+    gc.collect()
+    gpupin.nixl.reap()
+    assert collections[0] > 0
+    assert not [c for c in calls if c[1]], "a NIXL call was made from the garbage collector"
+    # Each idle registration deregistered (after the collector, by reap()); an exposed one, still
+    # held when the cache's finalizer ran, went with its agent.
+    assert sum(1 for name, _ in calls if name == "deregister_memory") >= 12
+    assert all(ref() is None for ref in agents), "a dropped endpoint's agent outlived reap()"
