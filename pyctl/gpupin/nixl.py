@@ -63,6 +63,7 @@ _ACK = b"gpupin-nixl-ack/1:"
 _XFER_FMT = "<QQQQq"  # sequence, address, size, buffer id, generation
 _ACK_FMT = "<QBQ"  # sequence, status (0: delivered, 1: stale), the buffer id found there
 _ACK_OK, _ACK_STALE = 0, 1
+_XFER_LEN, _ACK_LEN = struct.calcsize(_XFER_FMT), struct.calcsize(_ACK_FMT)
 
 
 class NixlError(GpupinError):
@@ -448,6 +449,7 @@ class NixlEndpoint(Closable):
         self.unanswered = 0  # (target) transfers it could not answer: see progress()
         self._plock = threading.Lock()  # notifications are taken by one thread at a time
         self.stale_transfers = 0  # (target) transfers that arrived for a buffer freed since
+        self.malformed_notifications = 0  # with gpupin's prefix but not its layout (progress() returns them)
         self.transfers = 0
         self.confirm_s = 0.0
 
@@ -540,14 +542,27 @@ class NixlEndpoint(Closable):
                 peer = peer.decode() if isinstance(peer, bytes) else str(peer)
                 for m in msgs:
                     m = bytes(m)
-                    if m.startswith(_XFER):
+                    if m.startswith(_XFER) and len(m) == len(_XFER) + _XFER_LEN:
                         self._answer(peer, m[len(_XFER) :])
-                    elif m.startswith(_ACK):
+                    elif m.startswith(_ACK) and len(m) == len(_ACK) + _ACK_LEN:
                         seq, status, bid = struct.unpack(_ACK_FMT, m[len(_ACK) :])
                         if (peer, seq) in self._waiting:  # else late (timed out) or not ours
                             self._acks[(peer, seq)] = (status, bid)
                     else:
+                        if m.startswith((_XFER, _ACK)):  # our prefix, not our layout: the app's to see
+                            self._malformed(peer, m)
                         self._other.append((peer, m))
+
+    def _malformed(self, peer: str, m: bytes) -> None:
+        self.malformed_notifications += 1
+        if self.malformed_notifications == 1:
+            warnings.warn(
+                f"gpupin.nixl: a notification from {peer} starts with gpupin's prefix but is {len(m)} bytes, "
+                "not one of gpupin's messages: handed to the application as its own (counted in "
+                "malformed_notifications); is another gpupin version, or the application, using the prefix?",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def _answer(self, peer: str, body: bytes) -> None:
         seq, addr, size, bid, gen = struct.unpack(_XFER_FMT, body)

@@ -320,3 +320,28 @@ def test_endpoints_left_to_the_collector_make_no_nixl_call_from_it() -> None:
     # held when the cache's finalizer ran, went with its agent.
     assert sum(1 for name, _ in calls if name == "deregister_memory") >= 12
     assert all(ref() is None for ref in agents), "a dropped endpoint's agent outlived reap()"
+
+
+def test_a_malformed_notification_loses_nothing() -> None:
+    """A notification with gpupin's prefix but not its layout, in one batch with the
+    application's own: progress() raises nothing and returns every application message, the
+    malformed one too (counted and warned about once)."""
+    p = Pair()
+    try:
+        bad = [b"gpupin-nixl-ack/1:short", b"gpupin-nixl-xfer/1:" + b"x" * 3]
+        with p.tgt.driver.lock:
+            p.tgt.agent.send_notif("i-pair", b"app-1")
+            for m in bad:
+                p.tgt.agent.send_notif("i-pair", m)
+            p.tgt.agent.send_notif("i-pair", b"app-2")
+        got: list[tuple[str, bytes]] = []
+        with pytest.warns(RuntimeWarning, match="not one of gpupin's messages"):
+            for _ in range(2000):
+                got += p.ini.progress()
+                if len(got) >= 4:
+                    break
+                time.sleep(0.001)
+        assert sorted(m for _, m in got) == sorted([b"app-1", b"app-2", *bad])
+        assert p.ini.malformed_notifications == 2
+    finally:
+        p.close()
