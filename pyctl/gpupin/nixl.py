@@ -51,7 +51,7 @@ from typing import Any
 from ._closable import Closable
 from ._dlopen import flush_c_stdio, load
 from .cache import LibraryDriver, LibraryRegistration, RegistrationCache
-from .errors import DriverNotLoaded, GpupinError, InvalidArgument, UnknownHandle
+from .errors import DriverNotLoaded, GpupinError, InUse, InvalidArgument, UnknownHandle
 from .memory import MemoryProvider
 
 MEM_TYPES = ("VRAM", "DRAM")
@@ -449,6 +449,7 @@ class NixlEndpoint(Closable):
         self.unanswered = 0  # (target) transfers it could not answer: see progress()
         self._plock = threading.Lock()  # notifications are taken by one thread at a time
         self.stale_transfers = 0  # (target) transfers that arrived for a buffer freed since
+        self._inflight: list[tuple[Any, Any, str]] = []  # (handle, registration, what): past their timeout
         self.malformed_notifications = 0  # with gpupin's prefix but not its layout (progress() returns them)
         self.transfers = 0
         self.confirm_s = 0.0
@@ -623,6 +624,8 @@ class NixlEndpoint(Closable):
             )
         if _DEFERRED:
             reap()
+        if self._inflight:
+            self._poll_inflight()
         peer = remote.agent
         if remote.generation not in self._loaded.get(peer, set()):
             self._reload(peer, remote.metadata)  # the target's registrations as of expose()
@@ -634,9 +637,9 @@ class NixlEndpoint(Closable):
         if confirm:
             self._waiting.add(key)
         try:
-            with self.cache.acquire(local, size):  # held until the transfer is over
-                # confirm=False: no check asked for (the target neither answers nor counts it).
-                self._post(op, local, size, remote, offset, note if confirm else b"", what, timeout)
+            # Held until NIXL says the transfer ended (past a timeout too: see _post).
+            # confirm=False: no check asked for (the target neither answers nor counts it).
+            self._post(op, self.cache.acquire(local, size), remote, offset, note if confirm else b"", what, timeout)
             self.transfers += 1
             if confirm:
                 self._confirm(key, op, what, remote, time.monotonic() + timeout)
@@ -645,12 +648,17 @@ class NixlEndpoint(Closable):
             self._acks.pop(key, None)
 
     def _post(
-        self, op: str, local: int, size: int, remote: RemoteBuffer, offset: int, note: bytes, what: str, timeout: float
+        self, op: str, reg: Any, remote: RemoteBuffer, offset: int, note: bytes, what: str, timeout: float
     ) -> None:
-        """One NIXL transfer, polled to its end; its handle released on every path (by the
-        driver, never by NIXL's finalizer: no frame of an exception keeps it)."""
+        """One NIXL transfer from the held registration ``reg``, polled to its end; its handle
+        released on every path (by the driver, never by NIXL's finalizer: no frame of an
+        exception keeps it), and ``reg`` with it.  A transfer still running at ``timeout`` is
+        neither released (that would cancel only UCX's requests, not bytes on their way) nor
+        lets go of ``reg``: both wait in ``_inflight`` until NIXL says it ended (``settle``)."""
+        local, size = reg.ptr, reg.size
         h = None
         state = "ERR"
+        handed = False
         try:
             with self.driver.lock:
                 ldesc = self.agent.get_xfer_descs([(local, size, self.driver.devid)], self.driver.mem_type)
@@ -660,7 +668,14 @@ class NixlEndpoint(Closable):
             deadline = time.monotonic() + timeout
             while state == "PROC":
                 if time.monotonic() > deadline:
-                    raise NixlError(f"{what}: not done after {timeout} s (is the peer alive?)")
+                    self._inflight.append((h, reg, what))
+                    h, handed = None, True
+                    raise NixlError(
+                        f"{what}: not done after {timeout} s (is the peer alive?). NIXL may still be moving its "
+                        f"bytes: the local buffer at {local:#x} stays registered, and must be neither freed nor "
+                        "reused, until settle() says the transfer ended",
+                        "timeout",
+                    )
                 with self.driver.lock:
                     state = self.agent.check_xfer_state(h)
         except NixlError:
@@ -673,6 +688,8 @@ class NixlEndpoint(Closable):
             if h is not None:
                 self.driver.release_xfer(h)  # the transfer's own error, if any, says more
                 h = None
+            if not handed:
+                reg.release()
         if state != "DONE":
             self.driver.peer_failed()
             raise NixlError(f"{what} failed: {state} (the peer went away, or its registration did)", str(state))
@@ -700,10 +717,45 @@ class NixlEndpoint(Closable):
                 "buffer again"
             )
 
+    def pending_transfers(self) -> int:
+        """Transfers that outlived their write()/read() (a timeout) and NIXL has not ended yet:
+        their local buffers stay registered and must not be freed."""
+        self._poll_inflight()
+        return len(self._inflight)
+
+    def settle(self, timeout: float = 30.0) -> int:
+        """Wait up to ``timeout`` s for the transfers that outlived their call to end; each that
+        ended lets go of its handle and its local registration.  Returns how many still run."""
+        deadline = time.monotonic() + timeout
+        while self.pending_transfers() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return len(self._inflight)
+
+    def _poll_inflight(self) -> None:
+        with self.driver.lock:
+            still = []
+            for h, reg, what in self._inflight:
+                try:
+                    state = self.agent.check_xfer_state(h)
+                except Exception:  # noqa: BLE001 - NIXL's own classes: the transfer is over, failed
+                    state = "ERR"
+                if state == "PROC":
+                    still.append((h, reg, what))
+                    continue
+                self.driver.release_xfer(h)
+                reg.release()
+            self._inflight = still
+
     def close(self) -> None:
         """Let go of the exposed ranges, deregister everything (InUse while a transfer holds a
-        registration) and retire the agent if the endpoint made it.  An endpoint dropped without
-        close() makes no NIXL call from the garbage collector: see reap()."""
+        registration) and retire the agent if the endpoint made it.  A transfer that outlived
+        its call is waited for up to 5 s (``settle``), then close() raises InUse naming it.  An
+        endpoint dropped without close() makes no NIXL call from the garbage collector: see reap()."""
+        if self._inflight and not collecting() and self.settle(5.0):
+            raise InUse(
+                f"NixlEndpoint {self.name!r}: {len(self._inflight)} transfer(s) still running past their timeout "
+                f"({self._inflight[0][2]}); their buffers stay registered: settle() and close() again"
+            )
         for reg in self._exposed.values():
             reg.release()
         self._exposed.clear()

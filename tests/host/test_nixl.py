@@ -345,3 +345,44 @@ def test_a_malformed_notification_loses_nothing() -> None:
         assert p.ini.malformed_notifications == 2
     finally:
         p.close()
+
+
+def test_a_transfer_past_its_timeout_keeps_its_buffer_registered_until_it_ends() -> None:
+    """NIXL still says PROC when write() gives up: the handle is not released (that would cancel
+    UCX's requests, not bytes on their way) and the local registration stays held, so the cache
+    can neither evict nor deregister it; settle() lets both go once NIXL says it ended, and
+    close() refuses while one runs."""
+    p = Pair()
+    agent = p.ini.agent
+    slow = [True]
+    real_transfer, real_check = type(agent).transfer, type(agent).check_xfer_state
+    agent_ref = weakref.ref(agent)
+
+    def transfer(h: Any, *a: Any) -> str:  # posted for real; reported running while ``slow``
+        state = real_transfer(agent_ref(), h, *a)
+        return "PROC" if slow[0] else state
+
+    def check(h: Any) -> str:
+        state = real_check(agent_ref(), h)
+        return "PROC" if slow[0] and state in ("PROC", "DONE") else state
+
+    agent.transfer, agent.check_xfer_state = transfer, check
+    try:
+        dst = p.mt.alloc(MiB)
+        rb = p.tgt.expose(dst, MiB)
+        src = p.mi.alloc(MiB)
+        with pytest.raises(NixlError, match="stays registered") as ei:
+            p.ini.write(src, 4096, rb, timeout=0.2)
+        assert ei.value.status == "timeout"
+        assert p.ini.pending_transfers() == 1 and p.ini.cache.held() == 1
+        assert p.ini.settle(0.05) == 1
+        with pytest.raises(gpupin.InUse, match="still running past their timeout"):
+            p.ini.close()  # waits 5 s for it, then refuses, changing nothing
+        assert p.ini.cache.held() == 1 and p.ini.driver.live == 1
+        slow[0] = False
+        assert p.ini.settle(5) == 0
+        assert p.ini.cache.held() == 0 and p.ini.pending_transfers() == 0
+    finally:
+        slow[0] = False
+        del agent.transfer, agent.check_xfer_state
+        p.close()
