@@ -64,6 +64,7 @@ _XFER_FMT = "<QQQQq"  # sequence, address, size, buffer id, generation
 _ACK_FMT = "<QBQ"  # sequence, status (0: delivered, 1: stale), the buffer id found there
 _ACK_OK, _ACK_STALE = 0, 1
 _XFER_LEN, _ACK_LEN = struct.calcsize(_XFER_FMT), struct.calcsize(_ACK_FMT)
+_LOADED_PER_PEER = 256  # generations remembered as loaded, per peer (a bound, not a cache size)
 
 
 class NixlError(GpupinError):
@@ -443,13 +444,12 @@ class NixlEndpoint(Closable):
         self._acks: dict[tuple[str, int], tuple[int, int]] = {}
         self._waiting: set[tuple[str, int]] = set()
         self._other: list[tuple[str, bytes]] = []
-        self._loaded: dict[str, set[int]] = {}  # peer -> the generations whose metadata was loaded
-        self._refused: dict[str, str] = {}  # peers NIXL loads nothing more of, and why
+        self._loaded: dict[str, dict[int, None]] = {}  # peer -> (generation, metadata) keys loaded, oldest first
         self._exposed: dict[tuple[int, int], Any] = {}  # (addr, size) -> the Registration held
         self.unanswered = 0  # (target) transfers it could not answer: see progress()
         self._plock = threading.Lock()  # notifications are taken by one thread at a time
         self.stale_transfers = 0  # (target) transfers that arrived for a buffer freed since
-        self._inflight: list[tuple[Any, Any, str]] = []  # (handle, registration, what): past their timeout
+        self._inflight: list[tuple[Any, Any, str, str]] = []  # (handle, registration, what, peer): past their timeout
         self.malformed_notifications = 0  # with gpupin's prefix but not its layout (progress() returns them)
         self.transfers = 0
         self.confirm_s = 0.0
@@ -478,25 +478,41 @@ class NixlEndpoint(Closable):
     def _reload(self, peer: str, metadata: bytes) -> None:
         """Load ``peer``'s metadata as of an expose().
 
-        NIXL 1.5.1 over VRAM refuses to load a registration at an address it already knows
-        from an earlier registration of that peer (NIXL_ERR_NOT_ALLOWED, seen on an H200 after
-        the target freed a buffer and registered the new one at the same address), and then
-        loads nothing more of that peer (NIXL_ERR_INVALID_PARAM, also after
-        remove_remote_agent; a fresh agent can).  Said here in so many words.
+        NIXL refuses to load metadata of an agent name it knows from another incarnation (a
+        restarted peer: NIXL_ERR_NOT_ALLOWED for the UCX connection info, seen here) and, on an
+        H200 over VRAM, a registration at an address it knew from an earlier registration of the
+        peer.  Then the peer is forgotten (remove_remote_agent) and its metadata loaded afresh,
+        once; unless a transfer with it still runs (settle() first).  What NIXL still refuses
+        after that is raised, and tried again at the next transfer.
         """
-        if peer in self._refused:
-            raise NixlError(self._refused[peer], "nixlNotAllowedError")
+        try:
+            self.connect(metadata)
+            return
+        except NixlError as exc:
+            if exc.status not in ("nixlNotAllowedError", "nixlInvalidParamError"):
+                raise
+            first = exc
+        if any(p == peer for _, _, _, p in self._inflight):
+            raise NixlError(
+                f"NIXL will not load {peer}'s new metadata ({first.status}) and a transfer with {peer} still runs "
+                "past its timeout: settle() first, then try again",
+                first.status,
+            )
+        with self.driver.lock:
+            try:
+                self.agent.remove_remote_agent(peer)
+            except Exception as exc:  # noqa: BLE001 - NIXL's own classes
+                raise _nixl_error(f"remove_remote_agent({peer!r})", exc) from None
+        self._loaded.pop(peer, None)
         try:
             self.connect(metadata)
         except NixlError as exc:
-            if exc.status != "nixlNotAllowedError":
-                raise
-            self._refused[peer] = (
-                f"NIXL will not load {peer}'s new registration: this agent knew an earlier one at the "
-                "same address (NIXL_ERR_NOT_ALLOWED; NIXL then loads no more of this peer's metadata). "
-                "Reach the target's reallocated buffer from a new NixlEndpoint (a new agent)"
-            )
-            raise NixlError(self._refused[peer], exc.status) from None
+            raise NixlError(
+                f"NIXL will not load {peer}'s metadata ({first.status}), nor after forgetting the peer "
+                f"({exc.status}); on VRAM NIXL 1.5.1 then loads no more of that peer: reach it from a new "
+                "NixlEndpoint (a new agent)",
+                exc.status,
+            ) from None
 
     # -- target side -----------------------------------------------------------
     def expose(self, ptr: int, size: int) -> RemoteBuffer:
@@ -627,9 +643,16 @@ class NixlEndpoint(Closable):
         if self._inflight:
             self._poll_inflight()
         peer = remote.agent
-        if remote.generation not in self._loaded.get(peer, set()):
+        # A generation names a registration within one incarnation of the peer; with the
+        # metadata it is unique across restarts (a restarted peer counts generations anew).
+        mdkey = hash((remote.generation, remote.metadata))
+        loaded = self._loaded.get(peer)
+        if loaded is None or mdkey not in loaded:
             self._reload(peer, remote.metadata)  # the target's registrations as of expose()
-            self._loaded.setdefault(peer, set()).add(remote.generation)
+            loaded = self._loaded.setdefault(peer, {})
+            loaded[mdkey] = None
+            while len(loaded) > _LOADED_PER_PEER:
+                del loaded[next(iter(loaded))]  # the oldest: loading it again costs a reload, no more
         seq = next(self._seq)
         note = _XFER + struct.pack(_XFER_FMT, seq, remote.addr, remote.size, remote.buffer_id, remote.generation)
         what = f"NIXL {op} of {size} bytes with {peer}"
@@ -668,7 +691,7 @@ class NixlEndpoint(Closable):
             deadline = time.monotonic() + timeout
             while state == "PROC":
                 if time.monotonic() > deadline:
-                    self._inflight.append((h, reg, what))
+                    self._inflight.append((h, reg, what, remote.agent))
                     h, handed = None, True
                     raise NixlError(
                         f"{what}: not done after {timeout} s (is the peer alive?). NIXL may still be moving its "
@@ -734,13 +757,13 @@ class NixlEndpoint(Closable):
     def _poll_inflight(self) -> None:
         with self.driver.lock:
             still = []
-            for h, reg, what in self._inflight:
+            for h, reg, what, peer in self._inflight:
                 try:
                     state = self.agent.check_xfer_state(h)
                 except Exception:  # noqa: BLE001 - NIXL's own classes: the transfer is over, failed
                     state = "ERR"
                 if state == "PROC":
-                    still.append((h, reg, what))
+                    still.append((h, reg, what, peer))
                     continue
                 self.driver.release_xfer(h)
                 reg.release()

@@ -386,3 +386,41 @@ def test_a_transfer_past_its_timeout_keeps_its_buffer_registered_until_it_ends()
         slow[0] = False
         del agent.transfer, agent.check_xfer_state
         p.close()
+
+
+def test_a_peer_restarted_under_the_same_name_is_reached_again() -> None:
+    """The target process dies and another starts under the same agent name (its generations
+    counted anew): NIXL refuses the new incarnation's metadata until the old one is forgotten;
+    the endpoint forgets it and every write lands."""
+    mem = HostMemory(16 << 20)
+    e = NixlEndpoint("initiator", mem, mem_type="DRAM")
+    src = mem.alloc(MiB)
+    try:
+        for n in range(3):
+            t = Target("host")
+            try:
+                t.call("connect", e.metadata())
+                dst = t.call("alloc", MiB)
+                t.call("fill", dst, MiB, 0)
+                mem.write(src, bytes([n + 1]) * MiB)
+                e.write(src, MiB, RemoteBufferOf(t, dst, MiB), timeout=10)
+                assert t.call("read", dst, MiB) == bytes([n + 1]) * MiB
+            finally:
+                t.kill()
+    finally:
+        mem.free(src)
+        e.close()
+        mem.close()
+
+
+def test_what_an_initiator_remembers_of_a_peer_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpupin.nixl, "_LOADED_PER_PEER", 4, raising=False)
+    p = Pair()
+    try:
+        src = p.mi.alloc(MiB)
+        for _ in range(10):  # ten registrations exposed, each a new generation of the target
+            dst = p.mt.alloc(MiB // 2)
+            p.ini.write(src, 4096, p.tgt.expose(dst, MiB // 2))
+        assert len(p.ini._loaded["t-pair"]) == 4
+    finally:
+        p.close()
