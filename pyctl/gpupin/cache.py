@@ -328,6 +328,9 @@ class RegistrationCache:
         self._c = ffi.gc(lib.gpc_new(words, nwords, int(check_kernel), int(c_buffer_id)), lib.gpc_free)
         if self._c == ffi.NULL:
             raise MemoryError("gpupin cache: out of memory")
+        query = getattr(memory, "c_buffer_id_query", None)  # a C query other than libcuda's
+        if c_buffer_id and query is not None:
+            lib.gpc_set_buffer_id_query(self._c, query)
         self._life = _Life(self._c, device, map_buf)
         self._ents = self._life.ents  # the same list: changed in place only
         # Not at interpreter exit: a cache still alive then may be in use by another atexit
@@ -586,8 +589,12 @@ class RegistrationCache:
         if self.validate == "kernel" and not getattr(pin, "revocable", False):
             self._refuse_unrevocable(pin, r.base, r.size)
         e = _Entry(self._new_id(), start, stop, r.buffer_id, pin)
+        # Staged: indexed, but every lookup misses it until it is published below, once the
+        # token resolves (_entry_of).  A hit through C takes its reference without this lock:
+        # one that found the entry before it was stored could not resolve its token, and
+        # its reference would never be released (close() refusing forever).
         e.token = int(
-            lib.gpc_insert(self._c, e.id, lo, hi, r.buffer_id, getattr(pin, "slot", 0), getattr(pin, "valid_word", 0))
+            lib.gpc_stage(self._c, e.id, lo, hi, r.buffer_id, getattr(pin, "slot", 0), getattr(pin, "valid_word", 0))
         )
         if e.token < 0:
             self._free_ids.append(e.id)
@@ -601,6 +608,7 @@ class RegistrationCache:
         st.regions += 1
         st.bytes_pinned += need
         st.peak_bytes = max(st.peak_bytes, st.bytes_pinned)
+        lib.gpc_publish(self._c, e.token)
         return e
 
     def _refuse_unrevocable(self, pin: Any, base: int, size: int) -> None:

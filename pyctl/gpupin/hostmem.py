@@ -55,7 +55,7 @@ class FirstFit:
                     va = self._allocs[b].base + self._allocs[b].size
                 else:
                     self._holes = gaps  # every gap was seen: none left means none at all
-            elif self.find(at) is not None:
+            elif self._find(at) is not None:
                 raise InvalidArgument(f"alloc(at={at:#x}): address in use")
             if self.end is not None and va + size > self.end:
                 used = f"the {self.end - self.base} bytes from {self.base:#x} are used up"
@@ -85,7 +85,12 @@ class FirstFit:
             return r
 
     def find(self, ptr: int) -> AllocationRange | None:
-        """The allocation containing ``ptr``, or None."""
+        """The allocation containing ``ptr``, or None.  Under the lock: a free in another
+        thread drops the allocation and its base in two steps."""
+        with self._lock:
+            return self._find(ptr)
+
+    def _find(self, ptr: int) -> AllocationRange | None:
         i = bisect.bisect_right(self._bases, ptr) - 1
         if i < 0:
             return None

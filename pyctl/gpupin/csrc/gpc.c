@@ -41,6 +41,7 @@ struct gpc_ent {			/* 64 bytes: one cache line per hit */
 	uint8_t indexed;
 	uint8_t hashed;			/* in the page hash (else only in the sorted index) */
 	uint8_t on_lru;
+	uint8_t hidden;			/* staged: indexed, but lookups miss it until published */
 };
 
 _Static_assert(sizeof(struct gpc_ent) == 64, "an entry is one cache line");
@@ -73,6 +74,7 @@ struct gpc {
 	const volatile uint64_t *words;
 	uint64_t nwords;
 	int check_kernel, check_buffer_id_cuda;
+	gpc_buffer_id_query_t query;	/* the buffer-id query (NULL: libcuda's, gp_cuda_buffer_id) */
 	int closed;			/* gpc_close(): every lookup says GPC_CLOSED */
 	int closing;			/* gpc_quiesce(): lookups say GPC_CLOSED, releases go on */
 	uint32_t gen;			/* the last generation given out */
@@ -548,14 +550,14 @@ int64_t gpc_lookup_locked(struct gpc *c, uint64_t ptr, uint64_t size)
 	if (id < 0)
 		return GPC_MISS;
 	e = &c->ents[id];
-	if (ptr + size > e->end)
+	if (ptr + size > e->end || e->hidden)
 		return GPC_MISS;
 	if (c->check_kernel && (e->slot >= c->nwords || c->words[e->slot] != e->valid_word))
 		return -(gpc_token(c, id) + GPC_STALE_BASE);
 	if (c->check_buffer_id_cuda) {
 		uint64_t bid = 0;
 
-		if (gp_cuda_buffer_id(ptr, &bid) != 0 || bid != e->buffer_id)
+		if ((c->query ? c->query(ptr, &bid) : gp_cuda_buffer_id(ptr, &bid)) != 0 || bid != e->buffer_id)
 			return -(gpc_token(c, id) + GPC_STALE_BASE);
 	}
 	if (!gpc_get(c, id))
@@ -676,12 +678,12 @@ int gpc_retire(struct gpc *c, int64_t tok)
 }
 
 /*
- * Index [start, end) as entry @id, unreferenced: its token (>= 0), or -1 if
- * the slot holds an entry, the range is empty or overlaps an indexed entry,
- * or memory ran out.
+ * Index [start, end) as entry @id, unreferenced, hidden from lookups if
+ * @hidden: its token (>= 0), or -1 if the slot holds an entry, the range is
+ * empty or overlaps an indexed entry, or memory ran out.
  */
-int64_t gpc_insert(struct gpc *c, int64_t id, uint64_t start, uint64_t end, uint64_t buffer_id,
-		   uint64_t slot, uint64_t valid_word)
+static int64_t gpc_add(struct gpc *c, int64_t id, uint64_t start, uint64_t end, uint64_t buffer_id,
+		       uint64_t slot, uint64_t valid_word, int hidden)
 {
 	struct gpc_ent ne;
 	int64_t pos, ret = -1;
@@ -725,7 +727,8 @@ int64_t gpc_insert(struct gpc *c, int64_t id, uint64_t start, uint64_t end, uint
 		goto out;
 	c->gen = c->gen >= GPC_MAX_GEN ? 1 : c->gen + 1;
 	ne = (struct gpc_ent){ .start = start, .end = end, .buffer_id = buffer_id,
-			       .valid_word = valid_word, .slot = slot, .gen = c->gen, .indexed = 1 };
+			       .valid_word = valid_word, .slot = slot, .gen = c->gen, .indexed = 1,
+			       .hidden = !!hidden };
 	/* Out of memory for the hash is no failure: the sorted index finds it. */
 	if (gpc_page_last(end) - (start >> GPC_PAGE_SHIFT) < GPC_HASH_MAX_PAGES &&
 	    !gpc_pages_add(c, id, start, end))
@@ -744,6 +747,48 @@ int64_t gpc_insert(struct gpc *c, int64_t id, uint64_t start, uint64_t end, uint
 out:
 	pthread_mutex_unlock(&c->lock);
 	return ret;
+}
+
+/* Index an entry that lookups find at once (what the core's own tests use). */
+int64_t gpc_insert(struct gpc *c, int64_t id, uint64_t start, uint64_t end, uint64_t buffer_id,
+		   uint64_t slot, uint64_t valid_word)
+{
+	return gpc_add(c, id, start, end, buffer_id, slot, valid_word, 0);
+}
+
+/*
+ * Index an entry that lookups miss until gpc_publish(): the caller stores
+ * what the token names (cache.py's _ents) in between, so no hit can hand out
+ * a token its caller cannot resolve yet.  Overlap checks and eviction see it.
+ */
+int64_t gpc_stage(struct gpc *c, int64_t id, uint64_t start, uint64_t end, uint64_t buffer_id,
+		  uint64_t slot, uint64_t valid_word)
+{
+	return gpc_add(c, id, start, end, buffer_id, slot, valid_word, 1);
+}
+
+/* Let lookups find the staged entry @tok names: 0, or -1 if it names none. */
+int gpc_publish(struct gpc *c, int64_t tok)
+{
+	int64_t id;
+	int ret = -1;
+
+	pthread_mutex_lock(&c->lock);
+	id = gpc_tok_id(c, tok);
+	if (id >= 0) {
+		c->ents[id].hidden = 0;
+		ret = 0;
+	}
+	pthread_mutex_unlock(&c->lock);
+	return ret;
+}
+
+/* For tests and providers without libcuda: the buffer-id query of the hit path. */
+void gpc_set_buffer_id_query(struct gpc *c, gpc_buffer_id_query_t query)
+{
+	pthread_mutex_lock(&c->lock);
+	c->query = query;
+	pthread_mutex_unlock(&c->lock);
 }
 
 /*

@@ -24,6 +24,7 @@ int gpupin_call(int fd, unsigned long cmd, void *arg);
 int gpupin_cover_zero(uint64_t addr, uint64_t len);
 
 struct gpc;
+typedef int (*gpc_buffer_id_query_t)(uint64_t ptr, uint64_t *out);
 struct gpc *gpc_new(const uint64_t *words, uint64_t nwords, int check_kernel, int check_buffer_id_cuda);
 void gpc_free(struct gpc *c);
 int64_t gpc_close(struct gpc *c, int force);
@@ -36,6 +37,10 @@ int64_t gpc_lookup(struct gpc *c, uint64_t ptr, uint64_t size);
 int gpc_release(struct gpc *c, int64_t tok);
 int64_t gpc_insert(struct gpc *c, int64_t id, uint64_t start, uint64_t end, uint64_t buffer_id,
 		   uint64_t slot, uint64_t valid_word);
+int64_t gpc_stage(struct gpc *c, int64_t id, uint64_t start, uint64_t end, uint64_t buffer_id,
+		  uint64_t slot, uint64_t valid_word);
+int gpc_publish(struct gpc *c, int64_t tok);
+void gpc_set_buffer_id_query(struct gpc *c, gpc_buffer_id_query_t query);
 int gpc_remove(struct gpc *c, int64_t tok);
 int gpc_use(struct gpc *c, int64_t tok);
 int gpc_retire(struct gpc *c, int64_t tok);

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .._native import ffi
 from ..errors import BarExhausted, ForkedDevice, InvalidArgument, NotGpuMemory, PinInvalidated, UnknownHandle
 from ..hostmem import FirstFit
 from ..hostmem import HostMemory as HostMemory  # re-exported: it moved to the library (gpupin.hostmem)
@@ -299,13 +300,21 @@ class FakeDevice:
 
 
 class FakeMemory:
-    """Fake device memory: first-fit addresses, a new buffer id per allocation."""
+    """Fake device memory: first-fit addresses, a new buffer id per allocation.
+
+    ``direct_query=True``: the buffer-id query is offered to the cache's C hit path too
+    (``direct_buffer_id_query`` and ``c_buffer_id_query``, a C callback), as CudaMemory
+    offers libcuda's: the cache then checks buffer ids in C, as it does on a GPU host."""
 
     name = "fake"
     BASE = 1 << 40
 
-    def __init__(self, *, granule: int = GPU_PAGE) -> None:
+    def __init__(self, *, granule: int = GPU_PAGE, direct_query: bool = False) -> None:
         self.granule = granule  # sizes round up to this (1: exact, like a pool block)
+        self.direct_buffer_id_query = direct_query
+        self.c_buffer_id_query: Any = (
+            ffi.callback("gpc_buffer_id_query_t", self._c_query, error=-1) if direct_query else None
+        )
         self._fit = FirstFit(self.BASE, granule=granule)
         self.devices: list[FakeDevice] = []
         self.sync_memops_calls = 0
@@ -331,6 +340,14 @@ class FakeMemory:
 
     def buffer_id(self, ptr: int) -> int:
         return self.range_of(ptr).buffer_id
+
+    def _c_query(self, ptr: int, out: Any) -> int:
+        """c_buffer_id_query: 0 and the buffer id in ``out[0]``, or 1 (no allocation there)."""
+        r = self._fit.find(ptr)
+        if r is None:
+            return 1
+        out[0] = r.buffer_id
+        return 0
 
     def export_dmabuf(self, ptr: int) -> int:
         """A stand-in dma-buf fd of the allocation holding ``ptr`` (a memfd of its size; caller closes)."""
