@@ -405,7 +405,7 @@ class RegistrationCache:
             on_stale = functools.partial(_call_cache, weakref.ref(self), RegistrationCache._release_stale, gone_ok=True)
             self.fast_lookup, self.release_token = gpc_bind((addr, self._c, InvalidArgument, on_stale))
         else:
-            self.fast_lookup = functools.partial(self._lookup, self._c)
+            self.fast_lookup = functools.partial(_core_fast_lookup, self._c)
             self.release_token = functools.partial(RegistrationCache._release_token, proxy)
 
     def miss(self, ptr: int, size: int, code: int) -> int:
@@ -430,14 +430,29 @@ class RegistrationCache:
             r = self._lookup(self._c, ptr, size)
         except TypeError:  # numpy integers and other __index__ types (fast_lookup takes them too)
             ptr, size = operator.index(ptr), operator.index(size)
-            r = self._lookup(self._c, ptr, size)
+            r = self._core_lookup(ptr, size)
+        except OverflowError:
+            raise _out_of_range(ptr, size) from None
         if r >= 0 and not self._py_buffer_id:
             return int(r)
         return self._slow(ptr, size, int(r))
 
+    def _core_lookup(self, ptr: int, size: int) -> int:
+        """The C core's lookup, with a negative or over-64-bit argument an InvalidArgument."""
+        try:
+            return int(self._lookup(self._c, ptr, size))
+        except OverflowError:
+            raise _out_of_range(ptr, size) from None
+
     def _release_token(self, token: int) -> None:
         """release_token where the C entry point is missing (or for buffer-id checks in Python)."""
-        refs = lib.gpc_release(self._c, token)
+        try:
+            refs = lib.gpc_release(self._c, token)
+        except OverflowError:
+            raise InvalidArgument(
+                f"release_token({token}): not a token (tokens are 0 to 2**62 - 1, as lookup or "
+                "fast_lookup returned them)"
+            ) from None
         if refs == 0:
             self._release_stale(token)
         elif refs == lib.GPC_CLOSED:
@@ -465,7 +480,7 @@ class RegistrationCache:
         """A lookup that does not pin, for a subclass that decides before it pins (GdsCache.use):
         a held token for a hit whose buffer id still matches; else a code < 0 and the stale entry
         that covered ``ptr`` (None where none did).  Counts as one acquire."""
-        tok = int(self._lookup(self._c, ptr, size))
+        tok = self._core_lookup(ptr, size)
         if tok == lib.GPC_CLOSED:
             raise InvalidArgument(f"this {type(self).__name__} is closed")
         if tok == lib.GPC_BAD_ARG:
@@ -510,7 +525,7 @@ class RegistrationCache:
             # since the lock-free lookup missed (inserts happen only under the lock).  Without
             # this, _insert would take that thread's live entry for a stale one.
             if r < 0:
-                r = int(self._lookup(self._c, ptr, size))
+                r = self._core_lookup(ptr, size)
                 self._relookups += 1
             if r == lib.GPC_CLOSED:
                 raise InvalidArgument("this RegistrationCache is closed (or closing)")
@@ -990,6 +1005,23 @@ def _pick_backend(backend: str, device: Any, memory: Any) -> str:
         )
         + "; use backend='nvp2p' or 'auto'"
     )
+
+
+def _out_of_range(ptr: int, size: int) -> InvalidArgument:
+    """What a lookup says of a negative or over-64-bit ptr or size (cffi's OverflowError)."""
+    bad = [f"{n}={v}" for n, v in (("ptr", ptr), ("size", size)) if not 0 <= v < 1 << 64]
+    return InvalidArgument(
+        f"lookup(ptr={ptr}, size={size}): {' and '.join(bad) or 'the range'} out of range: ptr takes 0 to "
+        "2**64 - 1, size 1 to 2**64 - 1"
+    )
+
+
+def _core_fast_lookup(core: Any, ptr: int, size: int) -> int:
+    """fast_lookup where the C entry point is missing: the cffi call."""
+    try:
+        return int(lib.gpc_lookup(core, ptr, size))
+    except OverflowError:
+        raise _out_of_range(ptr, size) from None
 
 
 def _closed_lookup(ptr: int, size: int) -> int:

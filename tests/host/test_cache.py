@@ -516,3 +516,61 @@ def test_validate_tag_is_a_deprecated_name_of_buffer_id() -> None:
     with pytest.raises(gpupin.InvalidArgument, match="'both', 'kernel' or 'buffer_id'"):
         RegistrationCache(FakeDevice(mem), mem, validate="tags")  # type: ignore[arg-type]
     cache.close()
+
+
+# Each entry point over each fast path: the vectorcall entry points (C), the buffer-id check in
+# Python, and the cffi calls where the vectorcall entry points are missing (gpc_bind None).
+FAST_PATHS = ["c", "python", "cffi"]
+
+
+def make_fast_path(kind: str, monkeypatch: pytest.MonkeyPatch) -> tuple[FakeMemory, RegistrationCache]:
+    if kind == "cffi":
+        monkeypatch.setattr(gpupin.cache, "gpc_bind", None)
+    mem = FakeMemory()
+    return mem, RegistrationCache(FakeDevice(mem), mem, validate="both" if kind == "python" else "kernel")
+
+
+@pytest.mark.parametrize("kind", FAST_PATHS)
+@pytest.mark.parametrize(
+    ("ptr", "size", "bad"),
+    [
+        (-1, 8, "ptr=-1"),
+        (1 << 64, 8, "ptr=18446744073709551616"),
+        (0, -8, "size=-8"),
+        (0, 1 << 64, "size=18446744073709551616"),
+    ],
+)
+def test_out_of_range_arguments_are_invalid_not_overflow(
+    kind: str, ptr: int, size: int, bad: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A negative address or size, or one of 2**64 or more, raised OverflowError (from cffi or
+    the vectorcall entry points) out of acquire, lookup and fast_lookup: the cache's
+    InvalidArgument, naming the value and what is taken."""
+    mem, cache = make_fast_path(kind, monkeypatch)
+    a = mem.alloc(MiB)
+    if ptr == 0:
+        ptr = a
+    calls = {
+        "acquire": lambda: cache.acquire(ptr, size),
+        "lookup": lambda: cache.lookup(ptr, size),
+        "fast_lookup": lambda: cache.fast_lookup(ptr, size),
+        "miss": lambda: cache.miss(ptr, size, -1),
+    }
+    for name, call in calls.items():
+        with pytest.raises(gpupin.InvalidArgument) as got:
+            call()
+        text = str(got.value)
+        assert bad in text or bad.replace("=", "=0x") in text, (name, text)
+        assert "2**64 - 1" in text, (name, text)
+    assert cache.held() == 0
+    cache.close()
+
+
+@pytest.mark.parametrize("kind", FAST_PATHS)
+@pytest.mark.parametrize("token", [1 << 63, 1 << 64, -(1 << 63) - 1])
+def test_out_of_range_tokens_are_invalid_not_overflow(kind: str, token: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """release_token of an int that is no int64 raised OverflowError: InvalidArgument, naming it."""
+    _, cache = make_fast_path(kind, monkeypatch)
+    with pytest.raises(gpupin.InvalidArgument, match=rf"release_token\({token}\): not a token .*2\*\*62 - 1"):
+        cache.release_token(token)
+    cache.close()

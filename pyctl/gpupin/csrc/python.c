@@ -121,8 +121,20 @@ static PyObject *gpc_py_hit(PyObject *self, PyObject *const *args, Py_ssize_t na
 		PyErr_SetString(PyExc_TypeError, "fast_lookup(ptr, size) takes exactly 2 arguments");
 		return NULL;
 	}
-	if (!p || gp_py_u64(args[0], &ptr) || gp_py_u64(args[1], &size))
+	if (!p)
 		return NULL;
+	if (gp_py_u64(args[0], &ptr) || gp_py_u64(args[1], &size)) {
+		/* Negative or past 64 bits: the cache's own error, as lookup() raises it */
+		if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+			PyObject *ctx = PyCapsule_GetContext(self);
+
+			PyErr_Clear();
+			PyErr_Format(PyTuple_GET_ITEM(ctx, 2),
+				     "fast_lookup(ptr=%R, size=%R): out of range: ptr takes 0 to 2**64 - 1, "
+				     "size 1 to 2**64 - 1", args[0], args[1]);
+		}
+		return NULL;
+	}
 	if (!size || ptr + size < ptr)
 		return PyLong_FromLong(GPC_BAD_ARG);
 	gpc_py_lock(p->c);
@@ -156,8 +168,16 @@ static PyObject *gpc_py_release(PyObject *self, PyObject *const *args, Py_ssize_
 	if (!p)
 		return NULL;
 	tok = PyLong_AsLong(args[0]);	/* not ...LongLong: see gp_py_u64 */
-	if (tok == -1 && PyErr_Occurred())
+	if (tok == -1 && PyErr_Occurred()) {
+		if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+			PyErr_Clear();
+			ctx = PyCapsule_GetContext(self);
+			PyErr_Format(PyTuple_GET_ITEM(ctx, 2),
+				     "release_token(%R): not a token (tokens are 0 to 2**62 - 1, as lookup or "
+				     "fast_lookup returned them)", args[0]);
+		}
 		return NULL;
+	}
 	gpc_py_lock(p->c);
 	refs = gpc_release_locked(p->c, tok, &unindexed);
 	gpc_unlock(p->c);
