@@ -127,8 +127,8 @@ class _Entry:
 class Registration:
     """A use of a cached pin covering [ptr, ptr + size).  Release it when the transfer is done."""
 
-    # The cache's own handle: it calls RegistrationCache's private _entry_of and _dma_map,
-    # the one pair of classes in this module that share their private names.
+    # The cache's own handle: it calls RegistrationCache's private _entry_of, _dma_map and
+    # _buffer_id_current, the one pair of classes in this module that share their private names.
     __slots__ = ("_cache", "_entry", "ptr", "size", "_released")
 
     def __init__(self, cache: RegistrationCache, entry: _Entry, ptr: int, size: int) -> None:
@@ -171,8 +171,16 @@ class Registration:
 
     @property
     def valid(self) -> bool:
-        """False once the memory was freed (the pin was invalidated) while in use."""
-        return not self._entry.stale and bool(self._entry.pin.is_valid())
+        """What the cache's check of a lookup at ``ptr`` would say now (it is made on each read):
+        False once the pin was invalidated (the kernel's validity word, with ``validate="kernel"``
+        or ``"both"``), or once the memory at ``ptr`` is another allocation (its buffer id, queried
+        now, with ``"buffer_id"`` or ``"both"``: GDS, NIXL, dma-buf pins the exporter never
+        revokes, whose word stays valid after a free).  A read may raise what the provider's
+        buffer-id query raises other than NotGpuMemory (which reads as False)."""
+        e = self._entry
+        if e.stale or not e.pin.is_valid():
+            return False
+        return self._cache._buffer_id_current(e, self.ptr)
 
     def dma_map(self, pci: str) -> Any:
         """A DMA mapping of the whole pinned range for PCI device ``pci`` (made once per entry)."""
@@ -555,6 +563,10 @@ class RegistrationCache:
             if lib.gpc_use(self._c, e.token) < 0:  # a close began: the entry stays for it to unpin
                 raise InvalidArgument("this RegistrationCache is closed (or closing)")
             return e.token
+
+    def _buffer_id_current(self, e: _Entry, ptr: int) -> bool:
+        """Registration.valid's buffer-id half: the check a lookup makes (none for "kernel")."""
+        return self.validate == "kernel" or self._buffer_id_ok(e, ptr)
 
     def _buffer_id_ok(self, e: _Entry, ptr: int) -> bool:
         try:

@@ -11,7 +11,8 @@ import pytest
 
 import gpupin
 from gpupin.cache import CacheFull, RegistrationCache
-from gpupin.testing.fake import GPU_PAGE, FakeDevice, FakeMemory
+from gpupin.gds import CuFileDriver, GdsCache
+from gpupin.testing.fake import GPU_PAGE, FakeCuFile, FakeDevice, FakeMemory
 
 MiB = 1 << 20
 
@@ -573,4 +574,40 @@ def test_out_of_range_tokens_are_invalid_not_overflow(kind: str, token: int, mon
     _, cache = make_fast_path(kind, monkeypatch)
     with pytest.raises(gpupin.InvalidArgument, match=rf"release_token\({token}\): not a token .*2\*\*62 - 1"):
         cache.release_token(token)
+    cache.close()
+
+
+@pytest.mark.parametrize("validate", ["buffer_id", "both"])
+def test_valid_says_what_the_buffer_id_check_says(validate: str) -> None:
+    """Registration.valid stayed True after a free and a new allocation at the same address
+    for pins whose validity word never changes (a dma-buf the exporter holds): it now asks the
+    buffer id, as a lookup would."""
+    mem = FakeMemory()
+    dev = FakeDevice(mem, dmabuf_revocable=False)
+    cache = RegistrationCache(dev, mem, validate=validate, backend="dmabuf")  # type: ignore[arg-type]
+    a = mem.alloc(MiB)
+    reg = cache.acquire(a + 100, 10)
+    assert reg.valid
+    mem.free(a)
+    assert not reg.valid  # freed: no allocation there
+    assert mem.alloc(MiB) == a
+    assert dev.pins[reg.handle].is_valid()  # the word alone says nothing
+    assert not reg.valid  # another allocation there now
+    with cache.acquire(a + 100, 10) as fresh:
+        assert fresh.handle != reg.handle and fresh.valid
+    reg.release()
+    cache.close()
+
+
+def test_valid_of_a_gds_registration_after_free_and_reallocation() -> None:
+    """GDS registrations have no validity word at all: valid is the buffer-id check."""
+    mem = FakeMemory()
+    cache = GdsCache(CuFileDriver(FakeCuFile(mem)), mem)
+    a = mem.alloc(MiB)
+    reg = cache.acquire(a, MiB)
+    assert reg.valid
+    mem.free(a)
+    assert mem.alloc(MiB) == a
+    assert not reg.valid
+    reg.release()
     cache.close()
