@@ -19,6 +19,8 @@ Lifetimes (Documentation/python.md's "Lifetime rules" says the same for users):
   gives every entry a new generation, checked on every use, so a late or
   doubled ``release_token`` after its slot was reused is refused, never
   applied to another entry.  A slot is reused only once nobody holds it.
+  Generations never wrap: after 2**30 - 1 entries a cache raises
+  CacheExhausted at its next insert (a hard error, not a wrap; make a new cache).
 - ``close()`` refuses (InUse) while a registration is held; ``Device.close()``
   too for the caches over it.  Released first, everything is unpinned.
 - A cache dropped without ``close()`` is closed by its finalizer: its core
@@ -79,6 +81,12 @@ class DeviceLike(Protocol):
 
 class CacheFull(BudgetExceeded):
     """Nothing can be evicted to make room: every cached region is in use."""
+
+
+class CacheExhausted(GpupinError):
+    """The cache made 2**30 - 1 entries, every token generation there is, and makes no more:
+    generations never wrap (a wrap would give a token out again, and a late release of the old
+    one would drop the new entry's reference).  Close it and make a new cache."""
 
 
 @dataclass
@@ -626,6 +634,12 @@ class RegistrationCache:
         if e.token < 0:
             self._free_ids.append(e.id)
             self.device.unpin(pin.handle)
+            if e.token == lib.GPC_NO_GENERATION:
+                raise CacheExhausted(
+                    f"acquire(ptr={ptr:#x}): this RegistrationCache has made 2**30 - 1 entries, every token "
+                    "generation it has, and makes no more (a wrap would hand out tokens again); close it "
+                    "and make a new cache"
+                )
             raise MemoryError("gpupin cache: out of memory for the index")
         self._ents[e.id] = e
         self._indexed[e.id] = e

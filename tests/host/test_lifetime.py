@@ -138,6 +138,29 @@ def test_reference_count_overflow_is_an_error() -> None:
     cache.close()
 
 
+def test_generations_never_wrap_to_a_token_given_out_before() -> None:
+    """Generations wrapped to 1 after 2**30 - 1 inserts: a slot then got a token it had had
+    before, and a late release of the old token dropped the new entry's reference.  Running
+    out of generations is now an error (CacheExhausted) and nothing is left pinned by it."""
+    mem, dev, cache = make(validate="kernel")
+    a = mem.alloc(MiB)
+    first = token(cache, a)  # slot 0, generation 1
+    cache.release_token(first)
+    assert cache.purge() == 1  # slot 0 is free again
+    lib.gpc_set_gen(cache.core, (1 << 30) - 2)
+    last = token(cache, a)  # the last generation there is
+    assert last >> 32 == (1 << 30) - 1 and last & 0xFFFFFFFF == first & 0xFFFFFFFF
+    cache.release_token(last)
+    assert cache.purge() == 1
+    pins = len(dev.pins)
+    with pytest.raises(gpupin.cache.CacheExhausted, match=r"2\*\*30 - 1 entries.*make a new cache"):
+        again = token(cache, a)  # before: generation 1 again, the same token as the first
+        assert again != first, "a token came back: a late release of the first would drop this one"
+    assert len(dev.pins) == pins and cache.held() == 0
+    cache.close()
+    assert dev.pins == {}
+
+
 # -- close() and held registrations -----------------------------------------------------
 def test_a_fork_child_with_a_closed_cache_finds_it_closed() -> None:
     mem, dev, cache = make(validate="kernel")

@@ -25,7 +25,7 @@
  * Tokens.  What a lookup hands out is a token, (generation << 32) | id: the
  * id is the entry's slot (chosen by Python), the generation is given anew to
  * every entry inserted (from one counter per core, which a fork child keeps
- * counting).  Every call that takes a token checks both, so a late or doubled
+ * counting, and which ends instead of wrapping: see GPC_MAX_GEN).  Every call that takes a token checks both, so a late or doubled
  * release after the slot was reused, or a parent's token used in a fork
  * child, is refused instead of dropping another entry's reference.  A slot
  * is free for reuse only once gpc_retire() saw it unreferenced.
@@ -49,7 +49,14 @@ _Static_assert(sizeof(struct gpc_ent) == 64, "an entry is one cache line");
 #define GPC_ID_BITS 32
 #define GPC_ID_MASK 0xffffffffull
 #define GPC_MAX_ID 0x7fffffff
-#define GPC_MAX_GEN 0x3fffffffu		/* tokens stay below 2^62: -(token + base) fits */
+/*
+ * Tokens stay below 2^62, so -(token + base) fits: 30 bits of generation.
+ * They never wrap: a wrap would give a slot a token it had before, and a late
+ * release of the old one would drop the new entry's reference (ABA).  After
+ * the last one gpc_insert and gpc_stage say GPC_NO_GENERATION: the cache
+ * makes no more entries (2^30 - 1 pins made by one cache; make a new one).
+ */
+#define GPC_MAX_GEN 0x3fffffffu
 
 /*
  * 64 KiB, nv-p2p's GPU page: most entries then share a bucket with few others
@@ -466,6 +473,14 @@ int gpc_set_words(struct gpc *c, const uint64_t *words, uint64_t nwords)
 	return ret;
 }
 
+/* For tests: the last generation given out (the next entry gets the one after it). */
+void gpc_set_gen(struct gpc *c, uint32_t gen)
+{
+	pthread_mutex_lock(&c->lock);
+	c->gen = gen < GPC_MAX_GEN ? gen : GPC_MAX_GEN;
+	pthread_mutex_unlock(&c->lock);
+}
+
 /* For tests: references one entry may hold (default INT32_MAX). */
 void gpc_set_max_refs(struct gpc *c, int32_t max_refs)
 {
@@ -679,8 +694,9 @@ int gpc_retire(struct gpc *c, int64_t tok)
 
 /*
  * Index [start, end) as entry @id, unreferenced, hidden from lookups if
- * @hidden: its token (>= 0), or -1 if the slot holds an entry, the range is
- * empty or overlaps an indexed entry, or memory ran out.
+ * @hidden: its token (>= 0), GPC_NO_GENERATION once the generations are
+ * used up, or -1 if the slot holds an entry, the range is empty or overlaps
+ * an indexed entry, or memory ran out.
  */
 static int64_t gpc_add(struct gpc *c, int64_t id, uint64_t start, uint64_t end, uint64_t buffer_id,
 		       uint64_t slot, uint64_t valid_word, int hidden)
@@ -725,7 +741,11 @@ static int64_t gpc_add(struct gpc *c, int64_t id, uint64_t start, uint64_t end, 
 	if ((pos >= 0 && c->ents[c->ids[pos]].end > start) ||
 	    (pos + 1 < c->n && c->starts[pos + 1] < end))
 		goto out;
-	c->gen = c->gen >= GPC_MAX_GEN ? 1 : c->gen + 1;
+	if (c->gen >= GPC_MAX_GEN) {
+		ret = GPC_NO_GENERATION;
+		goto out;
+	}
+	c->gen++;
 	ne = (struct gpc_ent){ .start = start, .end = end, .buffer_id = buffer_id,
 			       .valid_word = valid_word, .slot = slot, .gen = c->gen, .indexed = 1,
 			       .hidden = !!hidden };

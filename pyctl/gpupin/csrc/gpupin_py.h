@@ -17,6 +17,7 @@
 #define GPC_BAD_ARG (-2)
 #define GPC_CLOSED (-3)
 #define GPC_TOO_MANY_REFS (-4)
+#define GPC_NO_GENERATION (-5)	/* gpc_insert: every generation was given out (no wrap) */
 #define GPC_STALE_BASE 8	/* stale entry's token -> -(token + GPC_STALE_BASE) */
 
 /* cffi cdef begin */
@@ -32,6 +33,7 @@ void gpc_quiesce(struct gpc *c, int on);
 void gpc_reset_in_child(struct gpc *c);
 int gpc_set_words(struct gpc *c, const uint64_t *words, uint64_t nwords);
 void gpc_set_max_refs(struct gpc *c, int32_t max_refs);
+void gpc_set_gen(struct gpc *c, uint32_t gen);
 int gpc_install(void);
 int64_t gpc_lookup(struct gpc *c, uint64_t ptr, uint64_t size);
 int gpc_release(struct gpc *c, int64_t tok);
