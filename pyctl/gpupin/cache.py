@@ -212,12 +212,96 @@ class Registration:
         return f"Registration(ptr={self.ptr:#x}, size={self.size}, handle={self.handle})"
 
 
+class _Inbox:
+    """One cache's invalidation records, as its device's _Records routed them."""
+
+    __slots__ = ("records", "__weakref__")
+
+    def __init__(self) -> None:
+        self.records: list[Any] = []
+
+
+class _Records:
+    """A device's invalidation records, routed to the cache that owns each handle.
+
+    The device hands each record to one reader only, so every cache over a device reads
+    through its one _Records: a record for another cache's pin is kept for that cache, an
+    overflow record (records were lost) goes to every cache, and one for a pin nobody owns
+    yet (read between a pin and the cache taking its handle) waits, with those of the last
+    ``ORPHANS`` handles, for its owner.  Holds no reference to the device (it is the key it is kept
+    under) nor to the caches: their inboxes are weak here, held by the caches.
+    """
+
+    ORPHANS = 1024
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: dict[int, weakref.ref[_Inbox]] = {}
+        self._inboxes: weakref.WeakSet[_Inbox] = weakref.WeakSet()
+        self._orphans: dict[int, list[Any]] = {}  # by handle, oldest first
+
+    def attach(self) -> _Inbox:
+        inbox = _Inbox()
+        with self._lock:
+            self._inboxes.add(inbox)
+        return inbox
+
+    def own(self, handle: int, inbox: _Inbox) -> None:
+        """Records for ``handle`` go to ``inbox`` from now on (and any that came already)."""
+        with self._lock:
+            self._owner[handle] = weakref.ref(inbox)
+            inbox.records += self._orphans.pop(handle, [])
+
+    def disown(self, handle: int) -> None:
+        with self._lock:
+            self._owner.pop(handle, None)
+
+    def take(self, device: Any, inbox: _Inbox) -> list[Any]:
+        """Read the device's queued records, route them, and return (and empty) ``inbox``'s."""
+        with self._lock:
+            for ev in device.read_events():
+                ref = self._owner.get(int(ev.handle))
+                owner = ref() if ref is not None else None
+                if owner is not None:
+                    owner.records.append(ev)
+                elif getattr(ev, "reason", "") == "overflow":
+                    for other in self._inboxes:
+                        other.records.append(ev)
+                else:
+                    if ref is not None:  # its cache went without unpinning it
+                        del self._owner[int(ev.handle)]
+                    self._orphans.setdefault(int(ev.handle), []).append(ev)
+                    if len(self._orphans) > self.ORPHANS:
+                        del self._orphans[next(iter(self._orphans))]
+            out, inbox.records = inbox.records, []
+        return out
+
+
+# A _Records per device (weakly keyed: it goes with its device), made under _RECORDS_LOCK.
+_RECORDS: weakref.WeakKeyDictionary[Any, _Records] = weakref.WeakKeyDictionary()
+_RECORDS_LOCK = threading.Lock()
+
+
+def _records_of(device: Any) -> _Records:
+    """The _Records of ``device``; a private one for a device that cannot be weakly keyed."""
+    with _RECORDS_LOCK:
+        try:
+            rec = _RECORDS.get(device)
+            if rec is None:
+                rec = _RECORDS[device] = _Records()
+        except TypeError:  # not weakly referenceable or not hashable: it is this cache's alone
+            rec = _Records()
+        return rec
+
+
 # Every live cache, for the one at-fork hook (hooks cannot be unregistered: one per cache
 # would pile up in a long-lived process).
 _LIVE: weakref.WeakSet[RegistrationCache] = weakref.WeakSet()
 
 
 def _forget_all_in_child() -> None:
+    global _RECORDS_LOCK
+    _RECORDS_LOCK = threading.Lock()  # a parent thread may have held it at the fork
     for cache in list(_LIVE):
         cache._forget()  # this module's own hook, calling its own class's private method
 
@@ -357,6 +441,8 @@ class RegistrationCache:
         self._lock = threading.RLock()
         self._free_ids: list[int] = []
         self._by_handle: dict[int, _Entry] = {}
+        self._records = _records_of(device)  # shared by the caches over the device
+        self._inbox = self._records.attach()
         self._indexed: dict[int, _Entry] = {}
         self._st = CacheStats()
         self._py_buffer_id_stale = 0
@@ -644,6 +730,7 @@ class RegistrationCache:
         self._ents[e.id] = e
         self._indexed[e.id] = e
         self._by_handle[int(pin.handle)] = e
+        self._records.own(int(pin.handle), self._inbox)
         st = self._st
         st.pins += 1
         st.regions += 1
@@ -731,6 +818,7 @@ class RegistrationCache:
         if self._indexed.pop(e.id, None) is None:
             return
         self._by_handle.pop(int(e.pin.handle), None)
+        self._records.disown(int(e.pin.handle))
         self._st.regions -= 1
         self._st.bytes_pinned -= e.size
         e.stale = True
@@ -787,7 +875,7 @@ class RegistrationCache:
         if self._reopen:
             return 0  # a fork child that has not pinned yet: nothing of its own to drain
         n = 0
-        for ev in self.device.read_events():
+        for ev in self._records.take(self.device, self._inbox):
             e = self._by_handle.get(int(ev.handle))
             if e is not None:
                 self._invalidate(e, "kernel")
@@ -850,6 +938,8 @@ class RegistrationCache:
         self._ents.clear()  # the parent's Registrations then release nothing here
         self._free_ids = []
         self._by_handle.clear()
+        self._records = _Records()  # the parent's device's are the parent's (its lock too)
+        self._inbox = self._records.attach()
         self._indexed.clear()
         self._st = CacheStats()
         self._py_buffer_id_stale = 0
@@ -883,6 +973,8 @@ class RegistrationCache:
             unregister(self)
         self._life.device = dev
         self._life.owned = dev
+        self._records = _records_of(dev)
+        self._inbox = self._records.attach()
         self._reopen = False
         register = getattr(dev, "register_child", None)
         if register is not None:

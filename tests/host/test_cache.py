@@ -12,7 +12,7 @@ import pytest
 import gpupin
 from gpupin.cache import CacheFull, RegistrationCache
 from gpupin.gds import CuFileDriver, GdsCache
-from gpupin.testing.fake import GPU_PAGE, FakeCuFile, FakeDevice, FakeMemory
+from gpupin.testing.fake import GPU_PAGE, FakeCuFile, FakeDevice, FakeEvent, FakeMemory, FakePin
 
 MiB = 1 << 20
 
@@ -611,3 +611,66 @@ def test_valid_of_a_gds_registration_after_free_and_reallocation() -> None:
     assert not reg.valid
     reg.release()
     cache.close()
+
+
+@pytest.mark.parametrize("validate", ["kernel", "buffer_id", "both"])
+def test_caches_sharing_a_device_each_get_their_own_records(validate: str) -> None:
+    """The device hands each record to one reader, and a cache dropped the records of pins it
+    did not own: a second cache over the same Device never heard its pins were freed.  Every
+    record now reaches the cache that owns its pin, whichever cache reads the device."""
+    mem = FakeMemory()
+    dev = FakeDevice(mem)
+    one = RegistrationCache(dev, mem, validate=validate)  # type: ignore[arg-type]
+    two = RegistrationCache(dev, mem, validate=validate)  # type: ignore[arg-type]
+    a, b = mem.alloc(MiB), mem.alloc(MiB)
+    one.acquire(a, 8).release()
+    two.acquire(b, 8).release()
+    mem.free(a)
+    mem.free(b)
+    assert two.drain() == 1  # reads both records off the device; applies its own
+    assert one.drain() == 1  # gets the one two read for it
+    assert len(one) == len(two) == 0 and dev.pins == {}
+    assert one.stats().invalidations_kernel == two.stats().invalidations_kernel == 1
+    one.close()
+    two.close()
+
+
+def test_an_overflow_record_reaches_every_cache_over_the_device() -> None:
+    """Records were lost (the kernel's queue overflowed): each cache must check its own pins, not
+    only the one cache that happened to read the overflow record."""
+    mem = FakeMemory()
+    dev = FakeDevice(mem)
+    caches = [RegistrationCache(dev, mem, validate="buffer_id") for _ in range(3)]
+    ptrs = [mem.alloc(MiB) for _ in caches]
+    for cache, p in zip(caches, ptrs, strict=True):
+        cache.acquire(p, 8).release()
+    for p in ptrs:
+        mem.free(p)
+    dev.events = [FakeEvent(0, 0, "overflow", 0)]  # the records of the frees were lost
+    assert [c.drain() for c in caches] == [1, 1, 1]
+    assert dev.pins == {}
+    for cache in caches:
+        cache.close()
+
+
+def test_a_record_read_before_its_cache_took_the_handle_still_reaches_it() -> None:
+    """A record read by another cache between a pin and its cache taking the handle waits for it."""
+    mem = FakeMemory()
+    dev = FakeDevice(mem)
+    one = RegistrationCache(dev, mem, validate="buffer_id")
+    two = RegistrationCache(dev, mem, validate="buffer_id")
+    a = mem.alloc(MiB)
+    real_pin = dev.pin
+
+    def pin_then_free_then_other_reads(va: int, size: int, **kw: object) -> FakePin:
+        p = real_pin(va, size, **kw)  # type: ignore[arg-type]
+        dev.invalidate_range(a, a + MiB)  # freed at once: its record is queued
+        two.drain()  # and read by the other cache before `one` indexed the pin
+        return p
+
+    dev.pin = pin_then_free_then_other_reads  # type: ignore[method-assign]
+    one.acquire(a, 8).release()
+    dev.pin = real_pin  # type: ignore[method-assign]
+    assert one.drain() == 1 and len(one) == 0 and dev.pins == {}
+    one.close()
+    two.close()
