@@ -102,9 +102,11 @@ def test_threads_never_get_a_half_inserted_entry_or_another_allocation(validate:
     and at the end close() succeeds with no pin left."""
     mem = FakeMemory(direct_query=c_check)
     dev = FakeDevice(mem)
-    cache = RegistrationCache(dev, mem, validate=validate, max_regions=8)  # type: ignore[arg-type]
+    # Nine allocations in use over four regions: inserts evict (LRU) as well as purge.
+    cache = RegistrationCache(dev, mem, validate=validate, max_regions=4)  # type: ignore[arg-type]
     assert cache._py_buffer_id == (validate != "kernel" and not c_check)
-    shared = [mem.alloc(MiB) for _ in range(2)]  # never freed while the threads run
+    shared = [mem.alloc(MiB) for _ in range(5)]  # never freed while the threads run
+    owned = [[mem.alloc(MiB) for _ in range(2)] for _ in range(2)]  # each churner's own
     shared_ids = {p: mem.buffer_id(p) for p in shared}
     wrong: list[str] = []
     errors: list[BaseException] = []
@@ -140,7 +142,7 @@ def test_threads_never_get_a_half_inserted_entry_or_another_allocation(validate:
     def churner(n: int) -> Callable[[], None]:
         def run() -> None:
             rng = random.Random(100 + n)
-            mine = [mem.alloc(MiB) for _ in range(2)]
+            mine = owned[n]
             while time.monotonic() < stop:
                 i = rng.randrange(len(mine))
                 p = mine[i]
@@ -162,13 +164,31 @@ def test_threads_never_get_a_half_inserted_entry_or_another_allocation(validate:
 
         return run
 
-    def housekeeper() -> None:
-        rng = random.Random(7)
+    def prober() -> None:
+        """Spins on fast_lookup (a bare call into C: a miss does not wait for the cache's lock)
+        until a purged allocation is back, then acquires it: its first hit comes as the insert
+        ends, in the window an entry the cache had not stored yet was open."""
+        rng = random.Random(55)
         while time.monotonic() < stop:
-            r = rng.random()
-            if r < 0.6:
+            p = rng.choice(shared)
+            try:
+                for _ in range(5000):
+                    tok = cache.fast_lookup(p, 64)
+                    if tok >= 0:
+                        cache.release_token(tok)
+                        with cache.acquire(p, 64) as reg:
+                            check(reg, shared_ids[p], f"first hit at {p:#x}")
+                        break
+            except CacheFull:
+                continue
+
+    def housekeeper() -> None:
+        turn = 0
+        while time.monotonic() < stop:
+            turn += 1
+            if turn % 4 < 2:
                 counts["purged"] += cache.purge()  # the next hits race a new insert
-            elif r < 0.8:
+            elif turn % 4 == 2:
                 cache.drain()
             else:
                 try:
@@ -180,10 +200,11 @@ def test_threads_never_get_a_half_inserted_entry_or_another_allocation(validate:
                     pass
             time.sleep(0.0002)
 
-    run_threads([hitter(n) for n in range(4)] + [churner(n) for n in range(2)] + [housekeeper], errors)
+    run_threads([hitter(n) for n in range(4)] + [churner(n) for n in range(2)] + [prober, housekeeper], errors)
     assert not errors, errors[:3]
     assert not wrong, wrong[:3]
     assert counts["hits"] > 100 and counts["reallocs"] > 20 and counts["refused_closes"] > 0, counts
+    assert cache.stats().evictions_limit > 0 and counts["purged"] > 0, (cache.stats(), counts)
     assert cache.held() == 0, "a reference was never released"
     closers: list[BaseException] = []
     run_threads([cache.close] * 3, closers)  # several at once: each closes or finds it closed
