@@ -13,6 +13,7 @@ VENV ?= $(CURDIR)/.venv
 PY := $(VENV)/bin/python
 KMAKE = $(MAKE) -C $(KDIR) M=$(CURDIR) $(if $(NVIDIA_SRC),NVIDIA_SRC=$(NVIDIA_SRC))
 
+.PHONY: host-test vm-test
 .PHONY: all modules clean setup pyext check check-version check-netlink netlink-header check-kernel check-py test test-host test-vm \
 	test-gpu test-vm-6.12 test-native test-long test-debug coverage check-newest check-nvidia deb wheel test-deb check-fresh bench demo install help
 
@@ -43,6 +44,7 @@ help:
 	@echo "make coverage      kernel (gcov) and Python coverage of the host and VM suites: results/coverage/"
 	@echo "make install       modules_install (for NVIDIA: gpupin.ko alone), depmod, udev rule, gpupin group"
 	@echo "make test-host | test-vm | test-vm-6.12 | test-gpu | test-native | test-long | test-debug | bench"
+	@echo "make vm-test T='-k NAME'   the VM tests pytest selects with T (host-test T=... likewise)"
 
 # With NVIDIA's driver sources under /usr/src (and no NVIDIA_SRC=), build the way DKMS does:
 # against the installed driver, with the CRCs of its nvidia.ko.
@@ -92,6 +94,15 @@ check-py: pyext
 
 test-host: pyext
 	$(VENV)/bin/pytest -q tests/host
+
+# One test, one command: T is what pytest gets after the suite's directory, e.g.
+# make vm-test T='-k test_pin_unpin'  (the VM boots, only the selection runs; ~1 min)
+# make host-test T='-k shell -x'
+host-test: pyext
+	$(VENV)/bin/pytest -q tests/host $(T)
+
+vm-test: setup pyext
+	VM_SELECT=1 scripts/vm-run.sh test $(T)
 
 test-vm: setup pyext
 	scripts/vm-run.sh test

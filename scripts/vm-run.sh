@@ -16,10 +16,21 @@ VM_KDIR=${VM_KDIR:-/usr/src/linux-headers-$VM_KVER}
 	echo "vm-run: no kernel image and headers ($VM_KIMAGE, $VM_KDIR): run 'make setup'" >&2; exit 1; }
 VM_MEM=${VM_MEM:-2560M}   # q35 keeps all RAM below 4 GiB up to 2.75 GiB: no bounce buffers
 
+# VM_SELECT=1 (make vm-test T=...): MODE test runs only the tests its pytest arguments select,
+# and prepares the unicast variant and the YNL tools only where the selection collects the
+# tests that use them (tests/vm/test_netlink.py, test_ynl.py; collected on the host, ~3 s).
+EXTRAS=1
+if [ "$MODE" = test ] && [ -n "${VM_SELECT:-}" ]; then
+	sel=$("$VENV/bin/python" -m pytest --collect-only -q -p no:cacheprovider tests/vm "${@:2}" 2>&1) ||
+		die "pytest selects no test of tests/vm with: ${*:2}"$'\n'"$sel"
+	grep -qE '^tests/vm/test_(netlink|ynl)\.py::' <<<"$sel" || EXTRAS=
+	echo "vm-run: $(grep -cE '^tests/vm/.*::' <<<"$sel") test(s) selected${EXTRAS:+ (with the netlink extras)}"
+fi
+
 echo "vm-run: building modules against $VM_KDIR"
 make -s -C "$ROOT" modules KDIR="$VM_KDIR" >/dev/null
 # A variant with unicast events (the path for kernels without GENL_MCAST_CAP_NET_ADMIN).
-build_unicast_variant "$ROOT/build/unicast" "$VM_KDIR" -s >/dev/null
+[ -z "$EXTRAS" ] || build_unicast_variant "$ROOT/build/unicast" "$VM_KDIR" -s >/dev/null
 
 # vgem (a second dma-buf exporter for the tests): from a kernel tree's build when booting one,
 # copied into the source tree (the guest does not see the host's /var).
@@ -33,7 +44,7 @@ fi
 # The kernel's YNL client and schemas for tests/vm/test_ynl.py (copied in, like vgem): only
 # for the mode that runs it (ynl-fetch.sh downloads linux-source the first time, ~150 MB).
 YNL_DIR=
-if [ "$MODE" != test ]; then
+if [ "$MODE" != test ] || [ -z "$EXTRAS" ]; then
 	:
 elif ynl=$("$ROOT/scripts/ynl-fetch.sh"); then
 	rm -rf "$ROOT/build/ynl" && mkdir -p "$ROOT/build/ynl/tools/net" "$ROOT/build/ynl/Documentation"
