@@ -18,6 +18,26 @@ WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 mkdir -p "$OUT"
 
+# The machine-readable copyright file of Debian policy 12.5, from LICENSE and LICENSES/.
+deb_copyright() {
+	cat <<HEAD
+Format: https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/
+Upstream-Name: gpupin
+Comment: the whole project: $(sed -n 's/^SPDX-License-Identifier: //p' "$ROOT/LICENSE")
+
+Files: *
+Copyright: 2026 The gpupin developers
+License: GPL-2 or Expat
+
+License: GPL-2
+ On Debian systems, the complete text of the GNU General Public License
+ version 2 can be found in /usr/share/common-licenses/GPL-2.
+
+License: Expat
+HEAD
+	sed -e 's/^$/./' -e 's/^/ /' "$ROOT/LICENSES/MIT"
+}
+
 # pkg NAME DKMSNAME DKMSCONF WITH_SIM DESCRIPTION CONFLICTS
 pkg() {
 	local name=$1 dname=$2 conf=$3 sim=$4 desc=$5 conflicts=$6
@@ -31,6 +51,7 @@ pkg() {
 	install -m 644 "$ROOT/packaging/gpupin.modprobe.conf" "$r/etc/modprobe.d/gpupin.conf"
 	echo /etc/modprobe.d/gpupin.conf >"$r/DEBIAN/conffiles"
 	install -m 644 "$ROOT/README.md" "$r/usr/share/doc/$name/README.md"
+	deb_copyright >"$r/usr/share/doc/$name/copyright"
 	# The README links into Documentation/: ship the pages it links to beside it.
 	mkdir -p "$r/usr/share/doc/$name/Documentation"
 	install -m 644 "$ROOT"/Documentation/*.md "$r/usr/share/doc/$name/Documentation/"

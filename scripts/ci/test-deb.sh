@@ -19,6 +19,10 @@ command -v dkms >/dev/null || die "dkms is missing (make setup installs it)"
 
 "$ROOT/packaging/make-deb.sh"
 VER=$(project_version)
+for name in gpupin-dkms gpupin-sim-dkms; do
+	dpkg-deb --fsys-tarfile "$ROOT/dist/${name}_${VER}_all.deb" | tar -xO "./usr/share/doc/$name/copyright" |
+		grep -q "^License: GPL-2 or Expat" || die "$name ships no copyright file naming its licenses"
+done
 
 if ! ls /usr/src/nvidia-*/nvidia/nv-p2p.h >/dev/null 2>&1; then
 	dpkg -i "$ROOT/dist/gpupin-dkms_${VER}_all.deb" >"$LOG/dkms.txt" 2>&1 ||
