@@ -331,6 +331,14 @@ class NixlDriver(LibraryDriver):
         self.close_cache()
         self._retire()
 
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001, S110 - InUse: a registration held by garbage too
+            pass
+        if getattr(self, "_agent", None) is not None and self._owns_agent:
+            self._retire()  # from the collector: deferred to reap(), never done in it
+
     def _retire(self) -> None:
         if self._agent is None or not self._owns_agent:
             return

@@ -254,10 +254,11 @@ def test_an_exposed_buffer_stays_registered_until_unexposed() -> None:
 
 
 def _watch_calls(ep: NixlEndpoint, calls: list[tuple[str, bool]]) -> weakref.ref[Any]:
-    """Record each deregistration and notification read of ``ep``'s agent with whether the
-    garbage collector was running on that thread; a weak reference to the agent."""
+    """Record each deregistration, notification read and transfer release of ``ep``'s agent,
+    and its destruction, with whether the garbage collector was running on that thread; a
+    weak reference to the agent."""
     agent = ep.agent
-    ref = weakref.ref(agent)
+    ref = weakref.ref(agent, lambda _: calls.append(("destroyed", gpupin.nixl.collecting())))
     for name in ("deregister_memory", "get_new_notifs", "release_xfer_handle"):
 
         def spy(*args: Any, _name: str = name) -> Any:
@@ -303,6 +304,8 @@ def test_endpoints_left_to_the_collector_make_no_nixl_call_from_it() -> None:
             r = tgt.expose(mt.alloc(MiB), MiB)  # registered, held until close
             with ini.cache.acquire(mi.alloc(MiB), MiB):  # registered, then idle in the cache
                 pass
+            if i % 2:  # a registration held by the garbage too: close() refuses (InUse) in there
+                tgt.held = tgt.cache.acquire(mt.alloc(MiB), MiB)  # type: ignore[attr-defined]
             tgt.cycle, ini.cycle = ini, tgt  # type: ignore[attr-defined] - only the collector frees them
             del tgt, ini, r
             for _ in range(5):
@@ -315,7 +318,8 @@ def test_endpoints_left_to_the_collector_make_no_nixl_call_from_it() -> None:
     gc.collect()
     gpupin.nixl.reap()
     assert collections[0] > 0
-    assert not [c for c in calls if c[1]], "a NIXL call was made from the garbage collector"
+    assert not [c for c in calls if c[1]], "a NIXL call was made (or an agent destroyed) in the garbage collector"
+    assert sum(1 for name, _ in calls if name == "destroyed") == len(agents)
     # Each idle registration deregistered (after the collector, by reap()); an exposed one, still
     # held when the cache's finalizer ran, went with its agent.
     assert sum(1 for name, _ in calls if name == "deregister_memory") >= 12
