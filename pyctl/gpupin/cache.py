@@ -51,6 +51,7 @@ from ._native import ffi, gpc_bind, lib
 from .errors import (
     BarExhausted,
     BudgetExceeded,
+    CacheExhausted,
     ForkedDevice,
     GpupinError,
     InUse,
@@ -81,12 +82,6 @@ class DeviceLike(Protocol):
 
 class CacheFull(BudgetExceeded):
     """Nothing can be evicted to make room: every cached region is in use."""
-
-
-class CacheExhausted(GpupinError):
-    """The cache made 2**30 - 1 entries, every token generation there is, and makes no more:
-    generations never wrap (a wrap would give a token out again, and a late release of the old
-    one would drop the new entry's reference).  Close it and make a new cache."""
 
 
 @dataclass

@@ -149,3 +149,9 @@ def from_errno(
     if hint:
         msg += f"; {hint}"
     return klass(msg, err)
+
+
+class CacheExhausted(GpupinError):
+    """The cache made 2**30 - 1 entries, every token generation there is, and makes no more:
+    generations never wrap (a wrap would give a token out again, and a late release of the old
+    one would drop the new entry's reference).  Close it and make a new cache."""

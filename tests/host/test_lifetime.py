@@ -153,7 +153,7 @@ def test_generations_never_wrap_to_a_token_given_out_before() -> None:
     cache.release_token(last)
     assert cache.purge() == 1
     pins = len(dev.pins)
-    with pytest.raises(gpupin.cache.CacheExhausted, match=r"2\*\*30 - 1 entries.*make a new cache"):
+    with pytest.raises(gpupin.CacheExhausted, match=r"2\*\*30 - 1 entries.*make a new cache"):
         again = token(cache, a)  # before: generation 1 again, the same token as the first
         assert again != first, "a token came back: a late release of the first would drop this one"
     assert len(dev.pins) == pins and cache.held() == 0
