@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""One line per file and the totals against issue 17's goals, from the reports of
-scripts/ci/coverage.sh (gcovr's JSON summary and coverage.py's JSON).
+"""One line per file and the totals against the coverage goals (gpupin.ko: 90 % of lines and 80 %
+of branches; the simulator with the example peer: 85 % of lines; the Python package: 90 % of
+lines), from the reports of scripts/ci/coverage.sh (gcovr's JSON summary and coverage.py's JSON).
 
 usage: coverage-summary.py OUT COMMIT SECONDS
 

@@ -7,7 +7,7 @@
 #   python  coverage.py over the host suite and the VM suite, every Python process they
 #           start included (a .pth in the venv starts it where COVERAGE_PROCESS_START is set).
 # Reports: results/coverage/{kernel,python}/index.html, summary.txt (one line per file and
-# the totals against the goals of issue 17); a goal missed fails the run.  'coverage.sh
+# the totals against the goals in coverage-summary.py); a goal missed fails the run.  'coverage.sh
 # --summary' prints the last summary, saying so first where it was measured at another commit
 # than HEAD (make test does; it measures nothing, so neither staleness nor goals fail it).
 set -euo pipefail

@@ -1,4 +1,4 @@
-"""NVIDIA's dma-buf exporter is static (issue 26, fact 1), measured on the real driver.
+"""NVIDIA's dma-buf exporter is static (no pin/unpin ops, no move_notify), measured on the real driver.
 
 Export duplicates the memory handle, so the GPU memory lives as long as the dma-buf: cuMemFree of
 the allocation frees nothing while the fd (or a gpupin pin of it) holds the buffer, no revoke ever

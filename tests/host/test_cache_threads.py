@@ -1,4 +1,4 @@
-"""The registration cache under threads (issue 38): inserts racing hits, frees and reallocations,
+"""The registration cache under threads: inserts racing hits, frees and reallocations,
 evictions and close, in every validate mode, with the buffer id checked in Python and in C.
 
 Each test names the defect it pins down and failed on the code before its fix.

@@ -1,4 +1,4 @@
-"""Device's invalidation records shared by threads, without the kernel (issue 27): a Device
+"""Device's invalidation records shared by threads, without the kernel: a Device
 whose file is the non-blocking read end of a pipe, records written into the other end.
 
 A reader that another thread leaves asleep in read() is a hang: every thread is joined with a

@@ -1,4 +1,4 @@
-"""The registration cache's lifetime model (issue 27): tokens, fast paths, close, fork, threads.
+"""The registration cache's lifetime model: tokens, fast paths, close, fork, threads.
 
 Each test names the defect it pins down; each failed on the code before the fix (a crash or
 a hang shows as a failed fork child or a thread that never finished, never as a hung pytest).
