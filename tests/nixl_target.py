@@ -91,7 +91,7 @@ def main() -> int:
         mem: Any = CudaMemory()
         mem_type = "VRAM"
     else:
-        from gpupin.testing.fake import HostMemory
+        from gpupin.hostmem import HostMemory
 
         mem = HostMemory(256 << 20)
         mem_type = "DRAM"

@@ -40,7 +40,6 @@ import operator
 import os
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,7 +63,7 @@ from .memory import MemoryProvider
 
 GPU_PAGE = 1 << 16
 _ID_MASK = 0xFFFFFFFF  # a token's slot; the generation is above it (csrc/gpc.c)
-Validate = Literal["both", "kernel", "buffer_id", "tag"]  # "tag": the old name of "buffer_id"
+Validate = Literal["both", "kernel", "buffer_id"]
 Backend = Literal["nvp2p", "dmabuf", "auto"]
 
 
@@ -101,11 +100,6 @@ class CacheStats:
     regions: int = 0
     in_use: int = 0
     unpin_failures: int = 0
-
-    @property
-    def invalidations_tag(self) -> int:
-        """The old name of ``invalidations_buffer_id`` (deprecated; goes in the next release)."""
-        return self.invalidations_buffer_id
 
 
 class _Entry:
@@ -387,14 +381,6 @@ class RegistrationCache:
     ) -> None:
         """``dmabuf_pci``: with the dma-buf backend, the PCI device each buffer is imported for
         (``Device.pin_dmabuf(pci=)``); an exporter that can revoke its buffers needs one."""
-        if validate == "tag":
-            warnings.warn(
-                "validate='tag' is deprecated, and goes in the next release: say validate='buffer_id' "
-                "(the provider's buffer id; the kernel's user_tag is something else)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            validate = "buffer_id"
         if validate not in ("both", "kernel", "buffer_id"):
             raise InvalidArgument(f"validate={validate!r}: use 'both', 'kernel' or 'buffer_id'")
         self.backend = _pick_backend(backend, device, memory)

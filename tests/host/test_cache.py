@@ -505,18 +505,14 @@ def _gaps(live: dict[int, int]) -> list[int]:
     return out
 
 
-def test_validate_tag_is_a_deprecated_name_of_buffer_id() -> None:
-    """validate='tag' still works for one release, with a DeprecationWarning naming the new
-    spelling; the old stats name reads the same counter."""
+def test_an_unknown_validate_mode_is_refused_naming_the_modes() -> None:
+    """'tag' was the name of 'buffer_id' before the first release; no alias is kept."""
     mem = FakeMemory()
-    with pytest.warns(DeprecationWarning, match="validate='buffer_id'"):
-        cache = RegistrationCache(FakeDevice(mem), mem, validate="tag")
-    assert cache.validate == "buffer_id"
-    st = cache.stats()
-    assert st.invalidations_tag == st.invalidations_buffer_id == 0
-    with pytest.raises(gpupin.InvalidArgument, match="'both', 'kernel' or 'buffer_id'"):
-        RegistrationCache(FakeDevice(mem), mem, validate="tags")  # type: ignore[arg-type]
-    cache.close()
+    dev = FakeDevice(mem)
+    for bad in ("tag", "tags", ""):
+        with pytest.raises(gpupin.InvalidArgument, match="'both', 'kernel' or 'buffer_id'"):
+            RegistrationCache(dev, mem, validate=bad)  # type: ignore[arg-type]
+    assert dev.live_pins == 0
 
 
 # Each entry point over each fast path: the vectorcall entry points (C), the buffer-id check in

@@ -29,8 +29,8 @@ from nixl_target import (  # noqa: E402
 )
 
 import gpupin  # noqa: E402
+from gpupin.hostmem import HostMemory  # noqa: E402
 from gpupin.nixl import NixlEndpoint, NixlError, RemoteBuffer, StaleRemote  # noqa: E402
-from gpupin.testing.fake import HostMemory  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -5,7 +5,7 @@
   helpers for tests (``ensure_loaded``, ``in_child``, ``PausedThread``, ``ShellOnPty``,
   ``NATIVE``).  Its code is in ``plugin.py``.
 - ``fake``: FakeDevice, FakeMemory and FakeCuFile, in-process stand-ins for gpupin.ko,
-  device memory and cuFile (and HostMemory, re-exported from the library's gpupin.hostmem).
+  device memory and cuFile.
 - ``peer``: the example peer driver (gpupin_peer.ko) from Python.
 - ``vgem``: dma-bufs from the kernel's vgem driver, a second exporter.
 

@@ -30,7 +30,6 @@ from typing import Any
 from .._native import ffi
 from ..errors import BarExhausted, ForkedDevice, InvalidArgument, NotGpuMemory, PinInvalidated, UnknownHandle
 from ..hostmem import FirstFit
-from ..hostmem import HostMemory as HostMemory  # re-exported: it moved to the library (gpupin.hostmem)
 from ..memory import AllocationRange
 
 GPU_PAGE = 1 << 16
