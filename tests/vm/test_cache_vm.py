@@ -218,7 +218,7 @@ def test_threads_hit_miss_evict_and_free_over_the_kernel(device: Device, memory:
         memory.free(p)
 
 
-# -- pins the kernel never invalidates (issue 26): the cache must not trust their word ----------
+# -- pins the kernel never invalidates (static exporters): the cache must not trust their word ----------
 
 
 def test_pins_say_whether_the_kernel_invalidates_them(device: Device, memory: MemoryProvider) -> None:

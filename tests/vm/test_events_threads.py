@@ -1,4 +1,4 @@
-"""Threads sharing one Device's invalidation records (issue 27): none is left asleep in read(),
+"""Threads sharing one Device's invalidation records: none is left asleep in read(),
 each record goes to exactly one reader, and the file's flags never change.
 
 A reader asleep in read() is the hang of the issue: every thread is joined with a timeout, one

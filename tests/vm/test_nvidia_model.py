@@ -1,4 +1,4 @@
-"""gpupin against what NVIDIA's driver really does (issue 26): its static dma-buf exporter,
+"""gpupin against what NVIDIA's driver really does: its static dma-buf exporter,
 DMA mappings that a free cannot race, put_pages only while the pin is ours, and an unload
 that waits for a free callback still leaving gpupin's code.
 

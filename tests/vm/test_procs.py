@@ -141,7 +141,7 @@ def _pool_worker(i: int) -> tuple[int, int, int, bool, int, int]:
 
 @FORKS
 def test_pool_worker_with_a_module_level_cache(gpupin_loaded: None, leakcheck: None) -> None:
-    """Issue 26: a fork-based Pool worker using the parent's cache pins in a file of its own."""
+    """A fork-based Pool worker using the parent's cache pins in a file of its own."""
     global MEM, DEV, CACHE
     MEM, DEV = PerProcessSim(), Device()
     CACHE = RegistrationCache(DEV, MEM, validate="both")

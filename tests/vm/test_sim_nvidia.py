@@ -1,5 +1,5 @@
-"""The simulator's own behaviour where it models NVIDIA's driver (kernel/sim/FIDELITY.md,
-issue 26): its dma-buf exporters, the root-only device node, freed-table address reuse.
+"""The simulator's own behaviour where it models NVIDIA's driver (kernel/sim/FIDELITY.md):
+its dma-buf exporters, the root-only device node, freed-table address reuse.
 
 The dma-buf tests import the simulator's buffers with vgem (DRM PRIME import), the kernel's
 virtual GEM driver: a static importer that attaches with a platform device, not a PCI one.
@@ -78,7 +78,7 @@ def test_export_flags(sim: SimMemory) -> None:
 @pytest.mark.parametrize("revocable", [False, True])
 def test_export_holds_the_memory(sim: SimMemory, sim_params: Callable[..., None], revocable: bool) -> None:
     """cuMemFree of an exported allocation frees nothing while the dma-buf lives (measured on
-    driver 580, issue 26): the address goes back to the context (a new allocation gets it, with
+    driver 580): the address goes back to the context (a new allocation gets it, with
     a new buffer id), the memory stays counted against mem_limit until the last close."""
     sim_params(mem_limit=8 * MiB)
     va = sim.alloc(4 * MiB)
