@@ -152,7 +152,7 @@ def reap() -> int:
     thread, now; the number of items run.  gpupin does this itself before each NIXL call and at
     exit; call it to have it done at a time of your choosing.  Does nothing inside a finalizer."""
     done = 0
-    while not collecting():
+    while _DEFERRED and not collecting():  # the common case, nothing deferred: no lock taken
         with _registry_lock:
             if not _DEFERRED:
                 break
@@ -554,8 +554,7 @@ class NixlEndpoint(Closable):
         return out
 
     def _pump(self) -> None:
-        if _DEFERRED:
-            reap()
+        reap()
         with self._plock:
             with self.driver.lock:
                 try:
@@ -646,8 +645,7 @@ class NixlEndpoint(Closable):
                 f"{op.lower()}({local:#x}, {size}, offset={offset}): [offset, offset + size) must lie inside the "
                 f"remote buffer of {remote.size} bytes"
             )
-        if _DEFERRED:
-            reap()
+        reap()
         if self._inflight:
             self._poll_inflight()
         peer = remote.agent
