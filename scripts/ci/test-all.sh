@@ -16,6 +16,11 @@ else
 	echo "$PROG: test-gpu skipped: no NVIDIA driver answers on this host (nvidia-smi -L)"
 fi
 
+# row NAME VERDICT SECONDS: one line of the table.
+row() {
+	printf '%-14s %-7s %3d:%02d\n' "$1" "$2" $(($3 / 60)) $(($3 % 60))
+}
+
 rows=()
 failed=()
 t0=$SECONDS
@@ -29,14 +34,14 @@ for leg in "${legs[@]}"; do
 		failed+=("$leg")
 	fi
 	d=$((SECONDS - t))
-	rows+=("$(printf '%-14s %-7s %3d:%02d' "$leg" "$verdict" $((d / 60)) $((d % 60)))")
+	rows+=("$(row "$leg" "$verdict" "$d")")
 	echo "$PROG: $leg $verdict after ${d}s"
 done
 d=$((SECONDS - t0))
 mkdir -p "$ROOT/results"
 {
 	printf '%s\n' "${rows[@]}"
-	printf '%-14s %-7s %3d:%02d\n' total "$([ ${#failed[@]} -eq 0 ] && echo passed || echo FAILED)" $((d / 60)) $((d % 60))
+	row total "$([ ${#failed[@]} -eq 0 ] && echo passed || echo FAILED)" "$d"
 } | tee "$ROOT/results/test-legs.txt"
 "$ROOT/scripts/ci/coverage.sh" --summary
 if [ ${#failed[@]} -gt 0 ]; then
