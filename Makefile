@@ -13,9 +13,9 @@ VENV ?= $(CURDIR)/.venv
 PY := $(VENV)/bin/python
 KMAKE = $(MAKE) -C $(KDIR) M=$(CURDIR) $(if $(NVIDIA_SRC),NVIDIA_SRC=$(NVIDIA_SRC))
 
-.PHONY: host-test vm-test
 .PHONY: all modules clean setup pyext check check-version check-netlink netlink-header check-kernel check-py test test-host test-vm \
-	test-gpu test-vm-6.12 test-native test-long test-debug coverage check-newest check-nvidia deb wheel test-deb check-fresh bench demo install help
+	test-gpu test-vm-6.12 test-native test-long test-debug coverage check-newest check-nvidia deb wheel test-deb check-fresh bench demo install help \
+	host-test vm-test
 
 all: modules
 
@@ -96,7 +96,8 @@ test-host: pyext
 	$(VENV)/bin/pytest -q tests/host
 
 # One test, one command: T is what pytest gets after the suite's directory, e.g.
-# make vm-test T='-k test_pin_unpin'  (the VM boots, only the selection runs; ~1 min)
+# make vm-test T='-k test_pin_unpin'  (the VM boots, only the selection runs: 1m28s for one
+# file of 4 tests on a quiet 2-core machine, the build already done)
 # make host-test T='-k shell -x'
 host-test: pyext
 	$(VENV)/bin/pytest -q tests/host $(T)
