@@ -100,6 +100,7 @@ struct sim_pin {
 	bool cb_unloaded;		/* the callback's module is gone; under sim_lock */
 	bool freed_by_put;		/* FREED by put_pages, not a callback; sim_lock */
 	bool table_reused;		/* pt is a freed table's address (reuse_freed_tables) */
+	bool forgotten;			/* owner's registration dropped (forget_owner); sim_lock */
 	enum sim_pin_state state;	/* under sim_lock */
 	void (*free_callback)(void *data);
 	void *data;

@@ -10,7 +10,9 @@
  * - get_pages and put_pages find the mapping in the calling process: a
  *   put_pages from another thread group (a fork child, a kworker, another
  *   process holding the fd) finds nothing, returns 0, releases nothing and
- *   leaves the free callback armed (puts_not_found).
+ *   leaves the free callback armed (puts_not_found).  So does one from the
+ *   pinning process once its registration is gone (forget_owner: an MPS
+ *   client's teardown), the callback staying armed with the client's data.
  * - Free callbacks run synchronously when the memory is freed, with the API
  *   lock held (sim_rmlock.c); get_pages, put_pages and dma_map_pages take
  *   that lock, dma_unmap_pages does not.
@@ -423,7 +425,13 @@ static void sim_run_callback(struct sim_pin *pin)
 	}
 
 	spin_lock(&sim_lock);
-	if (!pin->table_freed)
+	/*
+	 * A client whose registration was dropped (forget_owner) may have
+	 * released its pin and cannot free the table: on the drivers with
+	 * that lookup, nvidia_p2p_free_page_table is a no-op and the driver
+	 * frees it (nv_p2p_mem_info_free_callback).
+	 */
+	if (!pin->table_freed && !pin->forgotten)
 		sim_stats.tables_not_freed++;
 	sim_stats.callbacks_run++;
 	sim_pin_retire_locked(pin, &evicted);
@@ -724,14 +732,79 @@ EXPORT_SYMBOL_GPL(nvidia_p2p_get_pages_persistent);
  * Non-persistent pins are looked up among the calling process's mappings,
  * keyed by the page table (RmP2PGetInfoWithoutToken with
  * osGetCurrentProcess(); the address is not used): from another thread
- * group nothing is found, 0 is returned and nothing changes.  Persistent
- * ones are found by container_of on the table: a freed table is a use after
- * free.
+ * group, or once the process's registration is gone (forget_owner), nothing
+ * is found, 0 is returned and nothing changes.  Persistent ones are found by
+ * container_of on the table: a freed table is a use after free.
  */
 static bool sim_put_finds_locked(struct sim_pin *pin, bool persistent)
 {
-	return persistent || pin->owner == task_tgid(current);
+	return persistent || (pin->owner == task_tgid(current) && !pin->forgotten);
 }
+
+/*
+ * forget_owner: drop the writing process's registration of its pins, as
+ * NVIDIA's driver does when an MPS client is destroyed.  The third-party
+ * P2P object's pid list grows by NV503C_CTRL_CMD_REGISTER_PID (the MPS
+ * server registers its clients) and shrinks in CliUnregisterFromThirdPartyP2P;
+ * RmP2PGetInfoWithoutToken (CliNextThirdPartyP2PInfoWithPid, p2p.c) then
+ * finds nothing for the client, while the memory and the armed callbacks
+ * stay with the server.  So the pins stay LIVE: a later put_pages from this
+ * process returns 0 and releases nothing (not counted: the client cannot
+ * know), and freeing the memory runs the callbacks with the client's data.
+ * The value is a device address of this process: the pins on the
+ * allocation holding it; 0 for all of them.
+ */
+static int sim_forget_owner_set(const char *val, const struct kernel_param *kp)
+{
+	struct pid *me = task_tgid(current);
+	unsigned int bkt, n = 0;
+	struct sim_pin *pin;
+	u64 va;
+	int ret;
+
+	ret = kstrtou64(val, 0, &va);
+	if (ret)
+		return ret;
+	/* NVIDIA destroys the client under the API lock. */
+	ret = sim_api_lock("forget_owner (client teardown)");
+	if (ret)
+		return ret;
+	spin_lock(&sim_lock);
+	hash_for_each(sim_pins, bkt, pin, hnode) {
+		if (pin->persistent || pin->state != SIM_PIN_LIVE || pin->owner != me ||
+		    pin->forgotten)
+			continue;
+		if (va && (va < pin->alloc->va || va - pin->alloc->va >= pin->alloc->size))
+			continue;
+		pin->forgotten = true;
+		n++;
+	}
+	spin_unlock(&sim_lock);
+	sim_api_unlock();
+	pr_info_ratelimited("forget_owner: pid %d's registration of %u pins dropped\n",
+			    pid_nr(me), n);
+	return 0;
+}
+
+/* Reads back how many pins have lost their registration and still have a callback armed. */
+static int sim_forget_owner_get(char *buf, const struct kernel_param *kp)
+{
+	unsigned int bkt, n = 0;
+	struct sim_pin *pin;
+
+	spin_lock(&sim_lock);
+	hash_for_each(sim_pins, bkt, pin, hnode)
+		n += pin->forgotten && pin->state != SIM_PIN_FREED;
+	spin_unlock(&sim_lock);
+	return sysfs_emit(buf, "%u\n", n);
+}
+
+static const struct kernel_param_ops sim_forget_owner_ops = {
+	.set = sim_forget_owner_set,
+	.get = sim_forget_owner_get,
+};
+module_param_cb(forget_owner, &sim_forget_owner_ops, NULL, 0644);
+MODULE_PARM_DESC(forget_owner, "Write a device address of the writing process (0: all of them): drop that process's registration of its pins there, as an MPS client's teardown does on NVIDIA's driver; its later put_pages return 0 and release nothing, and freeing the memory runs the armed callbacks. Reads: how many such pins still have a callback armed");
 
 static int sim_put_pages(u64 va, struct nvidia_p2p_page_table *pt, bool persistent)
 {
@@ -768,7 +841,9 @@ static int sim_put_pages(u64 va, struct nvidia_p2p_page_table *pt, bool persiste
 		goto out_unlock;
 	}
 	if (!sim_put_finds_locked(pin, persistent)) {
-		sim_stats.puts_not_found++;
+		/* Another process's put is the client's bug; a pruned registration is not. */
+		if (!pin->forgotten)
+			sim_stats.puts_not_found++;
 		ret = persistent ? -EINVAL : 0;
 		goto out_unlock;
 	}

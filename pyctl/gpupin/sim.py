@@ -199,6 +199,20 @@ class SimMemory(ProviderBase):
             raise from_errno(-ret, "sim export", f"{ptr:#x}")
         return int(c.fd)
 
+    def forget_owner(self, ptr: int = 0) -> None:
+        """Drop this process's registration of its pins, as NVIDIA's driver does when an MPS
+        client is destroyed (``CliUnregisterFromThirdPartyP2P``): the pins on the allocation
+        holding ``ptr``, or every pin of this process (``ptr`` 0).
+
+        The memory and the armed free callbacks stay (with the MPS server, on a GPU): a later
+        put_pages from this process finds nothing, returns 0 and releases nothing, and freeing
+        the memory runs the callbacks with the data the client passed.  Through the simulator's
+        ``forget_owner`` parameter, written from this process; needs root.
+        """
+        if self._fd < 0:
+            raise InvalidArgument("sim forget_owner: the simulator context is closed")
+        set_sim_param("forget_owner", ptr)
+
     def stats(self) -> SimStats:
         return sim_stats(self._fd)
 
