@@ -27,6 +27,11 @@
  *       pin->lock when a pin goes DETACHED, alone by the free callback and
  *       by netlink, which take their references under it and nothing else:
  *       innermost.
+ *   gpupin_cb_pins' xa_lock (spinlock, pin.c) - the ids that the nv-p2p
+ *       free callback gets as its data, mapped to their pins.  Taken alone:
+ *       by the callback to look its pin up and take a reference, by PIN to
+ *       give an id, and by the last put of a pin to take its id back.
+ *       Nothing is taken under it: innermost.
  *   gpupin_nl_subs_lock (spinlock, netlink.c, unicast-event builds) - the
  *       event subscribers' sockets.  Taken by the event path (from the free
  *       callback too) with no other gpupin lock held; only the subscribers'
@@ -234,6 +239,7 @@ struct gpupin_pin_obj {
 	u32 page_shift;			/* GPU_BOUND_SHIFT (nv-p2p) or PAGE_SHIFT (dma-buf) */
 	u32 entries;			/* aligned_size >> page_shift */
 	struct nvidia_p2p_page_table *pt;	/* nv-p2p pins */
+	u32 cb_id;			/* nv-p2p pins with a callback: its data (pin.c); 0: none */
 	u8 gpu_uuid[16];		/* copied from the page table while PINNING */
 	struct dma_buf *dmabuf;		/* dma-buf pins: a reference */
 	struct pci_dev *dmabuf_pdev;	/* dma-buf pins: importing device (a reference) or NULL */
@@ -305,6 +311,7 @@ bool gpupin_pin_release_pages(struct gpupin_pin_obj *pin, enum gpupin_pin_state 
 int gpupin_pin_publish(struct gpupin_file *f, struct gpupin_pin_obj *pin, void __user *uarg,
 		       const void *arg, size_t len);
 void gpupin_pin_put(struct gpupin_pin_obj *pin);
+void gpupin_cb_ids_exit(void);
 int gpupin_pin_use(struct gpupin_pin_obj *pin);
 void gpupin_pin_unuse(struct gpupin_pin_obj *pin);
 void gpupin_file_release_pins(struct gpupin_file *f, u32 reason);

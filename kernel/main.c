@@ -139,6 +139,7 @@ static void __exit gpupin_exit(void)
 	/* No pin is left, but a free callback may still be on its way out of our code. */
 	wait_var_event(&gpupin_callbacks_running, !atomic_read(&gpupin_callbacks_running));
 	synchronize_rcu_tasks();
+	gpupin_cb_ids_exit();
 	gpupin_file_exit();
 	gpupin_nl_exit();
 	gpupin_fault_exit();

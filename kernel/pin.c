@@ -17,6 +17,13 @@
  * out of the handle table and the file's slots, but alive - holding its
  * file and the module - until the free callback, which the driver runs when
  * the owner frees the memory or its CUDA context goes.
+ *
+ * A put_pages that returns 0 from the pinning process may have released
+ * nothing all the same: NVIDIA looks the mapping up through the process's
+ * registration, which an MPS client's teardown removes while the memory and
+ * the armed callback stay with the MPS server.  So the callback can come for
+ * a pin gpupin has freed.  Its data is therefore an id (gpupin_cb_pins),
+ * never a pointer: see gpupin_free_callback().
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
@@ -49,10 +56,71 @@ static bool gpupin_pin_put_here(struct gpupin_pin_obj *pin)
 	       gpupin_caller_owns(pin->file);
 }
 
+/*
+ * The nv-p2p free callback's data: an id, looked up here, never a pointer
+ * to the pin.  NVIDIA may call the callback after gpupin freed the pin (a
+ * put_pages that returned 0 having released nothing, gpupin_put_pages());
+ * a pointer would then be a use after free, or another pin that got the
+ * same address.  An id stays here until the pin's callback takes it out or
+ * the pin's last reference goes; the callback takes its reference under the
+ * xarray's lock (kref_get_unless_zero: the last put may be on its way to
+ * erase it).  So an id it finds is a live pin, and one it does not find is
+ * a late, duplicate or unknown callback: NVIDIA runs a registration's
+ * callback once, so a second one with the same id finds nothing.  Ids are
+ * handed out cyclically over 32 bits: one comes back only after some four
+ * billion pins, so a stale id finds nothing rather than a newer pin.  The
+ * lock's place in the lock order: gpupin.h (innermost, taken alone).
+ */
+static DEFINE_XARRAY_ALLOC1(gpupin_cb_pins);
+static u32 gpupin_cb_next;	/* xa_alloc_cyclic()'s cursor, under the xarray's lock */
+
+/* Give @pin its callback id; -ENOMEM or -EBUSY (every id taken) if none. */
+static int gpupin_cb_id_alloc(struct gpupin_pin_obj *pin)
+{
+	u32 id;
+	int ret;
+
+	ret = xa_alloc_cyclic(&gpupin_cb_pins, &id, pin, XA_LIMIT(1, U32_MAX), &gpupin_cb_next,
+			      GFP_KERNEL);
+	if (ret < 0)
+		return ret;
+	pin->cb_id = id;
+	return 0;
+}
+
+/*
+ * The pin of callback data @data with a reference, its id taken out; NULL
+ * if it is gone, had its callback already, or never was.
+ */
+static struct gpupin_pin_obj *gpupin_cb_pin_take(void *data)
+{
+	unsigned long id = (unsigned long)data;
+	struct gpupin_pin_obj *pin;
+
+	if (!id || id > U32_MAX)
+		return NULL;
+	xa_lock(&gpupin_cb_pins);
+	pin = __xa_erase(&gpupin_cb_pins, id);
+	if (pin && !kref_get_unless_zero(&pin->ref))
+		pin = NULL;	/* its last put is on its way */
+	xa_unlock(&gpupin_cb_pins);
+	return pin;
+}
+
+/* Module unload: every pin, so every id, is gone by then. */
+void gpupin_cb_ids_exit(void)
+{
+	WARN_ON(!xa_empty(&gpupin_cb_pins));
+	xa_destroy(&gpupin_cb_pins);
+}
+
 static void gpupin_pin_free(struct kref *ref)
 {
 	struct gpupin_pin_obj *pin = container_of(ref, struct gpupin_pin_obj, ref);
 
+	/* From here on a callback with this pin's id finds nothing (if it did not take it). */
+	if (pin->cb_id)
+		xa_cmpxchg(&gpupin_cb_pins, pin->cb_id, pin, NULL, 0);
 	kfree(pin->ev);
 	kfree(pin);
 }
@@ -220,16 +288,42 @@ atomic_t gpupin_callbacks_running = ATOMIC_INIT(0);
 
 /*
  * The nv-p2p free callback: the GPU memory under the pin is being freed.
- * Never calls put_pages or dma_unmap_pages.  The module cannot go before
- * the increment: the pin holds it (its open file, or the detached pin's own
- * reference), and neither lets go before this callback moves the pin on.
+ * Never calls put_pages or dma_unmap_pages, and never waits for a thread
+ * that may wait for NVIDIA's lock (gpupin_pin_invalidate() waits only for
+ * in-flight users).  @data is the pin's id (gpupin_cb_pins): the pin is
+ * looked up, with a reference, under the xarray's lock, the innermost lock,
+ * held for nothing else.  An id that finds nothing - a callback for a pin
+ * gpupin already freed, because a put_pages that returned 0 released
+ * nothing (an MPS client's registration pruned), or a duplicate - returns
+ * at once: that pin's table, which the driver frees after this returns on
+ * the drivers gpupin supports (nvidia_p2p_free_page_table is a no-op
+ * there), is not freed by gpupin.
+ *
+ * While a pin lives, the module cannot go before the increment: the pin
+ * holds it (its open file, or the detached pin's own reference), and
+ * neither lets go before this callback moves the pin on.  What remains: a
+ * callback whose pin is gone may come after gpupin.ko was unloaded (an MPS
+ * server freeing a client's memory after the client's file closed), and
+ * NVIDIA then jumps into freed text.  NVIDIA's API gives no way to know
+ * whether put_pages released anything, so gpupin cannot hold itself for
+ * such a callback: an administrator must not unload gpupin.ko while an MPS
+ * server (or any process that may own memory a gpupin client pinned) is
+ * alive (FIDELITY.md, kernel/sim).
  */
 static void gpupin_free_callback(void *data)
 {
-	bool detached;
+	struct gpupin_pin_obj *pin;
+	bool detached = false;
 
 	atomic_inc(&gpupin_callbacks_running);
-	detached = gpupin_pin_invalidate(data, true, gpupin_nvp2p_teardown);
+	pin = gpupin_cb_pin_take(data);
+	if (pin) {
+		detached = gpupin_pin_invalidate(pin, true, gpupin_nvp2p_teardown);
+		gpupin_pin_put(pin);
+	} else {
+		pr_notice_ratelimited("free callback for pin id %lu: released or called back before, ignored\n",
+				      (unsigned long)data);
+	}
 	if (detached)
 		module_put(THIS_MODULE);
 	gpupin_fault_callback_tail();
@@ -299,6 +393,13 @@ static bool gpupin_put_pages(struct gpupin_pin_obj *pin, enum gpupin_pin_state c
 	else
 #endif
 		ret = nvidia_p2p_put_pages(0, 0, pin->aligned_va, pin->pt);
+	/*
+	 * 0 means "maybe released": NVIDIA returns 0 too when it found no
+	 * mapping of this process for the table (an MPS client's registration
+	 * pruned), and the callback stays armed.  The caller may free the pin
+	 * all the same: the callback reaches it only by id, and finds nothing
+	 * once the pin is gone (gpupin_free_callback()).
+	 */
 	if (!ret)
 		return true;
 	pr_warn_ratelimited("put_pages failed: %d\n", ret);
@@ -748,6 +849,11 @@ static int gpupin_pin_create(struct gpupin_file *f, const struct gpupin_pin *req
 	ret = gpupin_pin_reserve(f, pin);
 	if (ret)
 		return ret;
+	if (!persistent) {
+		ret = gpupin_cb_id_alloc(pin);
+		if (ret)
+			goto err_unreserve;
+	}
 
 #ifdef NVIDIA_P2P_CAP_GET_PAGES_PERSISTENT_API
 	if (persistent)
@@ -756,7 +862,8 @@ static int gpupin_pin_create(struct gpupin_file *f, const struct gpupin_pin *req
 	else
 #endif
 		ret = nvidia_p2p_get_pages(0, 0, pin->aligned_va, pin->aligned_size,
-					   &pin->pt, gpupin_free_callback, pin);
+					   &pin->pt, gpupin_free_callback,
+					   (void *)(unsigned long)pin->cb_id);
 	if (ret) {
 		gpupin_dbg("get_pages failed: %d\n", ret);
 		ret = gpupin_provider_err(ret);
