@@ -1,0 +1,99 @@
+"""A free callback after gpupin freed the pin (an MPS client torn down): NVIDIA's put_pages finds a mapping
+through the calling process's registration, which an MPS client's teardown prunes while the
+memory and the armed callback stay with the MPS server.  put_pages then returns 0 having
+released nothing, gpupin frees its pin, and the callback comes later with the data gpupin
+gave: it must find nothing, and touch neither freed memory nor a newer pin.
+
+The simulator plays the teardown (``SimMemory.forget_owner``): simulator-only."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import GPU_PAGE
+from gpupin import Device, SimMemory, kmod, sim_stats
+from gpupin.sim import get_sim_param
+
+pytestmark = [
+    pytest.mark.vm,
+    pytest.mark.simonly(reason="drops the process's registration with the simulator's forget_owner"),
+]
+
+
+def test_unpin_after_teardown_releases_nothing(device: Device, sim: SimMemory) -> None:
+    """put_pages says 0 and releases nothing: gpupin lets its pin go all the same, and the
+    callback that comes with the memory's free finds nothing to touch."""
+    va = sim.alloc(2 * GPU_PAGE)
+    pin = device.pin(va, 2 * GPU_PAGE)
+    sim.forget_owner(va)
+    assert get_sim_param("forget_owner") == "1"
+    before = sim_stats()
+    device.unpin(pin)  # put_pages: 0, nothing released
+    s = sim_stats()
+    assert s.page_tables == 1 and s.live_callbacks == 1 and s.puts_not_found == 0, s
+    assert device.info().file_pins == 0 and device.info().pinned_bytes == 0
+    sim.free(va)  # the callback, with the data of the pin gpupin freed
+    s = sim_stats()
+    assert s.callbacks_run == before.callbacks_run + 1, s
+    assert s.page_tables == 0 and s.live_callbacks == 0 and s.use_after_free_calls == 0, s
+    assert get_sim_param("forget_owner") == "0"
+    assert device.read_events() == [], "no pin of this file was invalidated"
+
+
+def test_close_after_teardown_then_callback(sim: SimMemory) -> None:
+    """The same through close: the file and every pin go, then the callback comes."""
+    refs = kmod.info("gpupin").refcount
+    va = sim.alloc(4 * GPU_PAGE)
+    dev = Device()
+    try:
+        for i in range(4):
+            dev.pin(va + i * GPU_PAGE, GPU_PAGE)
+        sim.forget_owner()
+    finally:
+        dev.close()  # put_pages: 0 for each, nothing released; gpupin frees its pins
+    s = sim_stats()
+    assert s.page_tables == 4 and s.live_callbacks == 4, s
+    assert kmod.info("gpupin").refcount == refs, "gpupin holds nothing for these callbacks"
+    sim.free(va)  # four callbacks for pins gpupin freed
+    s = sim_stats()
+    assert s.page_tables == 0 and s.live_callbacks == 0 and s.use_after_free_calls == 0, s
+
+
+def test_late_callback_leaves_newer_pins_alone(device: Device, sim: SimMemory) -> None:
+    """A callback for a pin gpupin freed, after newer pins were made (whose objects may sit
+    where the freed one was): every newer pin stays valid, and no event comes."""
+    va = sim.alloc(GPU_PAGE)
+    old = device.pin(va, GPU_PAGE)
+    sim.forget_owner(va)
+    device.unpin(old)
+    n = 16
+    vb = sim.alloc(n * GPU_PAGE)
+    newer = [device.pin(vb + i * GPU_PAGE, GPU_PAGE) for i in range(n)]
+    sim.free(va)  # the old pin's callback
+    assert all(p.is_valid() for p in newer), "a late callback invalidated a newer pin"
+    assert device.read_events() == []
+    s = sim_stats()
+    assert s.page_tables == n and s.live_callbacks == n and s.use_after_free_calls == 0, s
+    for p in newer:
+        device.unpin(p)
+    sim.free(vb)
+
+
+def test_forgotten_pin_of_another_allocation_is_untouched(device: Device, sim: SimMemory) -> None:
+    """forget_owner(ptr) drops only the registration of the pins on ptr's allocation: the
+    others are put as usual, and a normal unpin leaves no callback behind."""
+    va = sim.alloc(GPU_PAGE)
+    vb = sim.alloc(GPU_PAGE)
+    a = device.pin(va, GPU_PAGE)
+    b = device.pin(vb, GPU_PAGE)
+    sim.forget_owner(va)
+    device.unpin(b)  # found: released, its callback disarmed
+    s = sim_stats()
+    assert s.page_tables == 1 and s.live_callbacks == 1, s
+    calls = s.callbacks_run
+    sim.free(vb)  # nothing armed there any more
+    assert sim_stats().callbacks_run == calls
+    device.unpin(a)
+    sim.free(va)
+    s = sim_stats()
+    assert s.callbacks_run == calls + 1 and s.page_tables == 0, s
