@@ -62,6 +62,7 @@ static struct {
 	bool reuse_freed_tables;
 	/* Delays that widen a client's race windows. */
 	unsigned int pin_latency_us;
+	unsigned int put_latency_us;
 	unsigned int dma_map_latency_us;
 	unsigned int unmap_latency_us;
 	/* Fault injection (sim_injected_error_locked) and forced races. */
@@ -96,6 +97,8 @@ MODULE_PARM_DESC(reuse_freed_tables, "Hand a freed page table's address to the n
 
 module_param_named(pin_latency_us, sim_p2p_knobs.pin_latency_us, uint, 0644);
 MODULE_PARM_DESC(pin_latency_us, "Extra latency of each get_pages call in microseconds (default 0)");
+module_param_named(put_latency_us, sim_p2p_knobs.put_latency_us, uint, 0644);
+MODULE_PARM_DESC(put_latency_us, "Delay between a put_pages call (either kind) and its taking the API lock, in microseconds: a free, its callback and another get_pages may run meanwhile, as while NVIDIA's put waits for its lock (default 0)");
 module_param_named(dma_map_latency_us, sim_p2p_knobs.dma_map_latency_us, uint, 0644);
 MODULE_PARM_DESC(dma_map_latency_us, "Delay between dma_map_pages reading the table and taking the API lock, in microseconds (default 0)");
 module_param_named(unmap_latency_us, sim_p2p_knobs.unmap_latency_us, uint, 0644);
@@ -816,6 +819,14 @@ static int sim_put_pages(u64 va, struct nvidia_p2p_page_table *pt, bool persiste
 	/* nvidia_p2p_put_pages{,_persistent}: a NULL table is nothing to put. */
 	if (!pt)
 		return 0;
+	/*
+	 * put_latency_us: rm_p2p_put_pages (osapi.c) waits for the API lock,
+	 * as long as a free and its callback hold it; nv_p2p_get_pages
+	 * allocates its table before it takes that lock, so it may be handed
+	 * this very table's address once the callback freed it.
+	 */
+	if (READ_ONCE(sim_p2p_knobs.put_latency_us))
+		fsleep(READ_ONCE(sim_p2p_knobs.put_latency_us));
 	ret = sim_api_lock(fn);
 	if (ret)
 		return ret;
