@@ -3,6 +3,10 @@
  * gpupin internals.
  *
  * Locking, outermost first:
+ *   gpupin_p2p_tables (mutex, pin.c) - keeps nv-p2p put_pages and get_pages
+ *       apart, so that a put never finds a newer pin at a freed table's
+ *       address.  Held around those calls only, with no other gpupin lock;
+ *       never taken by the free callback.
  *   gpupin_files_lock (mutex) - the list of open files, for netlink dumps.
  *   gpupin_file.read_lock (mutex) - serialises readers of invalidation
  *       records, so a record leaves the queue only once it was copied out.

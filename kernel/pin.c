@@ -363,14 +363,36 @@ static void gpupin_pin_hold_detached(struct gpupin_pin_obj *pin)
 }
 
 /*
+ * gpupin_p2p_tables: no nv-p2p put_pages of gpupin's runs while one of its
+ * get_pages does.  NVIDIA finds a non-persistent put's mapping by the page
+ * table's pointer value among the calling process's (RmP2PPutPages,
+ * p2p.c), frees a table right after its free callback
+ * (nv_p2p_mem_info_free_callback, nv-p2p.c), and nv_p2p_get_pages allocates
+ * the next table before it takes the RM lock: the freed address may come
+ * straight back.  A put waiting for the RM lock while a callback frees its
+ * table would then release the newer pin that got that address.  Under
+ * this mutex a put first checks that the callback has not taken its pin
+ * (the callback moves the pin on before NVIDIA frees the table), and no
+ * get_pages can be handed the table until the put has returned: it then
+ * finds the live mapping, or nothing.  Other nv-p2p clients in the same
+ * process (another module pinning for it) are not serialised with gpupin
+ * and can still be handed such an address: kernel/sim/FIDELITY.md.
+ *
+ * Lock order: taken with no gpupin lock held, around nv-p2p get_pages and
+ * put_pages only, so only NVIDIA's RM lock nests inside it; never taken by
+ * the free callback, which runs under that RM lock.
+ */
+static DEFINE_MUTEX(gpupin_p2p_tables);
+
+/*
  * Put the pages of a pin whose release the caller claimed (state @claimed),
  * unless the free callback took the pin meanwhile: NVIDIA has then freed the
- * table, and since it finds mappings by the table's address, a put of that
- * address could release another pin of this process that got it.  (The
- * callback can still come between this check and NVIDIA taking its lock in
- * put_pages: a window only NVIDIA's lock could close, and the callback may
- * not wait for us.)  Returns false when put_pages failed for a pin whose
- * callback may still be armed: the pin is then DETACHED, kept for it.
+ * table, and a put of its address could release another pin of this process
+ * that got it.  A callback that comes after the check finishes before the
+ * put gets NVIDIA's lock, and no get_pages can reuse the table before the
+ * put returns (gpupin_p2p_tables).  Returns false when put_pages failed for
+ * a pin whose callback may still be armed: the pin is then DETACHED, kept
+ * for it.
  */
 static bool gpupin_put_pages(struct gpupin_pin_obj *pin, enum gpupin_pin_state claimed)
 {
@@ -378,11 +400,14 @@ static bool gpupin_put_pages(struct gpupin_pin_obj *pin, enum gpupin_pin_state c
 	bool detach = false;
 	int ret;
 
+	mutex_lock(&gpupin_p2p_tables);
 	spin_lock(&pin->lock);
 	ret = pin->state == claimed ? 0 : -ENXIO;
 	spin_unlock(&pin->lock);
-	if (ret)
+	if (ret) {
+		mutex_unlock(&gpupin_p2p_tables);
 		return true;	/* the callback released them */
+	}
 	/*
 	 * Without the persistent API (no NVIDIA_P2P_CAP_GET_PAGES_PERSISTENT_API:
 	 * 515.x, 530.x) no pin is persistent (gpupin_pin_create).
@@ -393,6 +418,7 @@ static bool gpupin_put_pages(struct gpupin_pin_obj *pin, enum gpupin_pin_state c
 	else
 #endif
 		ret = nvidia_p2p_put_pages(0, 0, pin->aligned_va, pin->pt);
+	mutex_unlock(&gpupin_p2p_tables);
 	/*
 	 * 0 means "maybe released": NVIDIA returns 0 too when it found no
 	 * mapping of this process for the table (an MPS client's registration
@@ -855,6 +881,7 @@ static int gpupin_pin_create(struct gpupin_file *f, const struct gpupin_pin *req
 			goto err_unreserve;
 	}
 
+	mutex_lock(&gpupin_p2p_tables);
 #ifdef NVIDIA_P2P_CAP_GET_PAGES_PERSISTENT_API
 	if (persistent)
 		ret = nvidia_p2p_get_pages_persistent(pin->aligned_va, pin->aligned_size,
@@ -864,6 +891,7 @@ static int gpupin_pin_create(struct gpupin_file *f, const struct gpupin_pin *req
 		ret = nvidia_p2p_get_pages(0, 0, pin->aligned_va, pin->aligned_size,
 					   &pin->pt, gpupin_free_callback,
 					   (void *)(unsigned long)pin->cb_id);
+	mutex_unlock(&gpupin_p2p_tables);
 	if (ret) {
 		gpupin_dbg("get_pages failed: %d\n", ret);
 		ret = gpupin_provider_err(ret);
