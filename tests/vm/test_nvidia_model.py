@@ -297,29 +297,44 @@ def test_driver_maps_one_reference_from_two_threads(device: Device, memory: Memo
 # -- put_pages only while the pin is the unpin's --------------------------------------------------
 
 
-@pytest.mark.simonly(reason="makes the simulator reuse freed page tables (reuse_freed_tables) to catch a stale put")
-def test_unpin_racing_the_free_puts_no_stale_table(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
-    """The free callback takes a pin that an unpin claimed, NVIDIA frees its table, and this
-    process's next pin gets the same table address (reuse_freed_tables): a put_pages of the
-    old pointer would release the new pin (NVIDIA finds mappings by pointer).  The unpin
-    must see that the callback took the pin and put nothing (release_delay_ms holds it
-    between its claim and put_pages)."""
-    sim_params(reuse_freed_tables=1)
-    sim_params("gpupin", release_delay_ms=1000)
+def _free_and_pin_while_an_unpin_is_held(device: Device, sim: SimMemory) -> None:
+    """Unpin on another thread, held by the caller's knob; meanwhile free the pin's memory (the
+    callback takes the pin, NVIDIA frees its table) and pin another range, whose table gets
+    the freed address (reuse_freed_tables).  The unpin's put must leave that newer pin alone:
+    NVIDIA finds a non-persistent mapping by the table's pointer."""
     va = sim.alloc(GPU_PAGE)
+    vb = sim.alloc(GPU_PAGE)  # before the free, so not at va: a table is reused for another range
     pin = device.pin(va, GPU_PAGE)
     t = threading.Thread(target=device.unpin, args=(pin,))
     t.start()
-    time.sleep(0.3)  # the unpin claimed the pin and waits before put_pages
-    sim.free(va)  # the callback takes the pin; NVIDIA frees its table
-    vb = sim.alloc(GPU_PAGE)
-    other = device.pin(vb, GPU_PAGE)  # gets the freed table's address
+    time.sleep(0.3)  # the unpin is held, before its put_pages or inside it
+    sim.free(va)
+    other = device.pin(vb, GPU_PAGE)  # this process's next table: the freed one's address
     t.join()
     s = sim_stats()
     assert s.stale_table_puts == 0 and s.use_after_free_calls == 0, s
     assert other.is_valid() and s.page_tables == 1 and s.live_callbacks == 1, s
     device.unpin(other)
     sim.free(vb)
+
+
+@pytest.mark.simonly(reason="makes the simulator reuse freed page tables (reuse_freed_tables) to catch a stale put")
+def test_unpin_racing_the_free_puts_no_stale_table(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
+    """The free callback takes a pin that an unpin claimed before the unpin's put_pages
+    (release_delay_ms holds it between its claim and the put): the unpin must see that and
+    put nothing."""
+    sim_params(reuse_freed_tables=1)
+    sim_params("gpupin", release_delay_ms=1000)
+    _free_and_pin_while_an_unpin_is_held(device, sim)
+
+
+@pytest.mark.simonly(reason="holds put_pages before NVIDIA's lock (put_latency_us) and reuses freed tables")
+def test_put_waiting_for_the_lock_never_meets_a_newer_pin(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
+    """The callback takes the pin after the unpin checked it, while its put_pages waits for
+    NVIDIA's lock (put_latency_us): gpupin must not let the newer pin's get_pages run before
+    that put has returned."""
+    sim_params(reuse_freed_tables=1, put_latency_us=800_000)
+    _free_and_pin_while_an_unpin_is_held(device, sim)
 
 
 @pytest.mark.simonly(reason="injects a put_pages failure with the simulator's fail_put_nth")
