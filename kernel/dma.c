@@ -289,8 +289,10 @@ static void gpupin_map_destroy_unuse(struct gpupin_pin_obj *pin, struct gpupin_m
 	if (map && !late)
 		gpupin_map_destroy(pin, map);
 	gpupin_pin_unuse(pin);
-	if (late)
+	if (late) {
+		gpupin_fault_unmap_late_delay();
 		gpupin_map_destroy(pin, map);
+	}
 }
 
 /*

@@ -54,6 +54,16 @@ void gpupin_fault_release_delay(void)
 	gpupin_fault_pause(&gpupin_release_delay_ms);
 }
 
+static unsigned int gpupin_unmap_late_delay_ms;
+module_param_named(unmap_late_delay_ms, gpupin_unmap_late_delay_ms, uint, 0644);
+MODULE_PARM_DESC(unmap_late_delay_ms, "Testing: a dma-buf mapping's unmap pauses this long between its last use of the pin and destroying the mapping (an unpin may let the pin's buffer go meanwhile)");
+
+/* The pause of a dma-buf mapping's unmap after it stopped using the pin. */
+void gpupin_fault_unmap_late_delay(void)
+{
+	gpupin_fault_pause(&gpupin_unmap_late_delay_ms);
+}
+
 static unsigned int gpupin_own_map_batch_delay_ms;
 module_param_named(own_map_batch_delay_ms, gpupin_own_map_batch_delay_ms, uint, 0644);
 MODULE_PARM_DESC(own_map_batch_delay_ms, "Testing: gpupin's own DMA mapping of a pin pauses this long after each batch of 1024 pages, as an in-flight user (makes a map of a large pin slow)");

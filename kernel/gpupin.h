@@ -88,6 +88,7 @@ struct pci_dev;
 bool gpupin_fail_alloc(void);
 void gpupin_fault_callback_tail(void);
 void gpupin_fault_release_delay(void);
+void gpupin_fault_unmap_late_delay(void);
 void gpupin_fault_own_map_batch(void);
 struct pci_dev *gpupin_fault_unmap_peer(struct pci_dev *pdev);
 int gpupin_fault_init(void);
@@ -98,6 +99,10 @@ static inline void gpupin_fault_callback_tail(void)
 }
 
 static inline void gpupin_fault_release_delay(void)
+{
+}
+
+static inline void gpupin_fault_unmap_late_delay(void)
 {
 }
 
