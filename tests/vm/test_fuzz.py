@@ -8,6 +8,11 @@ every return code against the set documented for that call (and exactly, where t
 what the answer must be).  Afterwards the simulator must be back to zero and the module must
 unload (vm-guest.sh unloads it; vm-run.sh fails on any kernel warning or taint).
 
+It runs twice: once in the orders a test expects, once in orders NVIDIA's driver also permits
+(a put_pages held before the driver's lock while frees and other pins run, freed page-table
+addresses handed straight back, and an MPS client's teardown dropping a process's
+registration, after which puts release nothing and frees call back for pins gpupin let go).
+
 GPUPIN_FUZZ_CALLS sets the total (default 10,000; 100,000 with GPUPIN_LONG=1);
 GPUPIN_FUZZ_SEED replays one run: a failure prints the seed of the process that failed.
 """
@@ -65,8 +70,9 @@ REAL_CMDS = {getattr(lib, n) for n in dir(lib) if n.startswith("GPUPIN_IOC_") an
 class Walk:
     """One process's random walk; ``calls`` counts kernel calls made."""
 
-    def __init__(self, seed: int, budget: int, pci: str) -> None:
+    def __init__(self, seed: int, budget: int, pci: str, adversarial: bool) -> None:
         self.rng = random.Random(seed)
+        self.adversarial = adversarial
         self.budget = budget
         self.calls = 0
         self.pci = pci
@@ -143,6 +149,15 @@ class Walk:
         va = self.rng.choice(list(self.allocs))
         self.sim.free(va)
         del self.allocs[va]
+        self.calls += 1
+
+    def op_forget(self) -> None:
+        """An MPS client's teardown: this process's registration of one allocation's pins (or
+        of all) goes; their unpins then release nothing and the free calls back for them."""
+        if not self.adversarial:
+            return
+        va = self.rng.choice(list(self.allocs)) if self.allocs and self.maybe(0.8) else 0
+        self.sim.forget_owner(va)
         self.calls += 1
 
     def op_pin(self) -> None:
@@ -405,6 +420,7 @@ class Walk:
             (self.op_netlink, 1),
             (self.op_reopen, 1),
             (self.op_fork, 0.3),
+            (self.op_forget, 0.5),
         ]
         funcs = [f for f, _ in ops]
         weights = [w for _, w in ops]
@@ -415,26 +431,30 @@ class Walk:
         os.close(self.peer_fd)
 
 
-def worker(seed: int, budget: int, pci: str, out: Any) -> None:
+def worker(seed: int, budget: int, pci: str, adversarial: bool, out: Any) -> None:
     try:
-        w = Walk(seed, budget, pci)
+        w = Walk(seed, budget, pci, adversarial)
         w.run()
         out.send(("ok", w.calls))
     except BaseException:  # noqa: B036 - reported to the parent with the seed
         out.send(("fail", f"seed {seed}:\n{traceback.format_exc()}"))
 
 
-def test_stateful_fuzz_four_processes(gpupin_loaded: None, leakcheck: None) -> None:
+@pytest.mark.parametrize("orders", ["expected", "permitted"])
+def test_stateful_fuzz_four_processes(gpupin_loaded: None, leakcheck: None, sim_params, orders: str) -> None:  # type: ignore[no-untyped-def]
+    adversarial = orders == "permitted"
+    if adversarial:
+        sim_params(reuse_freed_tables=1, put_latency_us=200)
     load_peer()
     pci = first_pci_device()
     fixed = os.environ.get("GPUPIN_FUZZ_SEED")
     seeds = [int(fixed)] * PROCS if fixed else [random.SystemRandom().getrandbits(32) for _ in range(PROCS)]
-    print(f"fuzz: {CALLS} calls over {PROCS} processes, seeds {seeds} (replay: GPUPIN_FUZZ_SEED=...)")
+    print(f"fuzz ({orders} orders): {CALLS} calls over {PROCS} processes, seeds {seeds} (replay: GPUPIN_FUZZ_SEED=...)")
     ctx = multiprocessing.get_context("fork")
     procs, pipes = [], []
     for s in seeds:
         rd, wr = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=worker, args=(s, CALLS // PROCS, pci, wr))
+        p = ctx.Process(target=worker, args=(s, CALLS // PROCS, pci, adversarial, wr))
         p.start()
         procs.append(p)
         pipes.append(rd)
