@@ -72,6 +72,7 @@ static struct {
 	int fail_errno;
 	bool race_get_pages;
 	bool race_put_pages;
+	bool callback_twice;
 } sim_p2p_knobs = {
 	.page_table_version = NVIDIA_P2P_PAGE_TABLE_VERSION,
 	.page_size_type = NVIDIA_P2P_PAGE_SIZE_64KB,
@@ -116,6 +117,8 @@ module_param_named(race_get_pages, sim_p2p_knobs.race_get_pages, bool, 0644);
 MODULE_PARM_DESC(race_get_pages, "Free the memory as each get_pages drops the API lock: its callback runs before get_pages returns (default off)");
 module_param_named(race_put_pages, sim_p2p_knobs.race_put_pages, bool, 0644);
 MODULE_PARM_DESC(race_put_pages, "Fire the free callback concurrently with every put_pages (default off)");
+module_param_named(callback_twice, sim_p2p_knobs.callback_twice, bool, 0644);
+MODULE_PARM_DESC(callback_twice, "Run every free callback a second time with the same data once its table was freed: a client must find nothing then (default off)");
 
 /*
  * BAR1 that pins may not take: NVIDIA's CLI_THIRD_PARTY_P2P_BAR1_RESERVE
@@ -440,6 +443,16 @@ static void sim_run_callback(struct sim_pin *pin)
 	sim_pin_retire_locked(pin, &evicted);
 	spin_unlock(&sim_lock);
 	sim_pin_bury(pin, &evicted);
+	/*
+	 * callback_twice: the same data again, the table gone.  NVIDIA runs a
+	 * registration's callback once, but a client keyed by its data meets
+	 * a repeat whenever two registrations share it; it must find nothing.
+	 */
+	if (READ_ONCE(sim_p2p_knobs.callback_twice) && !READ_ONCE(pin->cb_unloaded)) {
+		sim_watchdog_arm(pin->free_callback);
+		pin->free_callback(pin->data);
+		sim_watchdog_disarm();
+	}
 	/* The registry's reference stays with the graveyard. */
 	complete_all(&pin->cb_done);
 	sim_pin_put(pin);
