@@ -1,10 +1,13 @@
-"""A free callback after gpupin freed the pin (an MPS client torn down): NVIDIA's put_pages finds a mapping
-through the calling process's registration, which an MPS client's teardown prunes while the
-memory and the armed callback stay with the MPS server.  put_pages then returns 0 having
-released nothing, gpupin frees its pin, and the callback comes later with the data gpupin
-gave: it must find nothing, and touch neither freed memory nor a newer pin.
+"""Free callbacks for pins gpupin let go: late, or repeated.
 
-The simulator plays the teardown (``SimMemory.forget_owner``): simulator-only."""
+NVIDIA's put_pages finds a mapping through the calling process's registration, which an MPS
+client's teardown prunes while the memory and the armed callback stay with the MPS server.
+put_pages then returns 0 having released nothing, gpupin frees its pin, and the callback comes
+later with the data gpupin gave: it must find nothing, and touch neither freed memory nor a
+newer pin.  A callback repeated with the same data must find nothing either.
+
+The simulator plays the teardown (``SimMemory.forget_owner``) and the repeat
+(``callback_twice``): simulator-only."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from gpupin.sim import get_sim_param
 
 pytestmark = [
     pytest.mark.vm,
-    pytest.mark.simonly(reason="drops the process's registration with the simulator's forget_owner"),
+    pytest.mark.simonly(reason="drops registrations (forget_owner) and repeats callbacks (callback_twice) in the simulator"),
 ]
 
 
@@ -97,3 +100,24 @@ def test_forgotten_pin_of_another_allocation_is_untouched(device: Device, sim: S
     sim.free(va)
     s = sim_stats()
     assert s.callbacks_run == calls + 1 and s.page_tables == 0, s
+
+
+def test_a_repeated_callback_finds_nothing(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
+    """The same callback data a second time, the table already freed (callback_twice): the
+    first invalidates the pin and queues its event, the second finds nothing, and a pin
+    beside it stays valid."""
+    sim_params(callback_twice=1)
+    va = sim.alloc(GPU_PAGE)
+    vb = sim.alloc(GPU_PAGE)
+    pin = device.pin(va, GPU_PAGE)
+    other = device.pin(vb, GPU_PAGE)
+    calls = sim_stats().callbacks_run
+    sim.free(va)  # the callback, twice
+    assert sim_stats().callbacks_run == calls + 1
+    assert [(e.handle, e.reason) for e in device.read_events()] == [(pin.handle, "freed")]
+    assert not pin.is_valid() and other.is_valid()
+    device.unpin(pin)
+    device.unpin(other)
+    sim.free(vb)
+    s = sim_stats()
+    assert s.page_tables == 0 and s.live_callbacks == 0 and s.use_after_free_calls == 0, s
