@@ -51,10 +51,10 @@ def test_vm_scale_figures_at_2000_pins(leakcheck: None, sim_params: Any) -> None
     assert res["vm_flood_words_right"] == PINS
     assert res["vm_burst_pins"] == PINS and res["vm_1g_pins"] == 1
     assert isinstance(res["vm_slab_bytes_per_1g_pin"], float), res["vm_slab_bytes_per_1g_pin"]
-    # The free callback unmapped 16 own mappings of 1,024 pages, and its time set the maximum.
+    # The free callback unmapped 16 own mappings of 1,024 pages; both frees were timed.
     assert res["vm_callback_unmapped_pages"] == 16 * 1024, res
-    assert res["vm_callback_ms"] > 0 and res["vm_callback_bound_80gib_16_maps_s"] > 0, res
-    assert res["vm_callback_ms"] <= res["vm_callback_free_call_ms"], "the callback ran inside the free"
+    assert res["vm_callback_free_ms"] > 0 and res["vm_callback_free_mapped_ms"] > 0, res
+    assert isinstance(res["vm_callback_bound_80gib_16_maps_s"], float), res
     for key in (
         "vm_pin_unpin_many_over_100",
         "vm_query_many_over_100",
