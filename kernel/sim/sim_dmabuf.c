@@ -175,6 +175,30 @@ static int sim_dmabuf_map_segs(struct device *dev, struct sim_alloc *alloc, u32 
 	return 0;
 }
 
+/*
+ * NVIDIA's exporter takes the RM API lock (and a GPU lock) in its map,
+ * unmap and release ops (nv_dma_buf_get_phys_addresses /
+ * nv_dma_buf_put_phys_addresses on the first map and last unmap,
+ * nv_dma_buf_undup_mem_handles at release; nv-dmabuf.c), under the
+ * reservation lock the dma-buf core may hold: the order is reservation
+ * lock -> RM API lock.  The static exporter does the same here (on every
+ * map and unmap, not only the first and last), so an importer that waits
+ * for a dma-buf op from a free callback deadlocks here too (caught by
+ * lock_timeout_ms, and by lockdep).  The revocable exporter plays
+ * upstream exporters, which have no RM lock: it takes none (its
+ * revocation runs under the API lock, sim_revoke_exports()).
+ */
+static int sim_dmabuf_rm_lock(struct sim_export *exp, const char *who)
+{
+	return exp->revocable ? 0 : sim_api_lock(who);
+}
+
+static void sim_dmabuf_rm_unlock(struct sim_export *exp)
+{
+	if (!exp->revocable)
+		sim_api_unlock();
+}
+
 static struct sg_table *sim_dmabuf_map(struct dma_buf_attachment *attach,
 				       enum dma_data_direction dir)
 {
@@ -207,7 +231,11 @@ static struct sg_table *sim_dmabuf_map(struct dma_buf_attachment *attach,
 	ret = sg_alloc_table(sgt, alloc->nchunks * DIV_ROUND_UP(SIM_PAGE_SIZE, seg), GFP_KERNEL);
 	if (ret)
 		goto err_free;
+	ret = sim_dmabuf_rm_lock(exp, "nv_dma_buf_map");
+	if (ret)
+		goto err_table;
 	ret = sim_dmabuf_map_segs(attach->dev, alloc, seg, sgt, dir);
+	sim_dmabuf_rm_unlock(exp);
 	if (ret)
 		goto err_table;
 	spin_lock(&sim_lock);
@@ -225,7 +253,13 @@ err_free:
 static void sim_dmabuf_unmap(struct dma_buf_attachment *attach, struct sg_table *sgt,
 			     enum dma_data_direction dir)
 {
+	struct sim_export *exp = attach->dmabuf->priv;
+	/* A failure was WARNed (inside a callback, or a deadlock): unmap all the same. */
+	bool locked = !sim_dmabuf_rm_lock(exp, "nv_dma_buf_unmap");
+
 	sim_dmabuf_unmap_segs(attach->dev, sgt, sgt->nents, dir);
+	if (locked)
+		sim_dmabuf_rm_unlock(exp);
 	sg_free_table(sgt);
 	kfree(sgt);
 	spin_lock(&sim_lock);
@@ -237,11 +271,16 @@ static void sim_dmabuf_unmap(struct dma_buf_attachment *attach, struct sg_table 
 static void sim_dmabuf_release(struct dma_buf *dmabuf)
 {
 	struct sim_export *exp = dmabuf->priv;
+	bool locked;
 
 	WARN_ON_ONCE(exp->pins);
 	mutex_lock(&sim_exports_lock);
 	list_del(&exp->node);
 	mutex_unlock(&sim_exports_lock);
+	/* nv_dma_buf_release: the memory handles go back under the RM API lock. */
+	locked = !sim_dmabuf_rm_lock(exp, "nv_dma_buf_release");
+	if (locked)
+		sim_dmabuf_rm_unlock(exp);
 	spin_lock(&sim_lock);
 	sim_stats.dmabuf_exports--;
 	spin_unlock(&sim_lock);
