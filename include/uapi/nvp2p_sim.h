@@ -99,6 +99,7 @@ struct nvp2p_sim_stats {
 	__u64 dmabuf_nonpci_attaches;	/* attaches by a non-PCI device to an NVIDIA-like export */
 	__u64 stale_table_puts;		/* put_pages of a freed table that hit a newer pin */
 	__u64 unmap_peer_mismatches;	/* dma_unmap_pages with another peer than the mapping's */
+	__u64 put_kind_mismatches;	/* a put of the other kind than the table's get */
 };
 
 #define NVP2P_SIM_IOC_ALLOC _IOWR(NVP2P_SIM_IOC_MAGIC, 0x00, struct nvp2p_sim_alloc)

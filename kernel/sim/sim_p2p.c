@@ -860,8 +860,21 @@ static int sim_put_pages(u64 va, struct nvidia_p2p_page_table *pt, bool persiste
 		ret = persistent ? -EINVAL : 0;
 		goto out_unlock;
 	}
-	if (pin->persistent != persistent || (persistent && pin->va != va)) {
-		ret = -EINVAL;
+	/*
+	 * A put of the other kind.  nv_p2p_put_pages (nv-p2p.c) hands a
+	 * persistent put to RmP2PPutPagesPersistent, which dereferences the
+	 * table's mem_info->private - NULL for a non-persistent table - under
+	 * the API lock: an oops.  A non-persistent put of a persistent table
+	 * looks among the process's mappings (RmP2PGetInfoWithoutToken),
+	 * finds nothing, returns 0 and the pin leaks.  Both are counted
+	 * (strict); the first gets -EINVAL here instead of the oops.  A
+	 * persistent put's address is not used (the table is the key).
+	 */
+	if (pin->persistent != persistent) {
+		sim_count_misuse(&sim_stats.put_kind_mismatches, persistent ?
+				 "persistent put of a non-persistent table (NVIDIA: NULL deref)" :
+				 "put_pages of a persistent table (NVIDIA: 0, the pin leaks)");
+		ret = persistent ? -EINVAL : 0;
 		goto out_unlock;
 	}
 	if (!sim_put_finds_locked(pin, persistent)) {

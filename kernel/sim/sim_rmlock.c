@@ -188,5 +188,6 @@ void sim_reset_misuse(void)
 	sim_stats.dmabuf_nonpci_attaches = 0;
 	sim_stats.stale_table_puts = 0;
 	sim_stats.unmap_peer_mismatches = 0;
+	sim_stats.put_kind_mismatches = 0;
 	spin_unlock(&sim_lock);
 }

@@ -31,6 +31,7 @@ MISUSE = (
     "dmabuf_nonpci_attaches",
     "stale_table_puts",
     "unmap_peer_mismatches",
+    "put_kind_mismatches",
 )
 
 
@@ -63,6 +64,7 @@ class SimStats:
     dmabuf_nonpci_attaches: int
     stale_table_puts: int
     unmap_peer_mismatches: int
+    put_kind_mismatches: int
 
     def leaks(self) -> dict[str, int]:
         """Counters that must be 0 once everything is released, and are not.
@@ -74,7 +76,8 @@ class SimStats:
         process that did not pin (released nothing), a stale put_pages that released
         a newer pin (``stale_table_puts``), a dma-buf attach by a non-PCI device
         (``dmabuf_nonpci_attaches``), a dma_unmap_pages for another peer than the
-        mapping's (``unmap_peer_mismatches``: NVIDIA WARNs), API-lock waits given up
+        mapping's (``unmap_peer_mismatches``: NVIDIA WARNs), a put of the other kind than
+        the table's get (``put_kind_mismatches``: an oops or a leak), API-lock waits given up
         (deadlock) and callbacks that overran.
         """
         keys = (
