@@ -84,6 +84,16 @@ MODULE_PARM_DESC(unmap_other_peer, "Testing: the next nvidia_p2p_dma_unmap_pages
  * No reference is kept on that one: NVIDIA only compares the pointer, and
  * the test VM's devices never go away.
  */
+static bool gpupin_put_other_kind;
+module_param_named(put_other_kind, gpupin_put_other_kind, bool, 0644);
+MODULE_PARM_DESC(put_other_kind, "Testing: the next put_pages of a non-persistent pin goes through nvidia_p2p_put_pages_persistent (a client bug: NVIDIA dereferences NULL), then this resets");
+
+/* Should this put of a non-persistent pin be a persistent one?  Once per setting. */
+bool gpupin_fault_put_other_kind(void)
+{
+	return READ_ONCE(gpupin_put_other_kind) && xchg(&gpupin_put_other_kind, false);
+}
+
 struct pci_dev *gpupin_fault_unmap_peer(struct pci_dev *pdev)
 {
 	struct pci_dev *other = NULL;

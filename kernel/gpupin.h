@@ -91,6 +91,7 @@ void gpupin_fault_release_delay(void);
 void gpupin_fault_unmap_late_delay(void);
 void gpupin_fault_own_map_batch(void);
 struct pci_dev *gpupin_fault_unmap_peer(struct pci_dev *pdev);
+bool gpupin_fault_put_other_kind(void);
 int gpupin_fault_init(void);
 void gpupin_fault_exit(void);
 #else
@@ -113,6 +114,11 @@ static inline void gpupin_fault_own_map_batch(void)
 static inline struct pci_dev *gpupin_fault_unmap_peer(struct pci_dev *pdev)
 {
 	return pdev;
+}
+
+static inline bool gpupin_fault_put_other_kind(void)
+{
+	return false;
 }
 
 static inline bool gpupin_fail_alloc(void)

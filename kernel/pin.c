@@ -413,7 +413,7 @@ static bool gpupin_put_pages(struct gpupin_pin_obj *pin, enum gpupin_pin_state c
 	 * 515.x, 530.x) no pin is persistent (gpupin_pin_create).
 	 */
 #ifdef NVIDIA_P2P_CAP_GET_PAGES_PERSISTENT_API
-	if (persistent)
+	if (persistent || gpupin_fault_put_other_kind())
 		ret = nvidia_p2p_put_pages_persistent(pin->aligned_va, pin->pt, 0);
 	else
 #endif

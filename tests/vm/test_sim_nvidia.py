@@ -259,3 +259,25 @@ def test_reused_table_addresses_release_the_right_pins(
     assert s.stale_table_puts == 0 and s.page_tables == 0 and s.live_callbacks == 0, s
     for v in (vas[0], vas[2], vas[3]):
         sim.free(v)
+
+
+def test_persistent_put_of_a_non_persistent_table_is_counted(
+    device: Device,
+    sim: SimMemory,
+    sim_params: Callable[..., None],
+    sim_misuse: Callable[..., None],
+) -> None:
+    """nvidia_p2p_put_pages_persistent of a table from nvidia_p2p_get_pages reaches
+    RmP2PPutPagesPersistent with the table's private data NULL, and NVIDIA dereferences it
+    under its API lock.  gpupin's test knob put_other_kind makes one such put; the simulator
+    counts it and refuses, so the pin waits for its callback (put_pages failed)."""
+    va = sim.alloc(GPU_PAGE)
+    pin = device.pin(va, GPU_PAGE)
+    sim_misuse(put_kind_mismatches=1)
+    sim_params("gpupin", put_other_kind=1)
+    device.unpin(pin)  # the put fails: the pin is detached, kept for its callback
+    s = sim_stats()
+    assert s.put_kind_mismatches == 1 and s.page_tables == 1 and s.live_callbacks == 1, s
+    sim.free(va)  # the callback lets the detached pin go
+    s = sim_stats()
+    assert s.page_tables == 0 and s.live_callbacks == 0 and s.use_after_free_calls == 0, s
