@@ -74,16 +74,6 @@ void gpupin_fault_own_map_batch(void)
 	gpupin_fault_pause(&gpupin_own_map_batch_delay_ms);
 }
 
-static bool gpupin_unmap_other_peer;
-module_param_named(unmap_other_peer, gpupin_unmap_other_peer, bool, 0644);
-MODULE_PARM_DESC(unmap_other_peer, "Testing: the next nvidia_p2p_dma_unmap_pages gets another PCI device than the mapping's as its peer (a client bug NVIDIA WARNs about), then this resets");
-
-/*
- * The peer to pass to nvidia_p2p_dma_unmap_pages for a mapping made for
- * @pdev: @pdev, or once after unmap_other_peer was set another PCI device.
- * No reference is kept on that one: NVIDIA only compares the pointer, and
- * the test VM's devices never go away.
- */
 static bool gpupin_put_other_kind;
 module_param_named(put_other_kind, gpupin_put_other_kind, bool, 0644);
 MODULE_PARM_DESC(put_other_kind, "Testing: the next put_pages of a non-persistent pin goes through nvidia_p2p_put_pages_persistent (a client bug: NVIDIA dereferences NULL), then this resets");
@@ -94,6 +84,16 @@ bool gpupin_fault_put_other_kind(void)
 	return READ_ONCE(gpupin_put_other_kind) && xchg(&gpupin_put_other_kind, false);
 }
 
+static bool gpupin_unmap_other_peer;
+module_param_named(unmap_other_peer, gpupin_unmap_other_peer, bool, 0644);
+MODULE_PARM_DESC(unmap_other_peer, "Testing: the next nvidia_p2p_dma_unmap_pages gets another PCI device than the mapping's as its peer (a client bug NVIDIA WARNs about), then this resets");
+
+/*
+ * The peer to pass to nvidia_p2p_dma_unmap_pages for a mapping made for
+ * @pdev: @pdev, or once after unmap_other_peer was set another PCI device.
+ * No reference is kept on that one: NVIDIA only compares the pointer, and
+ * the test VM's devices never go away.
+ */
 struct pci_dev *gpupin_fault_unmap_peer(struct pci_dev *pdev)
 {
 	struct pci_dev *other = NULL;
