@@ -254,7 +254,7 @@ struct gpupin_pin_obj {
 	u32 page_shift;			/* GPU_BOUND_SHIFT (nv-p2p) or PAGE_SHIFT (dma-buf) */
 	u32 entries;			/* aligned_size >> page_shift */
 	struct nvidia_p2p_page_table *pt;	/* nv-p2p pins */
-	u32 cb_id;			/* nv-p2p pins with a callback: its data (pin.c); 0: none */
+	unsigned long cb_id;		/* nv-p2p pins with a callback: its data (pin.c); 0: none */
 	u8 gpu_uuid[16];		/* copied from the page table while PINNING */
 	struct dma_buf *dmabuf;		/* dma-buf pins: a reference */
 	struct pci_dev *dmabuf_pdev;	/* dma-buf pins: importing device (a reference) or NULL */

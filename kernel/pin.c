@@ -66,22 +66,24 @@ static bool gpupin_pin_put_here(struct gpupin_pin_obj *pin)
  * xarray's lock (kref_get_unless_zero: the last put may be on its way to
  * erase it).  So an id it finds is a live pin, and one it does not find is
  * a late, duplicate or unknown callback: NVIDIA runs a registration's
- * callback once, so a second one with the same id finds nothing.  Ids are
- * handed out cyclically over 32 bits: one comes back only after some four
- * billion pins, so a stale id finds nothing rather than a newer pin.  The
- * lock's place in the lock order: gpupin.h (innermost, taken alone).
+ * callback once, so a second one with the same id finds nothing.  Ids
+ * count up over 64 bits (the callback's data is a pointer: nv-p2p exists
+ * on 64-bit kernels only) and are never handed out twice, so a stale id
+ * can never find a newer pin.  The lock's place in the lock order:
+ * gpupin.h (innermost, taken alone).
  */
-static DEFINE_XARRAY_ALLOC1(gpupin_cb_pins);
-static u32 gpupin_cb_next;	/* xa_alloc_cyclic()'s cursor, under the xarray's lock */
+static DEFINE_XARRAY(gpupin_cb_pins);
+static atomic64_t gpupin_cb_last_id;
 
-/* Give @pin its callback id; -ENOMEM or -EBUSY (every id taken) if none. */
+/* Give @pin its callback id; -ENOMEM if the xarray cannot grow. */
 static int gpupin_cb_id_alloc(struct gpupin_pin_obj *pin)
 {
-	u32 id;
+	unsigned long id;
 	int ret;
 
-	ret = xa_alloc_cyclic(&gpupin_cb_pins, &id, pin, XA_LIMIT(1, U32_MAX), &gpupin_cb_next,
-			      GFP_KERNEL);
+	BUILD_BUG_ON(sizeof(void *) < sizeof(u64));
+	id = atomic64_inc_return(&gpupin_cb_last_id);
+	ret = xa_insert(&gpupin_cb_pins, id, pin, GFP_KERNEL);
 	if (ret < 0)
 		return ret;
 	pin->cb_id = id;
@@ -97,7 +99,7 @@ static struct gpupin_pin_obj *gpupin_cb_pin_take(void *data)
 	unsigned long id = (unsigned long)data;
 	struct gpupin_pin_obj *pin;
 
-	if (!id || id > U32_MAX)
+	if (!id)
 		return NULL;
 	xa_lock(&gpupin_cb_pins);
 	pin = __xa_erase(&gpupin_cb_pins, id);
