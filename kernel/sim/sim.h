@@ -125,6 +125,7 @@ const char *nvp2p_sim_provider(void);
 void sim_pin_put(struct sim_pin *pin);
 void sim_run_callbacks(struct list_head *claimed);
 int sim_injected_error_locked(int *nth_param);
+bool sim_peer_denied(struct device *dev);
 unsigned long sim_bar_size(void);	/* the bar_size parameter, for sim_main.c */
 int sim_p2p_init(void);
 void sim_p2p_exit(void);

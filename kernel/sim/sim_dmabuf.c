@@ -72,7 +72,8 @@ struct sim_export {
  * An importer attaches (refused when a test injects it: fail_attach_nth) or
  * detaches; counted, so that a test sees an importer that left one behind.
  * NVIDIA's exporter (not revocable) also refuses a non-PCI device (a strict
- * misuse) and a dynamic importer that cannot take peer-to-peer addresses.
+ * misuse), a dynamic importer that cannot take peer-to-peer addresses and a
+ * device its topology check denies (deny_peers, sim_p2p.c).
  */
 static int sim_dmabuf_attach(struct dma_buf *dmabuf, struct dma_buf_attachment *attach)
 {
@@ -89,6 +90,9 @@ static int sim_dmabuf_attach(struct dma_buf *dmabuf, struct dma_buf_attachment *
 	}
 	if (!err && !exp->revocable && attach->importer_ops && !attach->peer2peer)
 		err = -ENOTSUPP;	/* GPU memory without struct pages */
+	/* nv_dma_buf_attach: nv_grdma_pci_topology_supported (deny_peers) */
+	if (!err && !exp->revocable && sim_peer_denied(attach->dev))
+		err = -ENOTSUPP;
 	if (!err)
 		sim_stats.dmabuf_attachments++;
 	spin_unlock(&sim_lock);
