@@ -84,6 +84,19 @@ bool gpupin_fault_put_other_kind(void)
 	return READ_ONCE(gpupin_put_other_kind) && xchg(&gpupin_put_other_kind, false);
 }
 
+/* Writing anything forgets NVIDIA's topology verdicts (topo.c). */
+static int gpupin_forget_topology_set(const char *val, const struct kernel_param *kp)
+{
+	gpupin_topo_forget();
+	return 0;
+}
+
+static const struct kernel_param_ops gpupin_forget_topology_ops = {
+	.set = gpupin_forget_topology_set,
+};
+module_param_cb(forget_topology, &gpupin_forget_topology_ops, NULL, 0200);
+MODULE_PARM_DESC(forget_topology, "Testing: write 1 to forget NVIDIA's topology verdicts gpupin keeps per GPU and peer (the simulator's deny_peers changed)");
+
 static bool gpupin_unmap_other_peer;
 module_param_named(unmap_other_peer, gpupin_unmap_other_peer, bool, 0644);
 MODULE_PARM_DESC(unmap_other_peer, "Testing: the next nvidia_p2p_dma_unmap_pages gets another PCI device than the mapping's as its peer (a client bug NVIDIA WARNs about), then this resets");

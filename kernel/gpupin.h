@@ -348,6 +348,11 @@ int gpupin_map_for_driver(struct gpupin_pin_obj *pin, struct pci_dev *pdev,
 			  struct gpupin_map **out, u32 *id);
 void gpupin_map_drop_driver(struct gpupin_pin_obj *pin, u32 id);
 
+/* topo.c */
+int gpupin_topo_verdict(struct gpupin_pin_obj *pin, struct pci_dev *peer);
+bool gpupin_topo_common_switch(struct pci_dev *gpu, struct pci_dev *peer);
+void gpupin_topo_forget(void);
+
 /* ownmap.c */
 int gpupin_own_map(struct gpupin_pin_obj *pin, struct gpupin_map *map, u32 *id);
 void gpupin_own_unmap(struct gpupin_map *map);

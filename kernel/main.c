@@ -143,6 +143,7 @@ static void __exit gpupin_exit(void)
 	gpupin_file_exit();
 	gpupin_nl_exit();
 	gpupin_fault_exit();
+	gpupin_topo_forget();
 }
 
 module_init(gpupin_init);

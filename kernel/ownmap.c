@@ -19,10 +19,12 @@
  *   BAR) are MMIO: dma_map_resource, as NVIDIA's own peer mappings do
  *   (rm_p2p_dma_map_pages: nv_dma_map_peer).  NVIDIA checks the topology
  *   with its own rules (nv_grdma_pci_topology_supported: allowed unless the
- *   chipset is known not to work); the kernel's (pci_p2pdma_distance, with
- *   CONFIG_PCI_P2PDMA) are stricter (the host bridge must be on a short
- *   list, and every pass-through VM fails them), so they only log, and
- *   refuse (-EOPNOTSUPP) with the p2p_check parameter.
+ *   chipset is known not to work), and gpupin follows its verdict (topo.c:
+ *   asked of NVIDIA once per GPU and peer; -EOPNOTSUPP where it refuses).
+ *   The kernel's rules (pci_p2pdma_distance, with CONFIG_PCI_P2PDMA) are
+ *   stricter (the host bridge must be on a short list, and every
+ *   pass-through VM fails them), so they only log, and refuse with the
+ *   p2p_check parameter.
  * - GPU memory with struct pages (coherent systems such as GH200, and the
  *   simulator's host pages) is memory to the peer: dma_map_page.
  */
@@ -64,11 +66,28 @@ static struct pci_dev *gpupin_bar_owner(phys_addr_t phys, struct resource **bar)
 }
 
 /*
- * May @peer reach @pin's pages, and how: BAR pages (map->mmio, the BAR into
- * map->bar_start/bar_end) or memory.  The caller is an in-flight user (the
- * page table stays).
+ * NVIDIA could not be asked (@verdict -ENOENT, topo.c): what gpupin sees of
+ * its check for BAR pages of @gpu.  The chipsets it flags (Grace, Ampere
+ * Altra and AmpereOne: _checkP2pChipsetSupport, osinit.c) are all arm64
+ * hosts; there only a common switch allows peer DMA.  The administrator's
+ * override is not visible: elsewhere this allows what NVIDIA allows unless
+ * the override denies everything.
  */
-static int gpupin_own_check(struct gpupin_pin_obj *pin, struct gpupin_map *map)
+static int gpupin_own_topo_unknown(struct pci_dev *gpu, struct pci_dev *peer)
+{
+	if (!IS_ENABLED(CONFIG_ARM64) || gpupin_topo_common_switch(gpu, peer))
+		return 0;
+	pr_info_ratelimited("%s: NVIDIA's topology verdict is unknown and no switch is shared with %s: refused\n",
+			    pci_name(peer), pci_name(gpu));
+	return -EOPNOTSUPP;
+}
+
+/*
+ * May @peer reach @pin's pages, and how: BAR pages (map->mmio, the BAR into
+ * map->bar_start/bar_end) or memory.  @verdict is NVIDIA's (topo.c), known
+ * not to refuse.  The caller is an in-flight user (the page table stays).
+ */
+static int gpupin_own_check(struct gpupin_pin_obj *pin, struct gpupin_map *map, int verdict)
 {
 	phys_addr_t phys = pin->pt->pages[0]->physical_address;
 	struct pci_dev *peer = map->pdev, *gpu;
@@ -96,6 +115,13 @@ static int gpupin_own_check(struct gpupin_pin_obj *pin, struct gpupin_map *map)
 	}
 	map->bar_start = bar->start;
 	map->bar_end = bar->end;
+	if (verdict == -ENOENT) {
+		ret = gpupin_own_topo_unknown(gpu, peer);
+		if (ret) {
+			pci_dev_put(gpu);
+			return ret;
+		}
+	}
 	/*
 	 * The kernel's P2P rules are stricter than NVIDIA's own check
 	 * (nv_grdma_pci_topology_supported allows what it does not know to be
@@ -163,10 +189,14 @@ int gpupin_own_map(struct gpupin_pin_obj *pin, struct gpupin_map *map, u32 *id)
 {
 	struct device *dev = &map->pdev->dev;
 	u32 i, done = 0;
-	int ret;
+	int ret, verdict;
 
 	map->kind = GPUPIN_MAP_OWN;
 	map->entries = pin->entries;
+	/* Before the use: asking takes NVIDIA's API lock, under which callbacks wait for users. */
+	verdict = gpupin_topo_verdict(pin, map->pdev);
+	if (verdict == -EOPNOTSUPP)
+		return verdict;
 	map->dma = gpupin_kvmalloc_array(pin->entries, sizeof(u64), GFP_KERNEL);
 	if (!map->dma)
 		return -ENOMEM;
@@ -177,7 +207,7 @@ int gpupin_own_map(struct gpupin_pin_obj *pin, struct gpupin_map *map, u32 *id)
 		map->dma = NULL;
 		return ret;
 	}
-	ret = gpupin_own_check(pin, map);
+	ret = gpupin_own_check(pin, map, verdict);
 	for (i = 0; !ret && i < pin->entries; i++) {
 		phys_addr_t phys = pin->pt->pages[i]->physical_address;
 		dma_addr_t addr;
