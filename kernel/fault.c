@@ -84,6 +84,15 @@ bool gpupin_fault_put_other_kind(void)
 	return READ_ONCE(gpupin_put_other_kind) && xchg(&gpupin_put_other_kind, false);
 }
 
+static bool gpupin_no_map_resource;
+module_param_named(own_map_no_map_resource, gpupin_no_map_resource, bool, 0644);
+MODULE_PARM_DESC(own_map_no_map_resource, "Testing: gpupin's own mappings of BAR pages act as if the peer's DMA ops had no map_resource (Xen's swiotlb-xen): bus addresses, as NVIDIA's driver");
+
+bool gpupin_fault_no_map_resource(void)
+{
+	return READ_ONCE(gpupin_no_map_resource);
+}
+
 /* Writing anything forgets NVIDIA's topology verdicts (topo.c). */
 static int gpupin_forget_topology_set(const char *val, const struct kernel_param *kp)
 {

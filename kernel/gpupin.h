@@ -90,6 +90,7 @@ void gpupin_fault_callback_tail(void);
 void gpupin_fault_release_delay(void);
 void gpupin_fault_unmap_late_delay(void);
 void gpupin_fault_own_map_batch(void);
+bool gpupin_fault_no_map_resource(void);
 struct pci_dev *gpupin_fault_unmap_peer(struct pci_dev *pdev);
 bool gpupin_fault_put_other_kind(void);
 int gpupin_fault_init(void);
@@ -109,6 +110,11 @@ static inline void gpupin_fault_unmap_late_delay(void)
 
 static inline void gpupin_fault_own_map_batch(void)
 {
+}
+
+static inline bool gpupin_fault_no_map_resource(void)
+{
+	return false;
 }
 
 static inline struct pci_dev *gpupin_fault_unmap_peer(struct pci_dev *pdev)
@@ -293,6 +299,8 @@ struct gpupin_map {
 	struct gpupin_pin_obj *pin;	/* the pin it belongs to (no reference) */
 	enum gpupin_map_kind kind;
 	bool mmio;			/* own: dma_map_resource (BAR pages), else dma_map_page */
+	bool bus_direct;		/* own, mmio: bus addresses, nothing mapped */
+	u64 bus_offset;			/* own, bus_direct: bus address minus CPU address */
 	u32 entries;			/* own: pages mapped */
 	phys_addr_t bar_start;		/* own, mmio: the GPU's BAR holding the pages */
 	phys_addr_t bar_end;

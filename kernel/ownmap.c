@@ -25,17 +25,30 @@
  *   stricter (the host bridge must be on a short list, and every
  *   pass-through VM fails them), so they only log, and refuse with the
  *   p2p_check parameter.
+ *   Where the peer's DMA ops cannot map a resource (no map_resource: Xen's
+ *   swiotlb-xen on older kernels, some architectures' IOMMU ops), NVIDIA
+ *   hands the peer the BAR's bus address instead (nv_dma_map_peer, nv-dma.c:
+ *   "best effort"); so does gpupin, unless an IOMMU translates the peer's
+ *   DMA (device_iommu_mapped): there a bus address is no I/O virtual
+ *   address, and the peer's DMA would fault or land elsewhere.
  * - GPU memory with struct pages (coherent systems such as GH200, and the
- *   simulator's host pages) is memory to the peer: dma_map_page.
+ *   simulator's host pages) is memory to the peer: dma_map_page.  Never
+ *   where the peer's DMA is forced through bounce buffers (swiotlb=force,
+ *   confidential guests): the peer would read and write the bounce buffer,
+ *   and with DMA_ATTR_SKIP_CPU_SYNC (the GPU writes that memory too, so no
+ *   CPU sync is right) nothing is ever copied between it and GPU memory.
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
+#include <linux/dma-map-ops.h>
 #include <linux/dma-mapping.h>
+#include <linux/iommu.h>
 #include <linux/mm.h>
 #include <linux/pci.h>
 #include <linux/pci-p2pdma.h>
 #include <linux/sched.h>
 #include <linux/slab.h>
+#include <linux/swiotlb.h>
 #include "gpupin.h"
 
 /* Pages mapped or unmapped between two chances to reschedule (a 128 GiB pin has 2 M). */
@@ -63,6 +76,42 @@ static struct pci_dev *gpupin_bar_owner(phys_addr_t phys, struct resource **bar)
 		}
 	}
 	return NULL;
+}
+
+/*
+ * Can dma_map_resource map for @dev?  NVIDIA's test (nv_dma_use_map_resource,
+ * nv-dma.c): no DMA ops (dma-direct maps resources) or ops that have
+ * map_resource; without it the kernel's dma_map_resource fails.
+ */
+static bool gpupin_own_can_map_resource(struct device *dev)
+{
+	const struct dma_map_ops *ops = get_dma_ops(dev);
+
+	if (gpupin_fault_no_map_resource())
+		return false;
+	return !ops || ops->map_resource;
+}
+
+/*
+ * BAR pages for a peer whose DMA ops cannot map a resource: the BAR's bus
+ * address (pci_bus_address), as NVIDIA does, in map->bus_offset; refused
+ * where an IOMMU translates the peer's DMA.
+ */
+static int gpupin_own_bus_direct(struct gpupin_map *map, struct pci_dev *gpu,
+				 struct resource *bar)
+{
+	struct pci_dev *peer = map->pdev;
+
+	if (device_iommu_mapped(&peer->dev)) {
+		pr_warn_ratelimited("%s: its DMA ops cannot map %s's BAR and an IOMMU translates its DMA: refused\n",
+				    pci_name(peer), pci_name(gpu));
+		return -EOPNOTSUPP;
+	}
+	map->bus_direct = true;
+	map->bus_offset = pci_bus_address(gpu, bar - gpu->resource) - bar->start;
+	gpupin_dbg("%s: no map_resource: bus addresses of %s's BAR, as NVIDIA's driver\n",
+		   pci_name(peer), pci_name(gpu));
+	return 0;
 }
 
 /*
@@ -111,16 +160,22 @@ static int gpupin_own_check(struct gpupin_pin_obj *pin, struct gpupin_map *map, 
 				   pci_name(peer));
 			return -EOPNOTSUPP;
 		}
+		if (is_swiotlb_force_bounce(&peer->dev)) {
+			pr_warn_ratelimited("%s: its DMA is forced through bounce buffers (swiotlb=force, a confidential guest): GPU pages refused\n",
+					    pci_name(peer));
+			return -EOPNOTSUPP;
+		}
 		return 0;
 	}
 	map->bar_start = bar->start;
 	map->bar_end = bar->end;
-	if (verdict == -ENOENT) {
+	if (verdict == -ENOENT)
 		ret = gpupin_own_topo_unknown(gpu, peer);
-		if (ret) {
-			pci_dev_put(gpu);
-			return ret;
-		}
+	if (!ret && !gpupin_own_can_map_resource(&peer->dev))
+		ret = gpupin_own_bus_direct(map, gpu, bar);
+	if (ret) {
+		pci_dev_put(gpu);
+		return ret;
 	}
 	/*
 	 * The kernel's P2P rules are stricter than NVIDIA's own check
@@ -153,9 +208,9 @@ static void gpupin_own_unmap_n(struct gpupin_map *map, u32 n)
 	u32 i;
 
 	for (i = 0; i < n; i++) {
-		if (map->mmio)
+		if (map->mmio && !map->bus_direct)	/* bus addresses: nothing was mapped */
 			dma_unmap_resource(dev, map->dma[i], GPU_BOUND_SIZE, DMA_BIDIRECTIONAL, 0);
-		else
+		else if (!map->mmio)
 			dma_unmap_page_attrs(dev, map->dma[i], GPU_BOUND_SIZE, DMA_BIDIRECTIONAL,
 					     DMA_ATTR_SKIP_CPU_SYNC);
 		if (!(i % GPUPIN_OWN_BATCH))
@@ -226,7 +281,9 @@ int gpupin_own_map(struct gpupin_pin_obj *pin, struct gpupin_map *map, u32 *id)
 			ret = -EPROTO;	/* BAR and memory pages, or two BARs, in one table */
 			break;
 		}
-		if (map->mmio)
+		if (map->bus_direct)
+			addr = phys + map->bus_offset;
+		else if (map->mmio)
 			addr = dma_map_resource(dev, phys, GPU_BOUND_SIZE, DMA_BIDIRECTIONAL, 0);
 		else	/* the GPU writes it too: no CPU cache maintenance, ever */
 			addr = dma_map_page_attrs(dev, pfn_to_page(PHYS_PFN(phys)),
