@@ -340,6 +340,9 @@ void gpupin_pin_unuse(struct gpupin_pin_obj *pin);
 void gpupin_file_release_pins(struct gpupin_file *f, u32 reason);
 void gpupin_pin_destroy_now(struct gpupin_file *f, struct gpupin_pin_obj *pin, u32 reason);
 bool gpupin_caller_owns(struct gpupin_file *f);
+struct nvidia_p2p_page_table;
+int gpupin_p2p_get_persistent(u64 va, u64 len, struct nvidia_p2p_page_table **pt);
+int gpupin_p2p_put_persistent(u64 va, struct nvidia_p2p_page_table *pt);
 void gpupin_file_put(struct gpupin_file *f);
 
 /* dma.c */

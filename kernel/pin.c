@@ -386,6 +386,29 @@ static void gpupin_pin_hold_detached(struct gpupin_pin_obj *pin)
  */
 static DEFINE_MUTEX(gpupin_p2p_tables);
 
+#ifdef NVIDIA_P2P_CAP_GET_PAGES_PERSISTENT_API
+/* A persistent pin outside a pin object (topo.c's probe), kept apart from puts all the same. */
+int gpupin_p2p_get_persistent(u64 va, u64 len, struct nvidia_p2p_page_table **pt)
+{
+	int ret;
+
+	mutex_lock(&gpupin_p2p_tables);
+	ret = nvidia_p2p_get_pages_persistent(va, len, pt, 0);
+	mutex_unlock(&gpupin_p2p_tables);
+	return ret;
+}
+
+int gpupin_p2p_put_persistent(u64 va, struct nvidia_p2p_page_table *pt)
+{
+	int ret;
+
+	mutex_lock(&gpupin_p2p_tables);
+	ret = nvidia_p2p_put_pages_persistent(va, pt, 0);
+	mutex_unlock(&gpupin_p2p_tables);
+	return ret;
+}
+#endif
+
 /*
  * Put the pages of a pin whose release the caller claimed (state @claimed),
  * unless the free callback took the pin meanwhile: NVIDIA has then freed the

@@ -68,12 +68,12 @@ static int gpupin_topo_ask(struct gpupin_pin_obj *pin, struct pci_dev *peer)
 	int ret;
 
 	/* On failure *pt may point to a freed table: never touched. */
-	if (nvidia_p2p_get_pages_persistent(pin->aligned_va, GPU_BOUND_SIZE, &pt, 0))
+	if (gpupin_p2p_get_persistent(pin->aligned_va, GPU_BOUND_SIZE, &pt))
 		return -ENOENT;
 	ret = nvidia_p2p_dma_map_pages(peer, pt, &m);
 	if (!ret)
 		nvidia_p2p_dma_unmap_pages(peer, pt, m);
-	if (nvidia_p2p_put_pages_persistent(pin->aligned_va, pt, 0))
+	if (gpupin_p2p_put_persistent(pin->aligned_va, pt))
 		pr_warn_ratelimited("topology probe: put_pages_persistent failed\n");
 	if (!ret)
 		return 0;
@@ -104,6 +104,13 @@ int gpupin_topo_verdict(struct gpupin_pin_obj *pin, struct pci_dev *peer)
 	if (ret != -ENOENT)
 		return ret;
 
+	/*
+	 * Only the pinning process can ask: NVIDIA looks the address up in the
+	 * caller's context, where another process (a driver's kworker, the
+	 * kernel API from elsewhere) has other memory or none.
+	 */
+	if (!gpupin_caller_owns(pin->file))
+		return -ENOENT;
 	/* Unlocked: two first mappings of one pair may both ask; the answer is the same. */
 	ret = gpupin_topo_ask(pin, peer);
 	if (ret == -ENOENT)
