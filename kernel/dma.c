@@ -382,8 +382,8 @@ long gpupin_ioctl_dma_addrs(struct gpupin_file *f, struct gpupin_dma_addrs __use
 	u32 i, entries;
 	int ret;
 
-	/* Bus addresses are as sensitive as physical ones. */
-	if (!f->admin)
+	/* Bus addresses are as sensitive as physical ones (gpupin_may_read_addrs). */
+	if (!gpupin_may_read_addrs(f))
 		return -EPERM;
 	if (copy_from_user(&arg, uarg, sizeof(arg)))
 		return -EFAULT;

@@ -343,6 +343,7 @@ bool gpupin_caller_owns(struct gpupin_file *f);
 struct nvidia_p2p_page_table;
 int gpupin_p2p_get_persistent(u64 va, u64 len, struct nvidia_p2p_page_table **pt);
 int gpupin_p2p_put_persistent(u64 va, struct nvidia_p2p_page_table *pt);
+bool gpupin_may_read_addrs(struct gpupin_file *f);
 void gpupin_file_put(struct gpupin_file *f);
 
 /* dma.c */

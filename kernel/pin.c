@@ -43,6 +43,18 @@ bool gpupin_caller_owns(struct gpupin_file *f)
 	return task_tgid(current) == f->owner;
 }
 
+/*
+ * May the caller read physical or bus addresses of @f's pins (GET_PAGES,
+ * DMA_ADDRS)?  Only the process that opened the file, and only if it had
+ * CAP_SYS_ADMIN then.  A fork child or a process given the fd over a
+ * socket shares the file and the opener's privilege, not its right to
+ * see where the memory is.
+ */
+bool gpupin_may_read_addrs(struct gpupin_file *f)
+{
+	return f->admin && gpupin_caller_owns(f);
+}
+
 /* Pins released and waiting for their free callback (DETACHED). */
 atomic_t gpupin_nr_detached = ATOMIC_INIT(0);
 
@@ -1027,8 +1039,8 @@ long gpupin_ioctl_get_pages(struct gpupin_file *f, struct gpupin_get_pages __use
 	u32 i;
 	int ret;
 
-	/* Physical addresses are for the administrator only (who opened the file). */
-	if (!f->admin)
+	/* Physical addresses: for the opener alone, and only an administrator. */
+	if (!gpupin_may_read_addrs(f))
 		return -EPERM;
 	if (copy_from_user(&arg, uarg, sizeof(arg)))
 		return -EFAULT;

@@ -115,7 +115,8 @@ struct gpupin_query {
 
 /*
  * Physical addresses of pages [first, first + count): only for a file opened
- * by a process with CAP_SYS_ADMIN (EPERM otherwise).
+ * by a process with CAP_SYS_ADMIN, and only to that process (EPERM
+ * otherwise: also for a fork child or a process that received the fd).
  */
 struct gpupin_get_pages {
 	__u64 handle;
@@ -162,7 +163,10 @@ struct gpupin_dma_map {
 	__u64 reserved[2];
 };
 
-/* DMA addresses of mapping entries [first, first + count): as GET_PAGES, CAP_SYS_ADMIN only. */
+/*
+ * DMA addresses of mapping entries [first, first + count): as GET_PAGES, for
+ * the opener alone and with CAP_SYS_ADMIN (EPERM otherwise).
+ */
 struct gpupin_dma_addrs {
 	__u64 handle;
 	__u64 addrs;

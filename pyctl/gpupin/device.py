@@ -251,6 +251,25 @@ class Device(Closable):
             errno.EACCES,
         )
 
+    def _addrs_refused(self, what: str) -> PermissionDenied:
+        """The error for EPERM from GET_PAGES or DMA_ADDRS: the kernel gives physical and bus
+        addresses only to the process that opened the file, and only if it had CAP_SYS_ADMIN."""
+        if self._pid != os.getpid():
+            return ForkedDevice(
+                f"{what} failed: {self.path} was opened by process {self._pid}, and this is process "
+                f"{os.getpid()} (a fork child): the kernel gives physical and bus addresses only to the "
+                "process that opened the file (EPERM); open a Device in this process as root "
+                "(Device.reopen()) and pin there",
+                errno.EPERM,
+            )
+        return PermissionDenied(
+            f"{what} failed: {os.strerror(errno.EPERM)} [EPERM]; physical and bus addresses are only "
+            f"for the process that opened {self.path}, and only if it had CAP_SYS_ADMIN (root) when it "
+            "opened it: open the Device as root in the process that reads them and pin there (a file "
+            "inherited through fork or received over a socket gives none)",
+            errno.EPERM,
+        )
+
     def reopen(self) -> Device:
         """A new Device on the same path, owned by the calling process (e.g. a fork child)."""
         return Device(self.path)
@@ -463,7 +482,9 @@ class Device(Closable):
         )
 
     def get_pages(self, handle: int | Pin, first: int = 0, count: int | None = None) -> list[int]:
-        """Physical addresses of the pin's 64 KiB pages (needs CAP_SYS_ADMIN)."""
+        """Physical addresses of the pin's 64 KiB pages: only in the process that opened the
+        Device, and only if it had CAP_SYS_ADMIN (PermissionDenied, or ForkedDevice in a fork
+        child, otherwise)."""
         h = handle.handle if isinstance(handle, Pin) else handle
         if count is None:
             count = self.query(h).entries - first
@@ -485,6 +506,8 @@ class Device(Closable):
                     "or use dma_map() and dma_addrs() for each device"
                 ),
             )
+        if ret == -errno.EPERM:
+            raise self._addrs_refused(f"GET_PAGES({desc})")
         if ret < 0:
             raise from_errno(-ret, "GET_PAGES", desc)
         return list(out)
@@ -499,7 +522,8 @@ class Device(Closable):
         return DmaMapping(handle=h, mapping_id=c.mapping_id, entries=c.entries, pci=pci)
 
     def dma_addrs(self, mapping: DmaMapping, first: int = 0, count: int | None = None) -> list[int]:
-        """Bus addresses of a DMA mapping's entries (needs CAP_SYS_ADMIN)."""
+        """Bus addresses of a DMA mapping's entries: as ``get_pages``, only in the opener with
+        CAP_SYS_ADMIN."""
         if count is None:
             count = mapping.entries - first
         if count <= 0 or first < 0:
@@ -508,7 +532,12 @@ class Device(Closable):
         c = ffi.new("struct gpupin_dma_addrs *")
         c.handle, c.mapping_id, c.first, c.count = mapping.handle, mapping.mapping_id, first, count
         c.addrs = int(ffi.cast("uintptr_t", out))
-        self._call(lib.GPUPIN_IOC_DMA_ADDRS, c, "DMA_ADDRS", f"handle={mapping.handle}, mapping={mapping.mapping_id}")
+        desc = f"handle={mapping.handle}, mapping={mapping.mapping_id}"
+        ret = lib.gpupin_call(self.fileno(), lib.GPUPIN_IOC_DMA_ADDRS, c)
+        if ret == -errno.EPERM:
+            raise self._addrs_refused(f"DMA_ADDRS({desc})")
+        if ret < 0:
+            raise self._error(ret, "DMA_ADDRS", desc)
         return list(out)
 
     def dma_unmap(self, mapping: DmaMapping) -> None:

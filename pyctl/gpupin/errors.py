@@ -65,8 +65,9 @@ class PermissionDenied(GpupinError):
 
 class ForkedDevice(PermissionDenied):
     """A process other than the Device's opener (a fork child) tried to pin, unpin, map or
-    read records: the kernel refuses that (EACCES), and the pins belong to the opener.
-    Open a Device in this process.  ``errno`` is EACCES."""
+    read records: the kernel refuses that (EACCES), and the pins belong to the opener; or to
+    read physical or bus addresses (get_pages, dma_addrs): only the opener may (EPERM).
+    Open a Device in this process.  ``errno`` is EACCES, or EPERM for the addresses."""
 
 
 class DriverNotLoaded(GpupinError):

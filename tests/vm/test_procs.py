@@ -53,29 +53,32 @@ def test_forked_child_cannot_pin_or_unpin(device: Device, memory: MemoryProvider
     memory.free(va)
 
 
+def forked_refusals(calls: list[Callable[[], object]], err: int, parent: int) -> int:
+    """In a fork child: 0 if every call raises ForkedDevice with ``err``, naming the opener
+    ``parent`` and the fix; else 10 + i (call i succeeded) or 20 + i (another error)."""
+    for i, call in enumerate(calls):
+        try:
+            call()
+            return 10 + i
+        except gpupin.ForkedDevice as exc:
+            msg = str(exc)
+            if exc.errno != err or str(parent) not in msg or "Device.reopen()" not in msg:
+                return 20 + i
+    return 0
+
+
 def test_forked_child_is_told_to_open_its_own_device(device: Device, memory: MemoryProvider) -> None:
     """The refused calls raise ForkedDevice naming the fork and the fix, never a bare OSError."""
     va = memory.alloc(GPU_ALLOC)
     pin = device.pin(va, GPU_PAGE)
     parent = os.getpid()
 
-    def child() -> int:
-        calls: list[Callable[[], object]] = [
-            lambda: device.pin(va, GPU_PAGE),
-            lambda: device.unpin(pin),
-            device.read_events,  # a bare PermissionError(13) before
-        ]
-        for i, call in enumerate(calls):
-            try:
-                call()
-                return 10 + i
-            except gpupin.ForkedDevice as exc:
-                msg = str(exc)
-                if exc.errno != errno.EACCES or str(parent) not in msg or "Device.reopen()" not in msg:
-                    return 20 + i
-        return 0
-
-    assert in_child(child) == 0
+    calls: list[Callable[[], object]] = [
+        lambda: device.pin(va, GPU_PAGE),
+        lambda: device.unpin(pin),
+        device.read_events,  # a bare PermissionError(13) before
+    ]
+    assert in_child(lambda: forked_refusals(calls, errno.EACCES, parent)) == 0
     assert device.query(pin).state == "pinned" and device.info().file_pins == 1
     device.unpin(pin)
     memory.free(va)
@@ -198,31 +201,109 @@ def test_cache_in_a_forked_child_with_the_parents_device(gpupin_loaded: None, le
     mem.close()
 
 
-@FORKS
-def test_fd_passed_over_socket_is_refused(gpupin_loaded: None, leakcheck: None) -> None:
+def fd_receiver(child: Callable[[bytes, int], int]) -> tuple[int, socket.socket]:
+    """Fork a child that receives one fd over a Unix socket and exits with child(message, fd);
+    returns its pid and the socket to send on (send_fds, then waitpid and close)."""
     parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-
-    def child() -> int:
-        parent_sock.close()
-        _, fds, _, _ = socket.recv_fds(child_sock, 16, 1)
-        with SimMemory() as mine:
-            va = mine.alloc(GPU_PAGE)
-            c = ffi_pin(fds[0], va)
-            return -c
-
     pid = os.fork()
     if pid == 0:
         code = 99
         try:
-            code = child()
+            parent_sock.close()
+            msg, fds, _, _ = socket.recv_fds(child_sock, 64, 1)
+            code = child(msg, fds[0])
         finally:
             os._exit(code)
     child_sock.close()
+    return pid, parent_sock
+
+
+@FORKS
+def test_fd_passed_over_socket_is_refused(gpupin_loaded: None, leakcheck: None) -> None:
+    def child(_msg: bytes, fd: int) -> int:
+        with SimMemory() as mine:
+            va = mine.alloc(GPU_PAGE)
+            return -ffi_pin(fd, va)
+
+    pid, parent_sock = fd_receiver(child)
     with Device() as dev:
         socket.send_fds(parent_sock, [b"x"], [dev.fileno()])
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == errno.EACCES
         assert dev.info().file_pins == 0
+    parent_sock.close()
+
+
+def test_forked_child_cannot_read_addresses(device: Device, memory: MemoryProvider, pci: str) -> None:
+    """Physical and bus addresses are the opener's alone: a fork child shares the file (and the
+    opener's privilege), but GET_PAGES and DMA_ADDRS refuse it with EPERM and a ForkedDevice that
+    says what to do; the opener still reads them."""
+    va = memory.alloc(GPU_ALLOC)
+    pin = device.pin(va, GPU_PAGE)
+    m = device.dma_map(pin, pci)
+    parent = os.getpid()
+
+    calls: list[Callable[[], object]] = [lambda: device.get_pages(pin), lambda: device.dma_addrs(m)]
+    assert in_child(lambda: forked_refusals(calls, errno.EPERM, parent)) == 0
+    assert len(device.get_pages(pin)) == pin.entries and len(device.dma_addrs(m)) == pin.entries
+    device.dma_unmap(m)
+    device.unpin(pin)
+    memory.free(va)
+
+
+def ffi_addrs(fd: int, handle: int, mapping_id: int | None) -> int:
+    """GET_PAGES (mapping_id None) or DMA_ADDRS of one entry through ``fd``: 0 or -errno."""
+    from gpupin._native import ffi, lib
+
+    out = ffi.new("__u64[1]")
+    if mapping_id is None:
+        c = ffi.new("struct gpupin_get_pages *")
+        cmd = lib.GPUPIN_IOC_GET_PAGES
+    else:
+        c = ffi.new("struct gpupin_dma_addrs *")
+        c.mapping_id = mapping_id
+        cmd = lib.GPUPIN_IOC_DMA_ADDRS
+    c.handle, c.first, c.count = handle, 0, 1
+    c.addrs = int(ffi.cast("uintptr_t", out))
+    return int(lib.gpupin_call(fd, cmd, c))
+
+
+@FORKS
+def test_fd_receiver_cannot_read_addresses(gpupin_loaded: None, leakcheck: None, pci: str) -> None:
+    """A process that got the opener's file over SCM_RIGHTS (opened after the fork, so not
+    inherited) reads no physical or bus addresses through it: EPERM, and the Python error names
+    both conditions and what to do.  The opener still reads them."""
+
+    def child(msg: bytes, fd: int) -> int:
+        handle, mapping_id = (int(x) for x in msg.split())
+        if ffi_addrs(fd, handle, None) != -errno.EPERM:
+            return 2
+        if ffi_addrs(fd, handle, mapping_id) != -errno.EPERM:
+            return 3
+        # The same file under a Device of this process: the Python error says what to do.
+        with Device() as mine:
+            os.dup2(fd, mine.fileno())
+            try:
+                mine.get_pages(handle, 0, 1)
+                return 4
+            except gpupin.PermissionDenied as exc:
+                text = str(exc)
+                if exc.errno != errno.EPERM or "opened" not in text or "CAP_SYS_ADMIN" not in text:
+                    return 5
+        return 0
+
+    pid, parent_sock = fd_receiver(child)
+    with SimMemory() as sim, Device() as dev:
+        va = sim.alloc(GPU_PAGE)
+        pin = dev.pin(va, GPU_PAGE)
+        m = dev.dma_map(pin, pci)
+        socket.send_fds(parent_sock, [f"{pin.handle} {m.mapping_id}".encode()], [dev.fileno()])
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert len(dev.get_pages(pin)) == 1 and len(dev.dma_addrs(m)) == 1
+        dev.dma_unmap(m)
+        dev.unpin(pin)
+        sim.free(va)
     parent_sock.close()
 
 
