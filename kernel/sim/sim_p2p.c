@@ -73,6 +73,7 @@ static struct {
 	bool race_get_pages;
 	bool race_put_pages;
 	bool callback_twice;
+	bool free_before_register;
 } sim_p2p_knobs = {
 	.page_table_version = NVIDIA_P2P_PAGE_TABLE_VERSION,
 	.page_size_type = NVIDIA_P2P_PAGE_SIZE_64KB,
@@ -119,6 +120,8 @@ module_param_named(race_put_pages, sim_p2p_knobs.race_put_pages, bool, 0644);
 MODULE_PARM_DESC(race_put_pages, "Fire the free callback concurrently with every put_pages (default off)");
 module_param_named(callback_twice, sim_p2p_knobs.callback_twice, bool, 0644);
 MODULE_PARM_DESC(callback_twice, "Run every free callback a second time with the same data once its table was freed: a client must find nothing then (default off)");
+module_param_named(free_before_register, sim_p2p_knobs.free_before_register, bool, 0644);
+MODULE_PARM_DESC(free_before_register, "Free the memory between each non-persistent get_pages' pinning and its callback registration: the mapping goes without a callback, get_pages fails -EINVAL with *page_table NULL, as on NVIDIA's driver (default off)");
 
 /*
  * BAR1 that pins may not take: NVIDIA's CLI_THIRD_PARTY_P2P_BAR1_RESERVE
@@ -612,7 +615,8 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 {
 	struct sim_pin *pin, *dead = NULL;
 	struct sim_alloc *alloc;
-	bool race = false;
+	bool race = false, unregistered = false;
+	LIST_HEAD(evicted);
 	u32 entries, version, i;
 	int err;
 
@@ -692,7 +696,23 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 	sim_stats.bar_bytes += len;
 	sim_stats.page_tables++;
 	*page_table = pin->pt;
-	if (!persistent && READ_ONCE(sim_p2p_knobs.race_get_pages)) {
+	if (!persistent && READ_ONCE(sim_p2p_knobs.free_before_register)) {
+		/*
+		 * NVIDIA's nv_p2p_get_pages (nv-p2p.c) pins through
+		 * rm_p2p_get_pages and arms the callback through
+		 * rm_p2p_register_callback, taking the API lock for each.
+		 * A free in between (CliDelThirdPartyP2PVidmemInfo,
+		 * third_party_p2p.c) deletes the mapping without a callback,
+		 * releasing its BAR1; RmP2PRegisterCallback (p2p.c) then
+		 * finds nothing (-EINVAL), the failure path's put_pages finds
+		 * nothing either and sets *page_table to NULL.  NVIDIA leaks
+		 * its table there; here it goes to the graveyard.  As with
+		 * race_get_pages, the allocation itself stays.
+		 */
+		sim_pin_retire_locked(pin, &evicted);
+		*page_table = NULL;
+		unregistered = true;
+	} else if (!persistent && READ_ONCE(sim_p2p_knobs.race_get_pages)) {
 		/* The memory is freed as soon as the API lock drops. */
 		pin->state = SIM_PIN_CALLBACK;
 		list_del_init(&pin->node);
@@ -704,6 +724,11 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 	sim_api_unlock();
 	if (dead)
 		sim_pin_put(dead);
+	if (unregistered) {
+		sim_pin_bury(pin, &evicted);
+		sim_pin_put(pin);
+		return -EINVAL;
+	}
 	if (race) {
 		/* Return only once the callback ran: the worst case for the client. */
 		wait_for_completion(&pin->cb_done);
