@@ -28,6 +28,7 @@
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
 #include <linux/capability.h>
+#include <linux/err.h>
 #include <linux/mm.h>
 #include <linux/module.h>
 #include <linux/overflow.h>
@@ -887,6 +888,30 @@ int gpupin_pin_publish(struct gpupin_file *f, struct gpupin_pin_obj *pin, void _
 	return 0;
 }
 
+/* What gpupin_pin_create() leaves in pin->pt for get_pages to overwrite. */
+#define GPUPIN_PT_UNSET ((struct nvidia_p2p_page_table *)ERR_PTR(-EINVAL))
+
+/*
+ * A failed get_pages' error as PIN reports it.  NVIDIA's nv_p2p_get_pages
+ * pins (rm_p2p_get_pages) and then arms the callback
+ * (rm_p2p_register_callback), taking its API lock for each.  Memory freed
+ * in between loses its mapping without a callback; the registration then
+ * fails with -EINVAL, and the failure path's put_pages, finding nothing,
+ * sets *page_table to NULL.  No other -EINVAL leaves NULL there: the
+ * argument checks leave it as it was (GPUPIN_PT_UNSET), and RM refusing
+ * the range leaves it pointing at the freed table.  So -EINVAL with @pt
+ * NULL is memory freed while gpupin pinned it: -ENXIO, as when the callback
+ * runs before get_pages returns.  (An MPS client torn down in that window,
+ * losing its registration, looks the same: its memory is gone for it.)
+ */
+static int gpupin_get_pages_err(int err, const struct nvidia_p2p_page_table *pt,
+				bool persistent)
+{
+	if (err == -EINVAL && !pt && !persistent)
+		return -ENXIO;
+	return gpupin_provider_err(err);
+}
+
 /*
  * The core of PIN for a validated request: a new pin of [aligned_va,
  * aligned_va + aligned_size) through nv-p2p, PINNED and valid in the map but
@@ -918,6 +943,7 @@ static int gpupin_pin_create(struct gpupin_file *f, const struct gpupin_pin *req
 			goto err_unreserve;
 	}
 
+	pin->pt = GPUPIN_PT_UNSET;	/* see gpupin_get_pages_err() */
 	mutex_lock(&gpupin_p2p_tables);
 #ifdef NVIDIA_P2P_CAP_GET_PAGES_PERSISTENT_API
 	if (persistent)
@@ -931,7 +957,7 @@ static int gpupin_pin_create(struct gpupin_file *f, const struct gpupin_pin *req
 	mutex_unlock(&gpupin_p2p_tables);
 	if (ret) {
 		gpupin_dbg("get_pages failed: %d\n", ret);
-		ret = gpupin_provider_err(ret);
+		ret = gpupin_get_pages_err(ret, pin->pt, persistent);
 		pin->pt = NULL;
 		goto err_unreserve;
 	}

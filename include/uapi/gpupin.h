@@ -64,6 +64,12 @@ struct gpupin_info {
  */
 #define GPUPIN_PIN_REVOCABLE 0x4
 
+/*
+ * Pin [va, va + size), widened to 64 KiB GPU pages.  EINVAL: the range is
+ * not GPU memory of the calling process (or spans allocations).  ENXIO: the
+ * memory was freed while it was being pinned, also where the free came
+ * between NVIDIA's pinning and the arming of its free callback.
+ */
 struct gpupin_pin {
 	__u64 va;
 	__u64 size;

@@ -400,6 +400,16 @@ class Device(Closable):
                 cls=NotGpuMemory,
                 hint=("the range is not GPU memory allocated by this process (or spans allocations)"),
             )
+        if ret == -errno.ENXIO:
+            raise from_errno(
+                errno.ENXIO,
+                "PIN",
+                desc,
+                hint=(
+                    "the GPU memory was freed while it was being pinned (by another thread, or its "
+                    "CUDA context went): allocate it again and pin the new memory"
+                ),
+            )
         if ret < 0:
             raise self._error(ret, "PIN", desc)
         if self._words is None:

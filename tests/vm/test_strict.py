@@ -322,6 +322,30 @@ def test_memory_freed_before_get_pages_returns(device: Device, sim: SimMemory, s
     sim.free(va)
 
 
+def test_memory_freed_between_get_pages_and_register(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
+    """NVIDIA pins, drops its API lock, and takes it again to arm the callback: a free in between
+    deletes the mapping without a callback and get_pages fails EINVAL with a NULL table.  PIN
+    says the memory was freed (ENXIO, PinInvalidated, as when the callback beats get_pages), not
+    that the range is no GPU memory, and nothing stays behind."""
+    va = sim.alloc(GPU_PAGE)
+    before = sim_stats()
+    sim_params(free_before_register=True)
+    with pytest.raises(gpupin.PinInvalidated, match="freed while it was being pinned") as exc:
+        device.pin(va, GPU_PAGE)
+    assert exc.value.errno == errno.ENXIO
+    s = sim_stats()
+    assert s.get_pages_calls == before.get_pages_calls + 1 and s.callbacks_run == before.callbacks_run
+    assert s.page_tables == 0 and s.bar_bytes == 0 and s.pinned_pages == 0 and s.live_callbacks == 0, s
+    assert s.use_after_free_calls == 0 and s.puts_not_found == 0, s
+    info = device.info()
+    assert info.file_pins == 0 and info.pinned_bytes == 0
+    # Persistent pins register no callback: the window does not exist for them.
+    device.unpin(device.pin(va, GPU_PAGE, persistent=True))
+    sim_params(free_before_register=False)
+    device.unpin(device.pin(va, GPU_PAGE))
+    sim.free(va)
+
+
 # -- M2, M3: races that only KASAN sees (make test-debug) ----------------------------------------
 
 
