@@ -19,7 +19,7 @@ from gpupin.sim import get_sim_param
 
 pytestmark = [
     pytest.mark.vm,
-    pytest.mark.simonly(reason="drops registrations (forget_owner) and repeats callbacks (callback_twice) in the simulator"),
+    pytest.mark.simonly(reason="drops registrations (forget_owner), repeats callbacks (callback_twice)"),
 ]
 
 
