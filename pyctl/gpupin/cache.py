@@ -398,7 +398,8 @@ class RegistrationCache:
         self._granule = int(getattr(device, "granule", GPU_PAGE))
         check_kernel = validate in ("both", "kernel")
         check_buffer_id = validate in ("both", "buffer_id")
-        # The buffer-id check runs in C when the provider offers the direct CUDA query.
+        # The buffer-id check runs in C when the provider offers a query in C (see
+        # MemoryProvider): CudaMemory's libcuda call, SimMemory's ioctl, FakeMemory(direct_query=True).
         c_buffer_id = check_buffer_id and bool(getattr(memory, "direct_buffer_id_query", False))
         self._py_buffer_id = check_buffer_id and not c_buffer_id
         map_buf: Any = None
@@ -409,9 +410,12 @@ class RegistrationCache:
         self._c = ffi.gc(lib.gpc_new(words, nwords, int(check_kernel), int(c_buffer_id)), lib.gpc_free)
         if self._c == ffi.NULL:
             raise MemoryError("gpupin cache: out of memory")
-        query = getattr(memory, "c_buffer_id_query", None)  # a C query other than libcuda's
-        if c_buffer_id and query is not None:
-            lib.gpc_set_buffer_id_query(self._c, query)
+        # Kept as long as the cache: the core calls them until it is closed.
+        self._c_query: tuple[Any, Any] = (ffi.NULL, ffi.NULL)
+        if c_buffer_id:
+            query = getattr(memory, "c_buffer_id_query", None) or ffi.NULL  # NULL: libcuda's
+            self._c_query = (query, getattr(memory, "c_buffer_id_ctx", None) or ffi.NULL)
+            lib.gpc_set_buffer_id_query(self._c, *self._c_query)
         self._life = _Life(self._c, device, map_buf)
         self._ents = self._life.ents  # the same list: changed in place only
         # Not at interpreter exit: a cache still alive then may be in use by another atexit

@@ -124,6 +124,9 @@ class CudaMemory(ProviderBase):
         self.device = device
         # The buffer-id query on the hot path goes straight to libcuda (no cuda-python layer).
         self.direct_buffer_id_query = lib.gp_cuda_open(int(self._buffer_id_attr)) == 0
+        # The same query for the cache's hit path (see MemoryProvider): no context.
+        self.c_buffer_id_query: Any = ffi.addressof(lib, "gp_cuda_query") if self.direct_buffer_id_query else None
+        self.c_buffer_id_ctx: Any = ffi.NULL
         self._direct = cuda_buffer_id or lib.gp_cuda_buffer_id_or_0
         # VMM chunks: RANGE_* spans the whole reserved range, MAPPING_* the chunk
         # (measured on an H200, driver 580); cuda-python does not wrap MAPPING_*.

@@ -7,6 +7,15 @@ a dma-buf have ``export_dmabuf(ptr) -> fd`` (the registration cache's dma-buf
 backend uses it).  The registration cache and the tests use only
 this interface; :class:`gpupin.sim.SimMemory` and
 :class:`gpupin.cuda.CudaMemory` implement it.
+
+A provider may also offer its buffer-id query in C, for the cache's hit path
+to call without Python: ``direct_buffer_id_query`` True, ``c_buffer_id_query``
+a cffi pointer to a ``gpc_buffer_id_query_t`` (``int (*)(void *ctx, uint64_t
+ptr, uint64_t *out)``: 0 and the id, or non-zero for no allocation there) and
+``c_buffer_id_ctx`` its first argument (``ffi.NULL`` if it needs none), both
+alive as long as the provider.  The query runs under the cache core's mutex,
+with the GIL held: it must not wait for either.  A provider without one has
+its buffer ids checked in Python, through ``buffer_id``.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ import errno
 import os
 import random
 import threading
+from typing import Any
 
 import pytest
 
@@ -670,3 +671,36 @@ def test_a_record_read_before_its_cache_took_the_handle_still_reaches_it() -> No
     assert one.drain() == 1 and len(one) == 0 and dev.pins == {}
     one.close()
     two.close()
+
+
+def test_core_hands_the_query_its_context_and_checks_its_answer() -> None:
+    """The hit path calls the provider's buffer-id query with the context the provider set
+    (SimMemory's carries its fd), and a hit needs both a 0 return and the stored buffer id;
+    NULL puts libcuda's query back (no libcuda here: every check then fails)."""
+    from gpupin._native import ffi, lib
+
+    c = ffi.gc(lib.gpc_new(ffi.NULL, 0, 0, 1), lib.gpc_free)
+    ctx = ffi.new("uint64_t[2]", [0, 7])  # [calls, the buffer id the query reports]
+    seen: list[int] = []
+
+    @ffi.callback("gpc_buffer_id_query_t", error=-1)
+    def query(qctx: Any, ptr: int, out: Any) -> int:
+        seen.append(int(ffi.cast("uintptr_t", qctx)))
+        box = ffi.cast("uint64_t *", qctx)
+        box[0] += 1
+        out[0] = box[1]
+        return 0 if box[1] else 1
+
+    lib.gpc_set_buffer_id_query(c, query, ctx)
+    tok = lib.gpc_insert(c, 0, 1 << 20, 2 << 20, 7, 0, 0)
+    assert tok >= 0
+    assert lib.gpc_lookup(c, (1 << 20) + 64, 64) == tok  # a hit: its own buffer id
+    assert seen == [int(ffi.cast("uintptr_t", ctx))] and ctx[0] == 1
+    lib.gpc_release(c, tok)
+    ctx[1] = 8  # another allocation there now
+    assert lib.gpc_lookup(c, 1 << 20, 1) == -(tok + lib.GPC_STALE_BASE)
+    ctx[1] = 0  # the query says "none there"
+    assert lib.gpc_lookup(c, 1 << 20, 1) == -(tok + lib.GPC_STALE_BASE)
+    assert ctx[0] == 3
+    lib.gpc_set_buffer_id_query(c, ffi.NULL, ffi.NULL)  # libcuda's, which is not here
+    assert lib.gpc_lookup(c, 1 << 20, 1) == -(tok + lib.GPC_STALE_BASE) and ctx[0] == 3

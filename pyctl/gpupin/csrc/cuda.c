@@ -30,6 +30,13 @@ int gp_cuda_buffer_id(uint64_t ptr, uint64_t *out)
 	return gp_cu_getattr(out, gp_cu_buffer_id_attr, ptr);
 }
 
+/* gp_cuda_buffer_id as the cache's buffer-id query (gpc_buffer_id_query_t): no context. */
+int gp_cuda_query(void *ctx, uint64_t ptr, uint64_t *out)
+{
+	(void)ctx;
+	return gp_cuda_buffer_id(ptr, out);
+}
+
 /* Any 64-bit pointer attribute (for those cuda-python does not wrap); CUresult. */
 int gp_cuda_attr_u64(uint64_t ptr, int attr, uint64_t *out)
 {

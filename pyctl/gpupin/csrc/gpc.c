@@ -80,8 +80,9 @@ struct gpc {
 	pthread_mutex_t lock;
 	const volatile uint64_t *words;
 	uint64_t nwords;
-	int check_kernel, check_buffer_id_cuda;
-	gpc_buffer_id_query_t query;	/* the buffer-id query (NULL: libcuda's, gp_cuda_buffer_id) */
+	int check_kernel, check_buffer_id;
+	gpc_buffer_id_query_t query;	/* the provider's buffer-id query (default: libcuda's) */
+	void *query_ctx;		/* its first argument */
 	int closed;			/* gpc_close(): every lookup says GPC_CLOSED */
 	int closing;			/* gpc_quiesce(): lookups say GPC_CLOSED, releases go on */
 	uint32_t gen;			/* the last generation given out */
@@ -351,7 +352,7 @@ static int gpc_get(struct gpc *c, int64_t id)
 	return 1;
 }
 
-struct gpc *gpc_new(const uint64_t *words, uint64_t nwords, int check_kernel, int check_buffer_id_cuda)
+struct gpc *gpc_new(const uint64_t *words, uint64_t nwords, int check_kernel, int check_buffer_id)
 {
 	struct gpc *c = calloc(1, sizeof(*c));
 
@@ -361,7 +362,8 @@ struct gpc *gpc_new(const uint64_t *words, uint64_t nwords, int check_kernel, in
 	c->words = words;
 	c->nwords = nwords;
 	c->check_kernel = check_kernel;
-	c->check_buffer_id_cuda = check_buffer_id_cuda;
+	c->check_buffer_id = check_buffer_id;
+	c->query = gp_cuda_query;
 	c->max_refs = INT32_MAX;
 	c->lru_head = c->lru_tail = -1;
 	return c;
@@ -569,10 +571,10 @@ int64_t gpc_lookup_locked(struct gpc *c, uint64_t ptr, uint64_t size)
 		return GPC_MISS;
 	if (c->check_kernel && (e->slot >= c->nwords || c->words[e->slot] != e->valid_word))
 		return -(gpc_token(c, id) + GPC_STALE_BASE);
-	if (c->check_buffer_id_cuda) {
+	if (c->check_buffer_id) {
 		uint64_t bid = 0;
 
-		if ((c->query ? c->query(ptr, &bid) : gp_cuda_buffer_id(ptr, &bid)) != 0 || bid != e->buffer_id)
+		if (c->query(c->query_ctx, ptr, &bid) != 0 || bid != e->buffer_id)
 			return -(gpc_token(c, id) + GPC_STALE_BASE);
 	}
 	if (!gpc_get(c, id))
@@ -803,11 +805,17 @@ int gpc_publish(struct gpc *c, int64_t tok)
 	return ret;
 }
 
-/* For tests and providers without libcuda: the buffer-id query of the hit path. */
-void gpc_set_buffer_id_query(struct gpc *c, gpc_buffer_id_query_t query)
+/*
+ * The buffer-id query of the hit path and its context (CudaMemory's is
+ * gp_cuda_query, the default).  Called with
+ * c->lock held, and from the CPython entry points with the GIL held too: it
+ * must not wait for either.  NULL puts the default back.
+ */
+void gpc_set_buffer_id_query(struct gpc *c, gpc_buffer_id_query_t query, void *ctx)
 {
 	pthread_mutex_lock(&c->lock);
-	c->query = query;
+	c->query = query ? query : gp_cuda_query;
+	c->query_ctx = query ? ctx : NULL;
 	pthread_mutex_unlock(&c->lock);
 }
 

@@ -25,8 +25,13 @@ int gpupin_call(int fd, unsigned long cmd, void *arg);
 int gpupin_cover_zero(uint64_t addr, uint64_t len);
 
 struct gpc;
-typedef int (*gpc_buffer_id_query_t)(uint64_t ptr, uint64_t *out);
-struct gpc *gpc_new(const uint64_t *words, uint64_t nwords, int check_kernel, int check_buffer_id_cuda);
+/*
+ * A provider's buffer-id query, as the hit path calls it: 0 and the buffer id
+ * of the allocation holding ptr in *out, or non-zero when there is none (the
+ * entry is then stale).  ctx is what the provider set with the query.
+ */
+typedef int (*gpc_buffer_id_query_t)(void *ctx, uint64_t ptr, uint64_t *out);
+struct gpc *gpc_new(const uint64_t *words, uint64_t nwords, int check_kernel, int check_buffer_id);
 void gpc_free(struct gpc *c);
 int64_t gpc_close(struct gpc *c, int force);
 void gpc_quiesce(struct gpc *c, int on);
@@ -42,7 +47,7 @@ int64_t gpc_insert(struct gpc *c, int64_t id, uint64_t start, uint64_t end, uint
 int64_t gpc_stage(struct gpc *c, int64_t id, uint64_t start, uint64_t end, uint64_t buffer_id,
 		  uint64_t slot, uint64_t valid_word);
 int gpc_publish(struct gpc *c, int64_t tok);
-void gpc_set_buffer_id_query(struct gpc *c, gpc_buffer_id_query_t query);
+void gpc_set_buffer_id_query(struct gpc *c, gpc_buffer_id_query_t query, void *ctx);
 int gpc_remove(struct gpc *c, int64_t tok);
 int gpc_use(struct gpc *c, int64_t tok);
 int gpc_retire(struct gpc *c, int64_t tok);
@@ -59,6 +64,7 @@ int64_t gpc_overlap(struct gpc *c, uint64_t start, uint64_t stop);
 
 int gp_cuda_open(int buffer_id_attr);
 int gp_cuda_buffer_id(uint64_t ptr, uint64_t *out);
+int gp_cuda_query(void *ctx, uint64_t ptr, uint64_t *out);
 uint64_t gp_cuda_buffer_id_or_0(uint64_t ptr);
 int gp_cuda_attr_u64(uint64_t ptr, int attr, uint64_t *out);
 /* cffi cdef end */

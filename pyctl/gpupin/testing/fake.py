@@ -298,12 +298,22 @@ class FakeDevice:
         return sum(1 for v in self._live.values() if v)
 
 
+def _fake_query(ctx: Any, ptr: int, out: Any) -> int:
+    """FakeMemory's query for the cache's C hit path: ``ctx`` is a handle to the FakeMemory."""
+    mem: FakeMemory = ffi.from_handle(ctx)
+    return mem._c_query(ptr, out)
+
+
+_fake_buffer_id_query: Any = ffi.callback("gpc_buffer_id_query_t", _fake_query, error=-1)
+
+
 class FakeMemory:
     """Fake device memory: first-fit addresses, a new buffer id per allocation.
 
     ``direct_query=True``: the buffer-id query is offered to the cache's C hit path too
-    (``direct_buffer_id_query`` and ``c_buffer_id_query``, a C callback), as CudaMemory
-    offers libcuda's: the cache then checks buffer ids in C, as it does on a GPU host."""
+    (``direct_buffer_id_query``, ``c_buffer_id_query``: a C callback into this object, which
+    ``c_buffer_id_ctx`` names), as CudaMemory offers libcuda's and SimMemory an ioctl: the
+    cache then checks buffer ids in C, as it does on a GPU host."""
 
     name = "fake"
     BASE = 1 << 40
@@ -311,9 +321,8 @@ class FakeMemory:
     def __init__(self, *, granule: int = GPU_PAGE, direct_query: bool = False) -> None:
         self.granule = granule  # sizes round up to this (1: exact, like a pool block)
         self.direct_buffer_id_query = direct_query
-        self.c_buffer_id_query: Any = (
-            ffi.callback("gpc_buffer_id_query_t", self._c_query, error=-1) if direct_query else None
-        )
+        self.c_buffer_id_query: Any = _fake_buffer_id_query if direct_query else None
+        self.c_buffer_id_ctx: Any = ffi.new_handle(self) if direct_query else ffi.NULL
         self._fit = FirstFit(self.BASE, granule=granule)
         self.devices: list[FakeDevice] = []
         self.sync_memops_calls = 0
