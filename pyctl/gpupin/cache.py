@@ -9,9 +9,9 @@ evicted.  One entry per allocation: buffer ids are per allocation, so entries
 never merge across allocations.
 
 The hit path is one call into C (``lookup``): find the entry, read its
-validity word (and, for CudaMemory, query the buffer id through the CUDA
-driver directly), take a reference.  Misses, eviction and invalidation run
-in Python under the cache's lock.
+validity word (and query the buffer id through the provider's query in C:
+libcuda's for CudaMemory, an ioctl for SimMemory), take a reference.
+Misses, eviction and invalidation run in Python under the cache's lock.
 
 Lifetimes (Documentation/python.md's "Lifetime rules" says the same for users):
 

@@ -103,16 +103,25 @@ class SimMemory(ProviderBase):
 
     Each instance is one open of /dev/nvp2p_sim; closing it frees its memory and
     runs the free callbacks of every pin on it, as a CUDA context teardown does.
+
+    Its buffer-id query is in C (``gp_sim_query``: one ioctl on this fd), offered to the
+    registration cache's hit path as CudaMemory offers libcuda's: a validated hit runs no
+    Python, only that ioctl.
     """
 
     name = "nvp2p_sim"
+    direct_buffer_id_query = True
 
     def __init__(self, path: str = SIM_PATH) -> None:
         self._fd = open_node(path, "load the simulator with 'gpupin load --sim'")
         self.sync_memops_calls = 0
+        # The query's context: the fd, -1 once closed (the C query then answers -EBADF).
+        self.c_buffer_id_ctx: Any = ffi.new("int *", self._fd)
+        self.c_buffer_id_query: Any = ffi.addressof(lib, "gp_sim_query")
 
     def close(self) -> None:
         if self._fd >= 0:
+            self.c_buffer_id_ctx[0] = -1  # before the close: no query uses a reused fd number
             os.close(self._fd)
             self._fd = -1
 
@@ -149,15 +158,22 @@ class SimMemory(ProviderBase):
         c.va = ptr
         ret = lib.gpupin_call(self._fd, lib.NVP2P_SIM_IOC_QUERY, c)
         if ret == -errno.ENOENT:
-            raise NotGpuMemory(
-                f"{ptr:#x} is not simulated device memory of this context (freed, or never allocated)", errno.ENOENT
-            )
+            raise _not_sim_memory(ptr)
         if ret < 0:
             raise from_errno(-ret, "sim query", f"{ptr:#x}")
         return AllocationRange(int(c.base), int(c.size), int(c.buffer_id))
 
     def buffer_id(self, ptr: int) -> int:
-        return self.range_of(ptr).buffer_id
+        """The buffer id of the allocation holding ``ptr``, through the hit path's C query."""
+        out = ffi.new("uint64_t *")
+        ret = lib.gp_sim_query(self.c_buffer_id_ctx, ptr, out)
+        if ret == -errno.ENOENT:
+            raise _not_sim_memory(ptr)
+        if ret == -errno.EBADF and self._fd < 0:
+            raise InvalidArgument(f"sim buffer_id({ptr:#x}): the simulator context is closed")
+        if ret < 0:
+            raise from_errno(-ret, "sim query", f"{ptr:#x}")
+        return int(out[0])
 
     def enable_sync_memops(self, ptr: int) -> None:
         """Nothing to do for simulated memory (host pages are coherent); counted."""
@@ -218,6 +234,12 @@ class SimMemory(ProviderBase):
 
     def stats(self) -> SimStats:
         return sim_stats(self._fd)
+
+
+def _not_sim_memory(ptr: int) -> NotGpuMemory:
+    return NotGpuMemory(
+        f"{ptr:#x} is not simulated device memory of this context (freed, or never allocated)", errno.ENOENT
+    )
 
 
 def sim_stats(fd: int | None = None) -> SimStats:

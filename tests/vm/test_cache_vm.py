@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import os
 import random
+import sys
+from typing import Any
 
 import pytest
 
 import gpupin
 from conftest import GPU_ALLOC, GPU_PAGE, MiB, need_dmabuf_export
 from gpupin import Device, MemoryProvider, SimMemory, sim_stats
+from gpupin._native import lib
 from gpupin.cache import RegistrationCache
 from gpupin.sim import BAR1_RESERVE
 from gpupin.testing import NATIVE
@@ -41,6 +44,47 @@ def test_free_and_realloc_at_same_address_misses(device: Device, sim: SimMemory,
     assert st.invalidations_kernel + st.invalidations_buffer_id == 1
     cache.purge()
     sim.free(va2)
+    assert device.info().file_pins == 0
+
+
+@pytest.mark.simonly(reason="the simulator's own buffer-id query, and its address reuse")
+@pytest.mark.parametrize("validate", ["buffer_id", "both"])
+def test_a_validated_sim_hit_runs_no_python(device: Device, sim: SimMemory, validate: str) -> None:
+    """SimMemory's buffer-id check runs in C, as CudaMemory's does: a validated hit is one
+    call into C (its query an ioctl from C), no Python function and no Python ioctl wrapper;
+    a free and reallocation at the same address is seen there too (with validate="buffer_id"
+    the buffer id is all the core checks)."""
+    cache = RegistrationCache(device, sim, validate=validate)  # type: ignore[arg-type]
+    va = sim.alloc(MiB)
+    cache.acquire(va, 64).release()  # the miss that pins
+    events: list[tuple[str, str]] = []
+
+    def record(frame: Any, event: str, arg: Any) -> None:
+        name = getattr(arg, "__name__", "") if event.startswith("c_") else frame.f_code.co_name
+        if name != "setprofile":
+            events.append((event, name))
+
+    def profiled_lookup(ptr: int) -> int:
+        sys.setprofile(record)
+        try:
+            return cache.fast_lookup(ptr, 64)
+        finally:
+            sys.setprofile(None)
+
+    tok = profiled_lookup(va + 4096)
+    assert tok >= 0, f"no hit: {tok}"
+    assert events == [("c_call", "fast_lookup"), ("c_return", "fast_lookup")], events
+    cache.release_token(tok)
+    sim.free(va)
+    assert sim.alloc(MiB) == va  # the same address, a new buffer id
+    events.clear()
+    code = profiled_lookup(va + 4096)
+    assert code == -(tok + lib.GPC_STALE_BASE), f"the old pin was handed out or missed: {code}"
+    assert events == [("c_call", "fast_lookup"), ("c_return", "fast_lookup")], events
+    with cache.acquire(va, 64) as reg:
+        assert reg.buffer_id == sim.buffer_id(va) and reg.valid
+    cache.close()
+    sim.free(va)
     assert device.info().file_pins == 0
 
 

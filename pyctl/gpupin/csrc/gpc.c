@@ -807,9 +807,9 @@ int gpc_publish(struct gpc *c, int64_t tok)
 
 /*
  * The buffer-id query of the hit path and its context (CudaMemory's is
- * gp_cuda_query, the default).  Called with
- * c->lock held, and from the CPython entry points with the GIL held too: it
- * must not wait for either.  NULL puts the default back.
+ * gp_cuda_query, the default; SimMemory's gp_sim_query, an ioctl on its
+ * fd).  Called with c->lock held, and from the CPython entry points with the
+ * GIL held too: it must not wait for either.  NULL puts the default back.
  */
 void gpc_set_buffer_id_query(struct gpc *c, gpc_buffer_id_query_t query, void *ctx)
 {

@@ -2,7 +2,7 @@
 /*
  * The C side of the gpupin Python package (built into gpupin._gpupin_cffi by
  * cffi from pyctl/gpupin/_build.py): ioctl helpers, the registration cache's
- * core, the CUDA pointer-attribute query and CPython fast paths.
+ * core, the CUDA and simulator buffer-id queries and CPython fast paths.
  *
  * The block between "cffi cdef begin" and "cffi cdef end" is also what
  * _build.py hands to cffi as its declarations: it must stay plain C that
@@ -66,6 +66,8 @@ int gp_cuda_open(int buffer_id_attr);
 int gp_cuda_buffer_id(uint64_t ptr, uint64_t *out);
 int gp_cuda_query(void *ctx, uint64_t ptr, uint64_t *out);
 uint64_t gp_cuda_buffer_id_or_0(uint64_t ptr);
+
+int gp_sim_query(void *ctx, uint64_t ptr, uint64_t *out);
 int gp_cuda_attr_u64(uint64_t ptr, int attr, uint64_t *out);
 /* cffi cdef end */
 
