@@ -127,8 +127,9 @@ test-native: pyext
 	$(VENV)/bin/python -m gpupin selftest --native --keep --require-modules $(if $(PEER_PCI),--pci $(PEER_PCI))
 	GPUPIN_NATIVE=1 GPUPIN_PEER_PCI=$(PEER_PCI) $(VENV)/bin/pytest -q tests/vm
 
+# The guest may run 80 min: the full counts took 28-36 min, the cache's thread stress adds 10.
 test-long: setup pyext
-	GPUPIN_LONG=1 GPUPIN_CYCLES=20 GPUPIN_TEST_TIMEOUT=1800 scripts/vm-run.sh test
+	GPUPIN_LONG=1 GPUPIN_CYCLES=20 GPUPIN_TEST_TIMEOUT=1800 VM_TIMEOUT=$${VM_TIMEOUT:-4800} scripts/vm-run.sh test
 
 # A 6.1 kernel with KASAN, lockdep, DEBUG_ATOMIC_SLEEP and kmemleak, built once (~13 min,
 # cached in /var/cache/gpupin); the VM suites and campaigns under it at CI counts (KASAN makes

@@ -8,8 +8,10 @@
   device memory and cuFile.
 - ``peer``: the example peer driver (gpupin_peer.ko) from Python.
 - ``vgem``: dma-bufs from the kernel's vgem driver, a second exporter.
+- ``stress``: a thread stress of one RegistrationCache over any provider (the host and VM
+  suites run it over FakeMemory and SimMemory).
 
-fake, peer and vgem need no pytest (``gpupin bench`` runs over the fakes, ``gpupin selftest``
+fake, peer, vgem and stress need no pytest (``gpupin bench`` runs over the fakes, ``gpupin selftest``
 drives the peer), so the plugin's names are read in only where pytest is installed.  The tools
 (gpupin.tools) may import test support, which sits below them; the library never does.
 """
