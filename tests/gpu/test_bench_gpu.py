@@ -26,6 +26,8 @@ def test_cuda_bench_answers_every_figure(cuda) -> None:  # type: ignore[no-untyp
         "cuda_hit_both_ns",
         "direct_over_cuda_python",
         "cuda_buffer_id_hit_over_direct_query",
+        "cuda_buffer_id_query_floor_ns",
+        "cuda_buffer_id_hit_over_floor",
     ):
         assert isinstance(res[key], float) and res[key] > 0, (key, res[key])
 

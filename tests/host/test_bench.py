@@ -8,6 +8,9 @@ import struct
 import subprocess
 import sys
 
+import pytest
+
+import gpupin
 from gpupin._native import lib
 from gpupin.tools import vmscale
 
@@ -70,3 +73,27 @@ def test_dump_parser_reads_nested_pin_attributes() -> None:
         lib.GPUPIN_NL_PIN_A_HANDLE,
     ]
     assert struct.unpack("=Q", got[-1][1])[0] == 1 << 40
+
+
+def test_the_floor_loop_calls_the_providers_query_and_refuses_failures() -> None:
+    """The floor of a buffer-id hit is the provider's own C query (here FakeMemory's) called
+    n times from C over the pointers in turn; a query that fails makes it raise, not report
+    the cost of an error."""
+    from gpupin.testing.fake import FakeMemory
+    from gpupin.tools import bench
+
+    mem = FakeMemory(direct_query=True)
+    ptrs = [mem.alloc(1 << 20) for _ in range(3)]
+    asked: list[int] = []
+    real = mem._c_query
+
+    def counting(ptr: int, out: object) -> int:
+        asked.append(ptr)
+        return real(ptr, out)
+
+    mem._c_query = counting  # type: ignore[method-assign]
+    bench.query_floor_loop(mem.c_buffer_id_query, mem.c_buffer_id_ctx, ptrs)(7)
+    assert asked == [p + 64 for p in ptrs] * 2 + [ptrs[0] + 64]
+    mem.free(ptrs[1])
+    with pytest.raises(gpupin.GpupinError, match="failed 1 of 3 times"):
+        bench.query_floor_loop(mem.c_buffer_id_query, mem.c_buffer_id_ctx, ptrs)(3)

@@ -77,6 +77,24 @@ def test_real_ioctl_figures_and_table(leakcheck: None, sim_params: Any) -> None:
     assert any(line.startswith("vm_pin_unpin_64k_us") for line in table.splitlines())
 
 
+def test_sim_buffer_id_hit_beside_its_floor(leakcheck: None, sim_params: Any) -> None:
+    """The VM part of make bench measures SimMemory's buffer-id hit, its floor (the query in a
+    C loop), the query from Python and the Python fallback's hit in one run, and leaves no pin
+    and no allocation behind (leakcheck)."""
+    sim_params(pin_latency_us=0)
+    res = bench.bench_sim_hit(3, 500)
+    for key in (
+        "sim_hit_buffer_id_ns",
+        "sim_hit_buffer_id_py_ns",
+        "sim_buffer_id_query_floor_ns",
+        "sim_buffer_id_query_ns",
+        "sim_dict_lookup_ns",
+    ):
+        assert isinstance(res[key], float) and res[key] > 0, (key, res[key])
+    assert res["sim_buffer_id_hit_over_floor"] == res["sim_hit_buffer_id_ns"] / res["sim_buffer_id_query_floor_ns"]
+    assert "sim_buffer_id_hit_over_floor" in bench.TARGETS
+
+
 def test_demo_runs_end_to_end() -> None:
     """``make demo``'s program, in the guest where the suite already loaded the modules."""
     r = subprocess.run(

@@ -820,6 +820,26 @@ void gpc_set_buffer_id_query(struct gpc *c, gpc_buffer_id_query_t query, void *c
 }
 
 /*
+ * The floor of a hit's buffer-id check, for the benchmark: @query called @n
+ * times in a C loop, over @ptrs in turn (no Python, no cache).  Returns how
+ * many calls failed (a floor of failing queries measures nothing).
+ */
+uint64_t gpc_query_loop(gpc_buffer_id_query_t query, void *ctx, const uint64_t *ptrs, uint64_t nptrs,
+			uint64_t n)
+{
+	uint64_t i, j = 0, bid, failed = 0;
+
+	if (!query || !nptrs)
+		return n;
+	for (i = 0; i < n; i++) {
+		failed += query(ctx, ptrs[j], &bid) != 0;
+		if (++j == nptrs)
+			j = 0;
+	}
+	return failed;
+}
+
+/*
  * Entry @id leaves the index: out of the page hash, the LRU list, and the
  * sorted arrays at @pos (-1: not found there).  Its refs stay until released.
  */

@@ -48,6 +48,8 @@ int64_t gpc_stage(struct gpc *c, int64_t id, uint64_t start, uint64_t end, uint6
 		  uint64_t slot, uint64_t valid_word);
 int gpc_publish(struct gpc *c, int64_t tok);
 void gpc_set_buffer_id_query(struct gpc *c, gpc_buffer_id_query_t query, void *ctx);
+uint64_t gpc_query_loop(gpc_buffer_id_query_t query, void *ctx, const uint64_t *ptrs, uint64_t nptrs,
+			uint64_t n);
 int gpc_remove(struct gpc *c, int64_t tok);
 int gpc_use(struct gpc *c, int64_t tok);
 int gpc_retire(struct gpc *c, int64_t tok);

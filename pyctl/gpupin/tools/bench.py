@@ -12,7 +12,10 @@ Figures are ratios measured in one run (these machines are shared and noisy):
 - pressure: 64 MiB of BAR, 256 MiB working set: failed acquires and evictions;
 - threads: lookup + release_token hits from 1, 4 and 16 threads on one cache
   (aggregate time per hit; the GIL serialises Python, the cache's own lock
-  must not make it worse).
+  must not make it worse);
+- floor (``--vm``/``--only-vm`` for SimMemory, ``--cuda`` for CudaMemory): a
+  buffer-id hit against the provider's query in C called in a C loop, the
+  least a validated hit can cost (goal: 2x).
 Progress goes to stderr, the table (or JSON) to stdout.
 Host figures use FakeDevice (gpupin.testing.fake, imported by the figures that
 use it, not when the gpupin command reads these arguments), whose validity map
@@ -35,8 +38,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .._native import lib
+from .._native import ffi, lib
 from ..cache import RegistrationCache
+from ..errors import GpupinError
 
 MiB = 1 << 20
 # The reuse trace's FakeDevice busy-waits this long per pin: its times are modelled (the keys
@@ -45,6 +49,8 @@ TRACE_PIN_LATENCY_S = 100e-6
 TARGETS = {
     "direct_over_cuda_python": 0.25,
     "cuda_buffer_id_hit_over_direct_query": 1.5,
+    "cuda_buffer_id_hit_over_floor": 2.0,
+    "sim_buffer_id_hit_over_floor": 2.0,
     "kernel_hit_over_dict": 1.5,
     "trace_pin_reduction": 100.0,
     "trace_speedup_modelled": 10.0,
@@ -189,6 +195,22 @@ def query_loop(buffer_id: Callable[[int], int], ptrs: list[int]) -> Callable[[in
         m = len(s)
         for i in range(n):
             buffer_id(s[i % m])
+
+    return run
+
+
+def query_floor_loop(query: Any, ctx: Any, ptrs: list[int]) -> Callable[[int], None]:
+    """The floor of a buffer-id hit: the provider's query in C (``c_buffer_id_query``, the one
+    the hit path calls) called in a C loop (``gpc_query_loop``), no Python per call."""
+    arr = ffi.new("uint64_t[]", [p + 64 for p in ptrs])
+
+    def run(n: int) -> None:
+        failed = lib.gpc_query_loop(query, ctx, arr, len(ptrs), n)
+        if failed:
+            raise GpupinError(
+                f"the buffer-id query failed {failed} of {n} times: a floor of errors measures nothing; "
+                "keep the allocations alive while the benchmark runs"
+            )
 
     return run
 
@@ -379,6 +401,57 @@ def bench_vm(reps: int) -> dict[str, Any]:
     return out
 
 
+class _PythonQuery:
+    """SimMemory as it was before it offered its query in C: the cache checks its buffer ids in
+    Python (the fallback of providers without one), each through ``range_of``'s ioctl wrapper.
+    Everything else is the provider's."""
+
+    direct_buffer_id_query = False
+
+    def __init__(self, memory: Any) -> None:
+        self._memory = memory
+
+    def buffer_id(self, ptr: int) -> int:
+        return int(self._memory.range_of(ptr).buffer_id)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._memory, name)
+
+
+def bench_sim_hit(reps: int, n: int) -> dict[str, Any]:
+    """SimMemory's buffer-id hit (its query one ioctl from C) against the floor, that query in
+    a C loop, in the same run; beside them the query from Python and the hit through the
+    Python fallback.  Needs the modules (the VM part of ``make bench``)."""
+    from ..device import Device
+    from ..sim import SimMemory
+
+    out: dict[str, Any] = {}
+    with SimMemory() as sim, Device() as dev:
+        ptrs = [sim.alloc(1 << 20) for _ in range(8)]
+        caches = {
+            "sim_hit_buffer_id_ns": RegistrationCache(dev, sim, validate="buffer_id"),
+            "sim_hit_buffer_id_py_ns": RegistrationCache(dev, _PythonQuery(sim), validate="buffer_id"),
+        }
+        loops = {
+            "sim_buffer_id_query_floor_ns": query_floor_loop(sim.c_buffer_id_query, sim.c_buffer_id_ctx, ptrs),
+            "sim_buffer_id_query_ns": query_loop(sim.buffer_id, ptrs),
+            "sim_dict_lookup_ns": dict_loop(ptrs),
+        }
+        for key, cache in caches.items():
+            for p in ptrs:
+                cache.acquire(p, 8).release()
+            loops[key] = hit_loop(cache, ptrs)
+        out.update(interleaved_ns(loops, n, reps))
+        for cache in caches.values():
+            release_all(cache, ptrs)
+            cache.close()
+        for p in ptrs:
+            sim.free(p)
+    out["sim_buffer_id_hit_over_floor"] = out["sim_hit_buffer_id_ns"] / out["sim_buffer_id_query_floor_ns"]
+    out["sim_buffer_id_hit_py_over_floor"] = out["sim_hit_buffer_id_py_ns"] / out["sim_buffer_id_query_floor_ns"]
+    return out
+
+
 def bench_cuda(reps: int, n: int) -> dict[str, Any]:
     """Buffer-id queries and buffer-id-checked hits on a real GPU (no kernel module needed: FakeDevice pins)."""
     from .._native import cuda_buffer_id
@@ -404,6 +477,8 @@ def bench_cuda(reps: int, n: int) -> dict[str, Any]:
             "direct_buffer_id_query_wrapped_ns": query_loop(mem.buffer_id, ptrs),
             "cuda_dict_lookup_ns": dict_loop(ptrs),
         }
+        if mem.direct_buffer_id_query:  # the hit path's own query, in a C loop
+            loops["cuda_buffer_id_query_floor_ns"] = query_floor_loop(mem.c_buffer_id_query, mem.c_buffer_id_ctx, ptrs)
         for mode in ("buffer_id", "both"):
             cache = RegistrationCache(FakeDevice(mem), mem, validate=mode)
             for p in ptrs:
@@ -415,6 +490,8 @@ def bench_cuda(reps: int, n: int) -> dict[str, Any]:
             cache.purge()
         out["direct_over_cuda_python"] = out["direct_buffer_id_query_ns"] / out["cuda_python_buffer_id_query_ns"]
         out["cuda_buffer_id_hit_over_direct_query"] = out["cuda_hit_buffer_id_ns"] / out["direct_buffer_id_query_ns"]
+        if "cuda_buffer_id_query_floor_ns" in out:
+            out["cuda_buffer_id_hit_over_floor"] = out["cuda_hit_buffer_id_ns"] / out["cuda_buffer_id_query_floor_ns"]
     finally:
         for p in ptrs:
             mem.free(p)
@@ -714,6 +791,8 @@ def run(
 
         progress("bench: real pin/unpin ioctls")
         res.update(bench_vm(5 if quick else 50))
+        progress("bench: the simulator's buffer-id hit against its floor")
+        res.update(bench_sim_hit(reps, n))
         res.update(vmscale.run(10_000 if quick else 100_000, 10 if quick else 50))
         res["targets"] = _targets(res, lambda k: k in res)
         return res
@@ -730,6 +809,7 @@ def run(
     ]
     if vm:
         steps.append(("real ioctls", lambda: bench_vm(5 if quick else 50)))
+        steps.append(("the simulator's buffer-id hit", lambda: bench_sim_hit(reps, n)))
     if cuda:
         steps.append(("CUDA buffer-id queries", lambda: bench_cuda(reps, n)))
     t0 = time.monotonic()
