@@ -4,6 +4,7 @@ cache over real CUDA memory."""
 from __future__ import annotations
 
 import ctypes
+import os
 
 import pytest
 
@@ -342,3 +343,26 @@ def test_calls_from_another_thread_use_this_gpus_context(cuda) -> None:  # type:
     t.start()
     t.join(60)
     assert got == [b"thread" * 100], got
+
+
+@pytest.mark.parametrize("validate", ["buffer_id", "both"])
+def test_cache_under_threads_over_cuda(cuda, validate: str) -> None:  # type: ignore[no-untyped-def]
+    """The host and VM suites' thread stress over real CUDA memory, the buffer-id check through
+    CudaMemory's direct query in C: no exception escapes a thread but the documented refusals,
+    every hand-out is the allocation at its address at that moment, no reference is left.
+    Not validate="kernel": that mode learns of a cuMemFree from gpupin.ko's free callback, and
+    these hosts cannot load it (FakeDevice never hears of the free: it hands out stale pins).
+    GPUPIN_CACHE_STRESS_S sets the seconds per mode (a few by default)."""
+    from gpupin.testing.stress import stress_cache
+
+    cache = RegistrationCache(FakeDevice(cuda), cuda, validate=validate, max_regions=4)  # type: ignore[arg-type]
+    assert not cache._py_buffer_id, "CudaMemory's buffer-id check must run in C"
+    seconds = float(os.environ.get("GPUPIN_CACHE_STRESS_S") or 0)
+    res = stress_cache(cache, cuda, size=MiB, seconds=seconds or 120, at_least=seconds or 2.0)
+    assert not res.hung, "a thread hung"
+    assert not res.errors, res.errors[:3]
+    assert not res.wrong, res.wrong[:3]
+    assert res.did_everything, ("the threads did not do each thing once", cache.stats(), res)
+    assert cache.held() == 0, "a reference was never released"
+    cache.close(timeout=5)
+    assert cache.closed
