@@ -55,6 +55,17 @@ static inline struct nlattr **gpupin_genl_dump_attrs(struct netlink_callback *cb
 #define gpupin_dma_buf_move_notify(dmabuf) dma_buf_move_notify(dmabuf)
 #endif
 
+/*
+ * Newer kernels (7.2 has it): struct dma_map_ops has map_phys, which maps
+ * MMIO too (DMA_ATTR_MMIO, what dma_map_resource passes), instead of
+ * map_resource; Kbuild looks in the headers.
+ */
+#ifdef GPUPIN_HAVE_DMA_MAP_PHYS_OP
+#define gpupin_dma_ops_map_mmio(ops) ((ops)->map_phys)
+#else
+#define gpupin_dma_ops_map_mmio(ops) ((ops)->map_resource)
+#endif
+
 #ifdef CONFIG_FAULT_INJECTION_DEBUG_FS
 #include <linux/dcache.h>
 #include <linux/fault-inject.h>

@@ -49,6 +49,7 @@
 #include <linux/sched.h>
 #include <linux/slab.h>
 #include <linux/swiotlb.h>
+#include "compat.h"
 #include "gpupin.h"
 
 /* Pages mapped or unmapped between two chances to reschedule (a 128 GiB pin has 2 M). */
@@ -89,7 +90,7 @@ static bool gpupin_own_can_map_resource(struct device *dev)
 
 	if (gpupin_fault_no_map_resource())
 		return false;
-	return !ops || ops->map_resource;
+	return !ops || gpupin_dma_ops_map_mmio(ops);
 }
 
 /*
