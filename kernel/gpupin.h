@@ -3,10 +3,17 @@
  * gpupin internals.
  *
  * Locking, outermost first:
+ *   gpupin_ref.map_lock (mutex, kapi.c) - serialises one reference's
+ *       gpupin_ref_dma_map() calls; the topology probe below may run under
+ *       it.
  *   gpupin_p2p_tables (mutex, pin.c) - keeps nv-p2p put_pages and get_pages
- *       apart, so that a put never finds a newer pin at a freed table's
- *       address.  Held around those calls only, with no other gpupin lock;
- *       never taken by the free callback.
+ *       (the topology probe's too, topo.c) apart, so that a put never finds
+ *       a newer pin at a freed table's address.  Held around those calls
+ *       only, with no gpupin lock but a reference's map_lock (so:
+ *       map_lock -> gpupin_p2p_tables -> NVIDIA's RM lock); never taken by
+ *       the free callback.
+ *   gpupin_topo_lock (mutex, topo.c) - the kept topology verdicts.  Taken
+ *       alone, never across an NVIDIA call.
  *   gpupin_files_lock (mutex) - the list of open files, for netlink dumps.
  *   gpupin_file.read_lock (mutex) - serialises readers of invalidation
  *       records, so a record leaves the queue only once it was copied out.

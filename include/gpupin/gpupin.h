@@ -22,7 +22,7 @@
  * Contract of the notifier: it runs in process context with the GPU driver's
  * locks held.  Stop DMA to the pages, do not sleep for long, do not call
  * any gpupin function, and take no lock that the driver holds while calling
- * gpupin_ref_put() or gpupin_access_begin().  It is called at most once per
+ * gpupin_ref_put(), gpupin_access_begin() or gpupin_ref_dma_map().  It is called at most once per
  * reference, and not at all once gpupin_ref_put() has returned.
  *
  * A reference keeps the pin and its gpupin file alive: the user's UNPIN or
@@ -125,16 +125,20 @@ int gpupin_ref_info(struct gpupin_ref *ref, struct gpupin_ref_info *info);
  * callback can race it); for a non-persistent pin gpupin itself, because
  * NVIDIA's call corrupts its own heap when the memory is freed while it
  * waits for the driver lock, and a free callback cannot wait for it.
- * gpupin's mapping takes no NVIDIA lock: a racing free waits for it and
- * then unmaps it, so this is safe at any time.  BAR pages are mapped with
+ * gpupin's mapping itself takes no NVIDIA lock: a racing free waits for it
+ * and then unmaps it.  But the first mapping of a (GPU, @pdev) pair asks
+ * NVIDIA's topology verdict (a persistent 64 KiB pin and
+ * nvidia_p2p_dma_map_pages(), under NVIDIA's RM lock), so never call this
+ * inside the access section of any reference.  BAR pages are mapped with
  * dma_map_resource(), as inside NVIDIA's call (with the p2p_check parameter
  * and CONFIG_PCI_P2PDMA, -EOPNOTSUPP where the kernel's PCI rules see no
  * peer-to-peer path from @pdev to the GPU); GPU memory
  * with struct pages (coherent systems) with dma_map_page(), so @pdev reaches
  * it as system memory, never over NVIDIA's FORCE_PCIE path.  For a dma-buf
  * pin: a dynamic attachment of the buffer to @pdev.
- * Context: process context; may sleep.  Do not call it inside an access
- * section, nor with a lock that your notifier takes.
+ * Context: process context; may sleep; may take NVIDIA's RM lock.  Do not
+ * call it inside the access section of any reference, nor with a lock that
+ * any of your notifiers takes.
  * Return: 0, -ENODEV when the memory is gone or going, -ENOSPC past the
  * per-pin mapping limit, -EOPNOTSUPP (no peer-to-peer path; or the
  * provider's -ENOTSUPP, which user space cannot name), -ENOMEM, -EPROTO for
