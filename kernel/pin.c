@@ -393,7 +393,8 @@ static void gpupin_pin_hold_detached(struct gpupin_pin_obj *pin)
  * process (another module pinning for it) are not serialised with gpupin
  * and can still be handed such an address: kernel/sim/FIDELITY.md.
  *
- * Lock order: taken with no gpupin lock held, around nv-p2p get_pages and
+ * Lock order (gpupin.h): taken with no gpupin lock held but a kernel-API
+ * reference's map_lock (topo.c's probe), around nv-p2p get_pages and
  * put_pages only, so only NVIDIA's RM lock nests inside it; never taken by
  * the free callback, which runs under that RM lock.
  */
