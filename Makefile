@@ -21,8 +21,9 @@ all: modules
 
 help:
 	@echo "make [modules]   build against KDIR=$(KDIR)"
-	@echo "                 over the simulator: gpupin.ko, nvp2p_sim.ko and the example peer gpupin_peer.ko;"
-	@echo "                 with NVIDIA's sources (/usr/src/nvidia-* or NVIDIA_SRC=): gpupin.ko alone"
+	@echo "                 gpupin.ko and gpupin_cb.ko (the free callback's entry point, never unloaded);"
+	@echo "                 over the simulator also nvp2p_sim.ko and the example peer gpupin_peer.ko;"
+	@echo "                 with NVIDIA's sources (/usr/src/nvidia-* or NVIDIA_SRC=): those two alone"
 	@echo "                 (+ gpupin_peer.ko with GPUPIN_EXAMPLES=1 on the command line)"
 	@echo "make clean       remove the build outputs and the compiled Python extensions"
 	@echo "make setup       Debian packages and the virtualenv .venv (scripts/setup.sh; idempotent)"
@@ -42,7 +43,7 @@ help:
 	@echo "make check-fresh   setup.sh on a fresh Debian 12 (debootstrap chroot)"
 	@echo "make check-newest  W=1 -Werror against Debian unstable's newest kernel headers (chroot)"
 	@echo "make coverage      kernel (gcov) and Python coverage of the host and VM suites: results/coverage/"
-	@echo "make install       modules_install (for NVIDIA: gpupin.ko alone), depmod, udev rule, gpupin group"
+	@echo "make install       modules_install (for NVIDIA: gpupin.ko, gpupin_cb.ko), depmod, udev rule, gpupin group"
 	@echo "make test-host | test-vm | test-vm-6.12 | test-gpu | test-native | test-long | test-debug | bench"
 	@echo "make vm-test T='-k NAME'   the VM tests pytest selects with T (host-test T=... likewise)"
 
@@ -188,8 +189,9 @@ check-newest:
 coverage: setup pyext
 	scripts/ci/coverage.sh
 
-# Built for NVIDIA's driver, that is gpupin.ko alone (Kbuild leaves the example peer out);
-# over the simulator, nvp2p_sim.ko and gpupin_peer.ko too.  depmod for KDIR's kernel.
+# Built for NVIDIA's driver, that is gpupin.ko and gpupin_cb.ko (Kbuild leaves the example peer
+# out); over the simulator, nvp2p_sim.ko and gpupin_peer.ko too.  depmod for KDIR's kernel, so
+# that modprobe gpupin loads gpupin_cb first.
 install: modules
 	$(KMAKE) modules_install
 	depmod -a $(KDIR_KVER)

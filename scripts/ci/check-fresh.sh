@@ -35,7 +35,7 @@ scripts/setup.sh --verify >/dev/null 2>&1 && { echo "check-fresh: --verify passe
 scripts/setup.sh
 scripts/setup.sh --verify
 make modules >/dev/null
-test -f gpupin.ko -a -f nvp2p_sim.ko'
+test -f gpupin.ko -a -f gpupin_cb.ko -a -f nvp2p_sim.ko'
 [ "${GPUPIN_FRESH_DEMO:-}" = 1 ] && cmd="$cmd
 make demo"
 chroot "$R" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root TERM=dumb \

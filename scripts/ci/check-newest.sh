@@ -49,6 +49,6 @@ if grep -E 'warning:|WARNING:' "$log"; then
 	die "the W=1 build against $kdir warns (above)"
 fi
 n=$(find "$R/src/gpupin" -name '*.ko' | wc -l)
-[ "$n" -eq 3 ] || { cat "$log" >&2; die "expected gpupin.ko, nvp2p_sim.ko and gpupin_peer.ko, found $n modules"; }
+[ "$n" -eq 4 ] || { cat "$log" >&2; die "expected gpupin.ko, gpupin_cb.ko, nvp2p_sim.ko and gpupin_peer.ko, found $n modules"; }
 rm -f "$log"
-echo "check-newest: W=1 clean against ${kdir#/usr/src/linux-headers-}: gpupin.ko, nvp2p_sim.ko, gpupin_peer.ko"
+echo "check-newest: W=1 clean against ${kdir#/usr/src/linux-headers-}: gpupin.ko, gpupin_cb.ko, nvp2p_sim.ko, gpupin_peer.ko"

@@ -3,7 +3,8 @@
 #   kernel  the VM suite on a CONFIG_GCOV_KERNEL 6.1 kernel (scripts/debug-kernel.sh gcov,
 #           built once and cached) with the modules built GCOV_PROFILE=y; the guest copies
 #           the .gcda files out of debugfs, gcovr reports lines and branches of
-#           kernel/*.c (gpupin.ko), kernel/sim/*.c (nvp2p_sim.ko) and examples/peer/peer.c.
+#           kernel/*.c (gpupin.ko), kernel/cb/*.c (gpupin_cb.ko), kernel/sim/*.c (nvp2p_sim.ko)
+#           and examples/peer/peer.c.
 #   python  coverage.py over the host suite and the VM suite, every Python process they
 #           start included (a .pth in the venv starts it where COVERAGE_PROCESS_START is set).
 # Reports: results/coverage/{kernel,python}/index.html, summary.txt (one line per file and
@@ -68,7 +69,7 @@ echo "coverage: $n kernel data files from the guest" >&2
 # gcov runs in the kernel tree: the objects name the kernel's headers relative to it, which
 # gcovr cannot resolve from our tree; it then reads the .gcov files gcov wrote.
 mkdir -p "$OUT/kernel" "$OUT/gcov-files"
-for f in "$ROOT"/kernel/*.gcda "$ROOT"/kernel/sim/*.gcda "$ROOT"/examples/peer/*.gcda; do
+for f in "$ROOT"/kernel/*.gcda "$ROOT"/kernel/cb/*.gcda "$ROOT"/kernel/sim/*.gcda "$ROOT"/examples/peer/*.gcda; do
 	[ -f "$f" ] || continue
 	(cd "$tree" && gcov -b -c -p -o "$(dirname "$f")" "$f" >/dev/null 2>&1 && mv ./*.gcov "$OUT/gcov-files/") || rc=1
 done
