@@ -26,6 +26,11 @@ lib: Any = _ext.lib
 
 _REQUIRED_SYMBOLS = ("nvidia_p2p_get_pages", "nvidia_p2p_put_pages")
 
+# Modules of this package that another imports from.  Loaded by name, modprobe finds them
+# (depmod); a .ko loaded by path gets no such help, so load() puts them in first.
+# gpupin_cb: the free callback's entry point, which stays loaded (kernel/cb/tramp.c).
+_DEPENDENCIES = {"gpupin": ("gpupin_cb",)}
+
 
 def ko_dir() -> Path | None:
     """Where the built modules are: $GPUPIN_KO_DIR, else the source tree holding this package
@@ -125,9 +130,22 @@ def _load_error(target: str, err: int) -> ModuleError:
     return ModuleError(f"loading {target} failed: {os.strerror(err)}", err)
 
 
+def _load_dependencies(path: str) -> None:
+    """Before the module file ``path``: load this package's modules it imports from that are
+    not loaded, from beside it where built there, else as ``module_file`` finds them."""
+    for dep in _DEPENDENCIES.get(os.path.basename(path).removesuffix(".ko"), ()):
+        if is_loaded(dep):
+            continue
+        beside = os.path.join(os.path.dirname(path), f"{dep}.ko")
+        load(beside if os.path.exists(beside) else module_file(dep))
+
+
 def load(name_or_path: str, params: Mapping[str, object] | None = None) -> None:
-    """Insert a module from a .ko path or by name, with parameters."""
+    """Insert a module from a .ko path (this package's modules it needs first) or by name
+    (modprobe: dependencies through depmod), with parameters."""
     opts = " ".join(f"{k}={_param(v)}" for k, v in (params or {}).items())
+    if ("/" in name_or_path or name_or_path.endswith(".ko")) and os.path.exists(name_or_path):
+        _load_dependencies(name_or_path)
     with _context() as ctx, _module(ctx, name_or_path) as mod:
         if "/" in name_or_path or name_or_path.endswith(".ko"):
             ret = lib.kmod_module_insert_module(mod, 0, opts.encode())

@@ -33,3 +33,20 @@ def test_gpupin_ko_dir_wins(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     monkeypatch.setenv("GPUPIN_KO_DIR", str(tmp_path))
     assert kmod.module_file("gpupin") == str(tmp_path / "gpupin.ko")
     assert kmod.module_file("nvp2p_sim") == "nvp2p_sim"  # not built there: by name
+
+
+def test_gpupin_ko_by_path_brings_gpupin_cb_from_beside_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """insmod resolves no dependency: gpupin.ko imports the free callback's entry point from
+    gpupin_cb.ko, which load() puts in first (from the same build), once."""
+    for m in ("gpupin", "gpupin_cb", "nvp2p_sim"):
+        (tmp_path / f"{m}.ko").write_bytes(b"")
+    loaded: set[str] = set()
+    calls: list[str] = []
+    monkeypatch.setattr(kmod, "is_loaded", lambda name: name in loaded)
+    monkeypatch.setattr(kmod, "load", lambda what, params=None: calls.append(what))
+    kmod._load_dependencies(str(tmp_path / "gpupin.ko"))
+    assert calls == [str(tmp_path / "gpupin_cb.ko")]
+    loaded.add("gpupin_cb")
+    kmod._load_dependencies(str(tmp_path / "gpupin.ko"))
+    kmod._load_dependencies(str(tmp_path / "nvp2p_sim.ko"))
+    assert calls == [str(tmp_path / "gpupin_cb.ko")], "loaded already, or nothing needed"

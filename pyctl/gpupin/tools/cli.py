@@ -125,7 +125,7 @@ def cmd_status(s: Session, a: argparse.Namespace) -> Result:
     from .. import kmod
 
     out: dict[str, Any] = {}
-    for m in ("gpupin", "nvp2p_sim", "nvidia"):
+    for m in ("gpupin", "gpupin_cb", "nvp2p_sim", "nvidia"):
         out[m] = kmod.info(m).state if os.path.isdir(f"/sys/module/{m}") else "absent"
     if os.path.exists("/dev/gpupin"):
         info = s.device.info()
@@ -168,8 +168,9 @@ def cmd_load(s: Session, a: argparse.Namespace) -> Result:
         for k, v in sim_params.items():
             set_sim_param(k, v)
     if not kmod.is_loaded("gpupin"):
-        kmod.load(kmod.module_file("gpupin"), params)
-        loaded.append("gpupin")
+        cb = kmod.is_loaded("gpupin_cb")
+        kmod.load(kmod.module_file("gpupin"), params)  # gpupin_cb first (it stays loaded)
+        loaded += ["gpupin"] if cb else ["gpupin_cb", "gpupin"]
     if a.peer and not kmod.is_loaded("gpupin_peer"):
         kmod.load(kmod.module_file("gpupin_peer"), {})
         loaded.append("gpupin_peer")
