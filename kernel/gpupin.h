@@ -3,6 +3,10 @@
  * gpupin internals.
  *
  * Locking, outermost first:
+ *   gpupin_cb_reg_lock (mutex, gpupin_cb.ko: kernel/cb/tramp.c) - the
+ *       registration of gpupin_free_callback() as the trampoline's handler.
+ *       Taken by gpupin's module init and exit alone (no other lock held;
+ *       synchronize_rcu() after dropping it), never by a callback.
  *   gpupin_ref.map_lock (mutex, kapi.c) - serialises one reference's
  *       gpupin_ref_dma_map() calls; the topology probe below may run under
  *       it.
@@ -48,9 +52,15 @@
  *       callback too) with no other gpupin lock held; only the subscribers'
  *       own socket locks nest inside it.
  *
- * NVIDIA's driver runs the free callback with its RM API lock held, and
- * nvidia_p2p_get_pages*, put_pages* and dma_map_pages take that lock (only
- * dma_unmap_pages does not).  So the callback takes only the locks above,
+ * NVIDIA's driver runs the free callback with its RM API lock held.  The
+ * function it calls is gpupin_cb_free_callback() (gpupin_cb.ko, which stays
+ * loaded): it reads the registered handler under rcu_read_lock(), takes a
+ * reference to gpupin.ko there (nothing else inside that read section),
+ * and calls gpupin_free_callback() after rcu_read_unlock(), holding no lock
+ * of its own.  So the callback's locks (above) nest directly inside
+ * NVIDIA's lock.  nvidia_p2p_get_pages*, put_pages* and dma_map_pages take
+ * that lock (only dma_unmap_pages does not).  So the callback takes only
+ * the locks above,
  * none of which is held across those calls, and it waits only for
  * in-flight users (gpupin_pin_use), which never call get/put/dma_map while
  * counted: they copy addresses, run a peer's DMA, make or undo gpupin's own
@@ -342,6 +352,8 @@ int gpupin_pin_publish(struct gpupin_file *f, struct gpupin_pin_obj *pin, void _
 		       const void *arg, size_t len);
 void gpupin_pin_put(struct gpupin_pin_obj *pin);
 void gpupin_cb_ids_exit(void);
+int gpupin_cb_handler_init(void);
+void gpupin_cb_handler_exit(void);
 int gpupin_pin_use(struct gpupin_pin_obj *pin);
 void gpupin_pin_unuse(struct gpupin_pin_obj *pin);
 void gpupin_file_release_pins(struct gpupin_file *f, u32 reason);

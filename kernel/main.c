@@ -115,9 +115,14 @@ static int __init gpupin_init(void)
 	BUILD_BUG_ON(sizeof(struct gpupin_pin_dmabuf) != 120);
 
 	gpupin_detect_provider();
+	ret = gpupin_cb_handler_init();
+	if (ret) {
+		pr_err("cannot receive free callbacks from gpupin_cb: %d\n", ret);
+		return ret;
+	}
 	ret = gpupin_fault_init();
 	if (ret)
-		return ret;
+		goto err_cb;
 	ret = gpupin_nl_init();
 	if (ret)
 		goto err_fault;
@@ -131,12 +136,19 @@ err_nl:
 	gpupin_nl_exit();
 err_fault:
 	gpupin_fault_exit();
+err_cb:
+	gpupin_cb_handler_exit();
 	return ret;
 }
 
 static void __exit gpupin_exit(void)
 {
-	/* No pin is left, but a free callback may still be on its way out of our code. */
+	/* First: a callback from now on stops in gpupin_cb.ko. */
+	gpupin_cb_handler_exit();
+	/*
+	 * No pin is left.  A callback in our code holds the module (gpupin_cb.ko
+	 * takes it), so none should be running: checked all the same.
+	 */
 	wait_var_event(&gpupin_callbacks_running, !atomic_read(&gpupin_callbacks_running));
 	synchronize_rcu_tasks();
 	gpupin_cb_ids_exit();

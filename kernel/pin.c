@@ -23,7 +23,12 @@
  * registration, which an MPS client's teardown removes while the memory and
  * the armed callback stay with the MPS server.  So the callback can come for
  * a pin gpupin has freed.  Its data is therefore an id (gpupin_cb_pins),
- * never a pointer: see gpupin_free_callback().
+ * never a pointer: see gpupin_free_callback().  It may even come after
+ * gpupin.ko was unloaded, so the function NVIDIA gets is not ours but
+ * gpupin_cb.ko's (kernel/cb/tramp.c), which stays loaded, calls
+ * gpupin_free_callback() through its registration while gpupin.ko is there,
+ * and gives the ids, so that they are not handed out again by a reloaded
+ * gpupin.ko either.
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
@@ -37,6 +42,7 @@
 #include <linux/uaccess.h>
 #include <linux/wait_bit.h>
 #include "gpupin.h"
+#include "cb/gpupin_cb.h"
 #include "../include/uapi/gpupin_netlink.h"
 
 bool gpupin_caller_owns(struct gpupin_file *f)
@@ -81,12 +87,12 @@ static bool gpupin_pin_put_here(struct gpupin_pin_obj *pin)
  * a late, duplicate or unknown callback: NVIDIA runs a registration's
  * callback once, so a second one with the same id finds nothing.  Ids
  * count up over 64 bits (the callback's data is a pointer: nv-p2p exists
- * on 64-bit kernels only) and are never handed out twice, so a stale id
- * can never find a newer pin.  The lock's place in the lock order:
- * gpupin.h (innermost, taken alone).
+ * on 64-bit kernels only) and are never handed out twice, not even by
+ * gpupin.ko loaded again (gpupin_cb_new_id() counts in gpupin_cb.ko, which
+ * stays loaded), so a stale id can never find a newer pin.  The lock's
+ * place in the lock order: gpupin.h (innermost, taken alone).
  */
 static DEFINE_XARRAY(gpupin_cb_pins);
-static atomic64_t gpupin_cb_last_id;
 
 /* Give @pin its callback id; -ENOMEM if the xarray cannot grow. */
 static int gpupin_cb_id_alloc(struct gpupin_pin_obj *pin)
@@ -95,7 +101,7 @@ static int gpupin_cb_id_alloc(struct gpupin_pin_obj *pin)
 	int ret;
 
 	BUILD_BUG_ON(sizeof(void *) < sizeof(u64));
-	id = atomic64_inc_return(&gpupin_cb_last_id);
+	id = gpupin_cb_new_id();
 	ret = xa_insert(&gpupin_cb_pins, id, pin, GFP_KERNEL);
 	if (ret < 0)
 		return ret;
@@ -293,11 +299,13 @@ static void gpupin_nvp2p_teardown(struct gpupin_pin_obj *pin)
 }
 
 /*
- * Free callbacks still running gpupin's code.  Once a callback has let go of
- * its pin (and, for a detached pin, of the module reference), nothing holds
- * the module but this count: gpupin_exit() waits for it to reach zero, then
- * for every task to have left the few instructions after the decrement
- * (synchronize_rcu_tasks(), as for code that module text frees under).
+ * Free callbacks still running gpupin's code.  gpupin_cb.ko holds the
+ * module across every callback (a detached pin's own module reference goes
+ * inside it), so an unload is refused while one runs; gpupin_exit() still
+ * waits for this count to reach zero, then for every task to have left the
+ * few instructions after the decrement (synchronize_rcu_tasks(), as for
+ * code that module text frees under), should a callback ever come another
+ * way.
  */
 atomic_t gpupin_callbacks_running = ATOMIC_INIT(0);
 
@@ -314,16 +322,13 @@ atomic_t gpupin_callbacks_running = ATOMIC_INIT(0);
  * the drivers gpupin supports (nvidia_p2p_free_page_table is a no-op
  * there), is not freed by gpupin.
  *
- * While a pin lives, the module cannot go before the increment: the pin
- * holds it (its open file, or the detached pin's own reference), and
- * neither lets go before this callback moves the pin on.  What remains: a
- * callback whose pin is gone may come after gpupin.ko was unloaded (an MPS
- * server freeing a client's memory after the client's file closed), and
- * NVIDIA then jumps into freed text.  NVIDIA's API gives no way to know
- * whether put_pages released anything, so gpupin cannot hold itself for
- * such a callback: an administrator must not unload gpupin.ko while an MPS
- * server (or any process that may own memory a gpupin client pinned) is
- * alive (FIDELITY.md, kernel/sim).
+ * NVIDIA does not call this directly: it calls gpupin_cb_free_callback()
+ * (gpupin_cb.ko), which holds this module while it runs this, the handler
+ * gpupin_init() registers.  A callback whose pin is gone may come after
+ * gpupin.ko was unloaded (an MPS server freeing a client's memory after the
+ * client's file closed; NVIDIA's API gives no way to know whether put_pages
+ * released anything, so gpupin cannot hold itself for it): gpupin_cb.ko then
+ * finds no handler, counts it and returns.
  */
 static void gpupin_free_callback(void *data)
 {
@@ -344,6 +349,29 @@ static void gpupin_free_callback(void *data)
 	gpupin_fault_callback_tail();
 	if (atomic_dec_and_test(&gpupin_callbacks_running))
 		wake_up_var(&gpupin_callbacks_running);
+}
+
+/* What gpupin_cb.ko calls, holding this module, while it is registered. */
+static const struct gpupin_cb_handler gpupin_handler = {
+	.owner = THIS_MODULE,
+	.free_callback = gpupin_free_callback,
+};
+
+/* Module load, before anything can pin: receive the free callbacks. */
+int gpupin_cb_handler_init(void)
+{
+	return gpupin_cb_register(&gpupin_handler);
+}
+
+/*
+ * Module unload, before anything is torn down: from here on no callback
+ * reaches gpupin_free_callback() (gpupin_cb.ko finds this module going,
+ * counts the callback and returns).  None can be in it either: it would
+ * hold this module, which could then not be unloading.
+ */
+void gpupin_cb_handler_exit(void)
+{
+	gpupin_cb_unregister(&gpupin_handler);
 }
 
 /* dma-buf move_notify (reservation lock held): the exporter revokes the buffer. */
@@ -953,7 +981,7 @@ static int gpupin_pin_create(struct gpupin_file *f, const struct gpupin_pin *req
 	else
 #endif
 		ret = nvidia_p2p_get_pages(0, 0, pin->aligned_va, pin->aligned_size,
-					   &pin->pt, gpupin_free_callback,
+					   &pin->pt, gpupin_cb_free_callback,
 					   (void *)(unsigned long)pin->cb_id);
 	mutex_unlock(&gpupin_p2p_tables);
 	if (ret) {

@@ -1,9 +1,9 @@
 #!/bin/bash
 # SPDX-License-Identifier: (GPL-2.0 OR MIT)
 # Build the Debian packages into dist/ (dpkg-deb only; no debhelper needed):
-#   gpupin-dkms      gpupin.ko sources, built by DKMS against the installed
+#   gpupin-dkms      gpupin.ko (+ gpupin_cb.ko) sources, built by DKMS against the installed
 #                    NVIDIA driver; udev rule, modprobe config, gpupin group
-#   gpupin-sim-dkms  gpupin.ko + nvp2p_sim.ko + gpupin_peer.ko for test and
+#   gpupin-sim-dkms  gpupin.ko + gpupin_cb.ko + nvp2p_sim.ko + gpupin_peer.ko for test and
 #                    demo hosts without an NVIDIA GPU (conflicts with the above
 #                    and with NVIDIA's kernel module packages)
 # The Python package is the wheel of `make wheel`.

@@ -31,7 +31,8 @@ installed)
 	# Against the DKMS-installed modules (make test-deb): modprobe by name, and the
 	# fixtures load by name too (nothing from the tree: GPUPIN_KO_DIR points nowhere).
 	export GPUPIN_KO_DIR=/nonexistent
-	modprobe gpupin && [ -d /sys/module/nvp2p_sim ] && {
+	# modprobe brings what gpupin imports from: the simulator and gpupin_cb (depmod).
+	modprobe gpupin && [ -d /sys/module/nvp2p_sim ] && [ -d /sys/module/gpupin_cb ] && {
 		f=$(modinfo -n gpupin)
 		echo "vm-guest: gpupin loaded from $f"
 		case "$f" in */updates/dkms/*) ;; *) echo "vm-guest: not the DKMS module" >&2; false ;; esac
@@ -63,7 +64,8 @@ shell)
 	rc=2
 	;;
 esac
-# Unload what is still loaded: catches leaks and unload bugs too.
+# Unload what is still loaded: catches leaks and unload bugs too.  Not gpupin_cb: it has no
+# exit on purpose (NVIDIA may run a callback it holds at any time), so rmmod refuses it.
 for m in gpupin_peer gpupin nvp2p_sim vgem; do
 	if [ -d "/sys/module/$m" ] && ! rmmod "$m"; then
 		echo "vm-guest: rmmod $m failed" >&2

@@ -136,8 +136,14 @@ for suite in "${SUITES[@]}"; do
 		echo "check-nvidia: the simulator build's CRCs match NVIDIA $ver: the CRC check is broken" >&2
 		bad=1
 	fi
-	deps=$(modinfo -F depends "$b/gpupin.ko")
-	[ "$deps" = nvidia ] || { echo "check-nvidia: gpupin.ko depends on '$deps', expected 'nvidia'" >&2; bad=1; }
+	deps=$(modinfo -F depends "$b/gpupin.ko" | tr , '\n' | sort | paste -sd,)
+	[ "$deps" = gpupin_cb,nvidia ] ||
+		{ echo "check-nvidia: gpupin.ko depends on '$deps', expected 'gpupin_cb,nvidia'" >&2; bad=1; }
+	# The free callback's entry point stays loaded whatever the driver does: it needs nothing of it.
+	if [ ! -e "$b/gpupin_cb.ko" ] || [ -n "$(modinfo -F depends "$b/gpupin_cb.ko")" ]; then
+		echo "check-nvidia: no gpupin_cb.ko built next to NVIDIA $ver, or it depends on a module" >&2
+		bad=1
+	fi
 	# A production build carries no fault injection (only simulator and GPUPIN_TESTING=1 builds do).
 	if modinfo -F parm "$b/gpupin.ko" | grep -q fail_alloc_nth; then
 		echo "check-nvidia: the production gpupin.ko has the fail_alloc_nth test parameter" >&2

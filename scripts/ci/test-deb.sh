@@ -37,12 +37,13 @@ fi
 t0=$(date +%s)
 dpkg -i "$ROOT/dist/gpupin-sim-dkms_${VER}_all.deb" >"$LOG/sim.txt" 2>&1 ||
 	{ cat "$LOG/sim.txt"; die "gpupin-sim-dkms does not install"; }
-for m in gpupin nvp2p_sim gpupin_peer; do
+for m in gpupin gpupin_cb nvp2p_sim gpupin_peer; do
 	f=/lib/modules/$VM_KVER/updates/dkms/$m.ko
 	[ -e "$f" ] || [ -e "$f.xz" ] || [ -e "$f.zst" ] ||
 		{ cat "$LOG/sim.txt"; die "DKMS left no $m.ko for $VM_KVER"; }
 done
-[ "$(modinfo -k "$VM_KVER" -F depends gpupin)" = nvp2p_sim ] || die "the installed gpupin.ko does not depend on nvp2p_sim"
+deps=$(modinfo -k "$VM_KVER" -F depends gpupin | tr , '\n' | sort | paste -sd,)
+[ "$deps" = gpupin_cb,nvp2p_sim ] || die "the installed gpupin.ko depends on '$deps', not on gpupin_cb and nvp2p_sim"
 getent group gpupin >/dev/null || die "the package did not create the gpupin group"
 echo "test-deb: gpupin-sim-dkms installed, DKMS built for $VM_KVER in $(($(date +%s) - t0)) s"
 

@@ -4,18 +4,24 @@ NVIDIA's put_pages finds a mapping through the calling process's registration, w
 client's teardown prunes while the memory and the armed callback stay with the MPS server.
 put_pages then returns 0 having released nothing, gpupin frees its pin, and the callback comes
 later with the data gpupin gave: it must find nothing, and touch neither freed memory nor a
-newer pin.  A callback repeated with the same data must find nothing either.
+newer pin.  A callback repeated with the same data must find nothing either.  And as gpupin
+cannot know that such a callback is still armed, it may come after gpupin.ko was unloaded: it
+then lands in gpupin_cb.ko, which stays loaded, and touches nothing.
 
 The simulator plays the teardown (``SimMemory.forget_owner``) and the repeat
 (``callback_twice``): simulator-only."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 
 from conftest import GPU_PAGE
 from gpupin import Device, SimMemory, kmod, sim_stats
 from gpupin.sim import get_sim_param
+from gpupin.testing import ensure_loaded
 
 pytestmark = [
     pytest.mark.vm,
@@ -121,3 +127,82 @@ def test_a_repeated_callback_finds_nothing(device: Device, sim: SimMemory, sim_p
     sim.free(vb)
     s = sim_stats()
     assert s.page_tables == 0 and s.live_callbacks == 0 and s.use_after_free_calls == 0, s
+
+
+def _kernel_log_after(mark: str) -> list[str]:
+    """The kernel log's messages after the line ``mark`` (written to /dev/kmsg before)."""
+    lines: list[str] = []
+    with open("/dev/kmsg", "rb", buffering=0) as kmsg:  # one record per read, from the start
+        os.set_blocking(kmsg.fileno(), False)
+        while True:
+            try:
+                rec = kmsg.read(8192)
+            except BlockingIOError:
+                break
+            except BrokenPipeError:  # records overwritten before we read them
+                continue
+            if not rec:
+                break
+            lines.append(rec.decode(errors="replace").split(";", 1)[-1].strip())
+    return lines[max(i for i, ln in enumerate(lines) if ln == mark) + 1 :]
+
+
+def _orphaned() -> str | None:
+    return kmod.parameters("gpupin_cb").get("orphaned_callbacks")
+
+
+def test_callback_after_gpupin_unloaded_lands_in_gpupin_cb(gpupin_loaded: None, leakcheck: None) -> None:
+    """Callbacks left armed by an MPS client's teardown come after gpupin.ko was unloaded: the
+    first while it is gone (gpupin_cb.ko counts it, nothing jumps into freed text), the second
+    after it was loaded again, with an id the new gpupin.ko never gave (ids go on counting in
+    gpupin_cb.ko), so a newer pin stays valid."""
+    if kmod.is_loaded("gpupin_peer"):
+        kmod.unload("gpupin_peer")  # it holds gpupin
+    mark = f"gpupin-callback-after-unload-{os.getpid()}-{time.monotonic_ns()}"
+    with open("/dev/kmsg", "w") as kmsg:
+        kmsg.write(mark + "\n")
+    try:
+        with SimMemory() as sim:
+            va = sim.alloc(GPU_PAGE)
+            vb = sim.alloc(GPU_PAGE)
+            dev = Device()
+            try:
+                dev.pin(va, GPU_PAGE)
+                dev.pin(vb, GPU_PAGE)
+                sim.forget_owner()  # the MPS client's teardown
+            finally:
+                dev.close()  # put_pages: 0 for both, nothing released, callbacks armed
+            s = sim_stats()
+            assert s.page_tables == 2 and s.live_callbacks == 2, s
+            orphaned = _orphaned()
+            last_id = kmod.parameters("gpupin_cb").get("last_id")
+            kmod.unload("gpupin")
+            calls = sim_stats().callbacks_run
+            sim.free(va)  # the callback, gpupin.ko gone
+            s = sim_stats()
+            assert s.callbacks_run == calls + 1 and s.use_after_free_calls == 0, (
+                f"a callback armed in gpupin.ko after its unload: {s}"
+            )
+            assert orphaned is not None and _orphaned() == str(int(orphaned) + 1), (orphaned, _orphaned())
+
+            ensure_loaded()
+            with Device() as dev:
+                vc = sim.alloc(GPU_PAGE)
+                newer = dev.pin(vc, GPU_PAGE)
+                assert last_id is not None and int(kmod.parameters("gpupin_cb")["last_id"]) > int(last_id), (
+                    "callback ids started again with the reloaded gpupin"
+                )
+                sim.free(vb)  # the other old callback, now reaching the new gpupin.ko
+                assert newer.is_valid(), "an old callback invalidated a pin of the reloaded gpupin"
+                assert dev.read_events() == []
+                assert _orphaned() == str(int(orphaned) + 1), "gpupin was there to take it"
+                dev.unpin(newer)
+            sim.free(vc)
+            s = sim_stats()
+            assert s.page_tables == 0 and s.live_callbacks == 0 and s.use_after_free_calls == 0, s
+        log = _kernel_log_after(mark)
+        bad = [ln for ln in log if any(w in ln for w in ("BUG", "Oops", "KASAN", "WARNING", "general protection"))]
+        assert not bad, bad
+        assert any(ln.startswith("gpupin_cb: free callback for id ") for ln in log), log[-20:]
+    finally:
+        ensure_loaded()

@@ -16,7 +16,7 @@ import pytest
 
 import gpupin
 from conftest import GPU_ALLOC, GPU_PAGE, MiB, first_pci_device
-from gpupin import Device, MemoryProvider, SimMemory, kmod, sim_stats
+from gpupin import Device, MemoryProvider, SimMemory, kmod, netlink, sim_stats
 from gpupin.testing import ensure_loaded
 from gpupin.testing.peer import Peer
 
@@ -229,10 +229,11 @@ def test_dma_map_racing_the_free_is_safe(device: Device, sim: SimMemory, sim_par
 @pytest.mark.simonly(
     reason="unloads gpupin.ko mid-callback (callback_tail_delay_ms) and loads it back over the simulator"
 )
-def test_unload_waits_for_a_callback_leaving_gpupin(gpupin_loaded: None, leakcheck: None, sim_params) -> None:  # type: ignore[no-untyped-def]
+def test_unload_is_refused_while_a_callback_leaves_gpupin(gpupin_loaded: None, leakcheck: None, sim_params) -> None:  # type: ignore[no-untyped-def]
     """A detached pin's callback drops the module reference it held, then returns through
-    gpupin's code: an unload in that window must wait for it (callback_tail_delay_ms widens
-    the window; the kernel log would show the crash)."""
+    gpupin's code: gpupin_cb.ko, through which every callback comes, holds the module until
+    it is back, so an unload in that window is refused, and works once the callback returned
+    (callback_tail_delay_ms widens the window; the kernel log would show a crash)."""
     for m in ("gpupin_peer",):
         if kmod.is_loaded(m):
             kmod.unload(m)
@@ -256,16 +257,20 @@ def test_unload_waits_for_a_callback_leaving_gpupin(gpupin_loaded: None, leakche
             while gpupin.kmod.info("gpupin").refcount != 1 and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert kmod.info("gpupin").refcount == 1, "only the detached pin holds the module"
-            sim_params("gpupin", callback_tail_delay_ms=1500)
+            sim_params("gpupin", callback_tail_delay_ms=3000)
             freer = threading.Thread(target=sim.free, args=(va,))
             freer.start()
-            time.sleep(0.5)  # the callback is in its tail now, its module reference dropped
-            start = time.monotonic()
-            kmod.unload("gpupin")
-            waited = time.monotonic() - start
+            deadline = time.monotonic() + 10
+            while netlink.stats()["detached"] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            # The callback let go of the pin and its module reference, and is in its tail now.
+            assert netlink.stats()["detached"] == 0, "the callback did not come"
+            with pytest.raises(gpupin.ModuleError, match="in use") as refused:
+                kmod.unload("gpupin")
+            assert refused.value.errno in (errno.EAGAIN, errno.EBUSY), refused.value
             freer.join()
+            kmod.unload("gpupin")
             assert not kmod.is_loaded("gpupin")
-            assert waited > 0.3, f"the unload did not wait for the callback ({waited:.3f} s)"
             s = sim_stats()
             assert s.page_tables == 0 and s.live_callbacks == 0 and s.use_after_free_calls == 0, s
     finally:
