@@ -249,6 +249,7 @@ class CudaMemory(ProviderBase):
         return int(self._check(self._cu.cuMemAlloc(size), f"cuMemAlloc({size})"))
 
     def free(self, ptr: int) -> None:
+        self.refuse_held_free(ptr)
         self._current()
         self._check(self._cu.cuMemFree(ptr), f"cuMemFree({ptr:#x})")
 

@@ -131,6 +131,7 @@ class HostMemory(ProviderBase):
         return self._fit.alloc(size, at=at).base
 
     def free(self, ptr: int) -> None:
+        self.refuse_held_free(ptr)
         self._fit.free(ptr)
 
     def range_of(self, ptr: int) -> AllocationRange:

@@ -16,15 +16,24 @@ ptr, uint64_t *out)``: 0 and the id, or non-zero for no allocation there) and
 alive as long as the provider.  The query runs under the cache core's mutex,
 with the GIL held: it must not wait for either.  A provider without one has
 its buffer ids checked in Python, through ``buffer_id``.
+
+The providers gpupin ships (:class:`ProviderBase`) also keep *free holds*:
+``hold_free(ptr, why)`` makes ``free`` of the allocation holding ``ptr`` raise
+:class:`~gpupin.errors.InUse` (naming ``why``) until ``release_free_hold``.
+:class:`gpupin.nixl.NixlEndpoint` holds every allocation it exposes to peers
+this way, so that memory a peer may still write is never handed to a new
+owner through the provider.
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from ._closable import Closable
-from .errors import NotGpuMemory
+from .errors import InUse, NotGpuMemory
 
 
 @dataclass(frozen=True)
@@ -66,7 +75,36 @@ class MemoryProvider(Protocol):
 
 
 class ProviderBase(Closable):
-    """What the providers share: ``is_device_memory`` from ``range_of``, and closing."""
+    """What the providers share: ``is_device_memory`` from ``range_of``, closing, and free
+    holds (``hold_free``; each provider's ``free`` calls ``refuse_held_free`` first)."""
+
+    _free_holds: dict[int, tuple[int, str]]  # hold -> (allocation base, why)
+    _free_holds_lock = threading.Lock()  # guards every provider's _free_holds; held for no call out
+    _free_hold_ids = itertools.count(1)
+
+    def hold_free(self, ptr: int, why: str) -> int:
+        """Refuse ``free`` of the allocation holding ``ptr`` (InUse naming ``why``) until
+        ``release_free_hold`` of the returned hold.  Holds nest: one per holder."""
+        base = self.range_of(ptr).base
+        with self._free_holds_lock:
+            holds = self.__dict__.setdefault("_free_holds", {})
+            hold = next(self._free_hold_ids)
+            holds[hold] = (base, why)
+        return hold
+
+    def release_free_hold(self, hold: int) -> None:
+        with self._free_holds_lock:
+            self.__dict__.get("_free_holds", {}).pop(hold, None)
+
+    def refuse_held_free(self, ptr: int) -> None:
+        """InUse if a holder keeps the allocation at ``ptr`` from being freed."""
+        with self._free_holds_lock:
+            why = [w for base, w in self.__dict__.get("_free_holds", {}).values() if base == ptr]
+        if why:
+            raise InUse(
+                f"free({ptr:#x}): the allocation is held: {why[0]}"
+                + (f" (and {len(why) - 1} more)" if len(why) > 1 else "")
+            )
 
     def range_of(self, ptr: int) -> AllocationRange:
         raise NotImplementedError

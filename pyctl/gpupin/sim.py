@@ -146,6 +146,7 @@ class SimMemory(ProviderBase):
 
     def free(self, ptr: int) -> None:
         """Free the allocation starting at ``ptr``; runs the free callbacks of its pins."""
+        self.refuse_held_free(ptr)
         c = ffi.new("struct nvp2p_sim_free *")
         c.va = ptr
         try:
