@@ -118,7 +118,19 @@ def main() -> int:
             elif cmd == "alloc":
                 out = mem.alloc(args[0])
             elif cmd == "free":
-                mem.free(args[0])
+                mem.free(args[0])  # the provider refuses while the buffer is exposed
+                out = None
+            elif cmd == "free_behind":  # a free gpupin cannot see (another allocator's, cudaFree)
+                if kind == "cuda":
+                    mem._current()
+                    mem._check(mem._cu.cuMemFree(args[0]), "cuMemFree")
+                else:
+                    mem._fit.free(args[0])
+                out = None
+            elif cmd == "unexpose":
+                from gpupin.nixl import RemoteBuffer
+
+                ep.unexpose(RemoteBuffer.from_bytes(args[0]), *args[1:])
                 out = None
             elif cmd == "fill":
                 ptr, size, byte = args
@@ -127,7 +139,7 @@ def main() -> int:
             elif cmd == "read":
                 out = mem.read(args[0], args[1])
             elif cmd == "expose":
-                out = ep.expose(args[0], args[1]).to_bytes()
+                out = ep.expose(*args[:2], epoch=args[2] if len(args) > 2 else 0).to_bytes()
             elif cmd == "stats":
                 st = ep.cache.stats()
                 out = {
@@ -135,6 +147,8 @@ def main() -> int:
                     "deregistrations": ep.driver.deregistrations,
                     "live": ep.driver.live,
                     "stale_transfers": ep.stale_transfers,
+                    "stale_exposures": ep.stale_exposures,
+                    "exposures": len(ep._exposures),
                     "pins": st.pins,
                     "unpins": st.unpins,
                     "notes": list(notes),
@@ -204,6 +218,7 @@ def scenario_churn(
             local[k] = mem.alloc(seg)
         if target_churn and rng.random() < 0.2:  # so does the target's; it exposes the new segment
             k = rng.randrange(3)
+            target.call("unexpose", exposed[k].to_bytes())  # peers' leases end first
             target.call("free", remote[k])
             remote[k] = target.call("alloc", seg)
             exposed[k] = RemoteBufferOf(target, remote[k], seg)
@@ -211,7 +226,7 @@ def scenario_churn(
     st = ep.cache.stats()
     assert ep.driver.registrations == len(versions) == st.pins, (ep.driver.registrations, len(versions))
     t = target.call("stats")
-    assert t["registrations"] == 3 + target_churns and t["stale_transfers"] == 0, t
+    assert t["registrations"] == 3 + target_churns and t["stale_transfers"] == t["stale_exposures"] == 0, t
     for p in [*local, back]:
         mem.free(p)
     return {"registrations": ep.driver.registrations, "versions": len(versions), "rounds": rounds}
@@ -239,9 +254,11 @@ def RemoteBufferOf(target: Target, ptr: int, size: int) -> Any:  # noqa: N802 - 
 
 
 def scenario_freed_target(ep: Any, mem: Any, target: Target) -> str:
-    """The measured silent loss: the target frees its exposed 1 MiB buffer and allocates again
-    at the same address; the initiator WRITEs 0xA5 through what it has.  Either the bytes are
-    in the new buffer or the write raises StaleRemote; never success with the data elsewhere."""
+    """The measured silent loss, now prevented: the target would free its exposed 1 MiB buffer
+    and allocate again at the same address while the initiator writes 0xA5 through what it
+    has.  The provider refuses the free while the buffer is exposed; after unexpose (which
+    waits for the initiator's lease) the free goes, and a write through the old descriptor is
+    refused before any byte moves: the new owner's buffer keeps all its zeros."""
     from gpupin.nixl import StaleRemote
 
     dst = target.call("alloc", MiB)
@@ -249,42 +266,37 @@ def scenario_freed_target(ep: Any, mem: Any, target: Target) -> str:
     rb = RemoteBufferOf(target, dst, MiB)
     src = mem.alloc(MiB)
     mem.write(src, b"\x5a" * MiB)
-    ep.write(src, MiB, rb)  # a good write first: connected and registered on both sides
+    ep.write(src, MiB, rb)  # a good write first: connected, registered and leased on both sides
+    assert target.call("read", dst, MiB) == b"\x5a" * MiB
+    try:
+        target.call("free", dst)
+        raise AssertionError("the provider freed a buffer exposed to a peer")
+    except RuntimeError as exc:
+        assert "InUse" in str(exc) and "unexpose" in str(exc), exc
+    target.call("unexpose", rb.to_bytes())
     for _ in range(8):  # the allocator hands the freed address back (cuMemAlloc: mostly at once)
         target.call("free", dst)
         again = target.call("alloc", MiB)
         if again == dst:
             break
         dst = again
-        target.call("fill", dst, MiB, 0)
-        rb = RemoteBufferOf(target, dst, MiB)
-        ep.write(src, MiB, rb)
     else:
         raise AssertionError("the target's allocator never handed the freed address back")
-    target.call("fill", dst, MiB, 0)
+    target.call("fill", dst, MiB, 0)  # the new owner's bytes
     mem.write(src, b"\xa5" * MiB)
     try:
         ep.write(src, MiB, rb)
         outcome = "delivered"
     except StaleRemote:
-        outcome = "stale"
-    got = target.call("read", dst, MiB)
-    if outcome == "delivered":
-        assert got == b"\xa5" * MiB, "the write reported success but the new buffer lacks the data"
+        outcome = "refused"
+    assert outcome == "refused", "a write through a taken-back exposure was reported done"
+    assert target.call("read", dst, MiB) == bytes(MiB), "a stale write's bytes are in the new owner's memory"
+    # Exposed again, the new buffer takes the write.
+    ep.write(src, MiB, RemoteBufferOf(target, dst, MiB))
+    assert target.call("read", dst, MiB) == b"\xa5" * MiB
     stats = target.call("stats")
-    assert outcome == "delivered" or stats["stale_transfers"] == 1
-    # Exposed again, the new buffer is a new registration: the write lands, or (NIXL 1.5.1 over
-    # VRAM) NIXL will not load it and the endpoint says so; never a success without the data.
-    from gpupin.nixl import NixlError
-
-    try:
-        ep.write(src, MiB, RemoteBufferOf(target, dst, MiB))
-        assert target.call("read", dst, MiB) == b"\xa5" * MiB
-    except StaleRemote:
-        raise
-    except NixlError as exc:
-        assert "will not load" in str(exc), exc
-        outcome += ", re-expose refused by NIXL"
+    assert stats["stale_transfers"] == stats["stale_exposures"] == 0, stats
+    target.call("unexpose", RemoteBufferOf(target, dst, MiB).to_bytes())
     target.call("free", dst)
     mem.free(src)
     return outcome

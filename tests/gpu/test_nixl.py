@@ -2,7 +2,8 @@
 
 The scenarios are the host suite's (tests/nixl_target.py); here the memory is cuMemAlloc'd,
 the registrations are NIXL's VRAM ones, and the freed-target write is the silent loss
-measured on an H200 without gpupin (DONE, and the new buffer never got the data).
+measured on an H200 through NIXL alone (DONE, and the new buffer never got the data), which
+gpupin's leases prevent.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def target(cuda: Any) -> Iterator[Target]:
 
 @pytest.fixture
 def ep(cuda: Any, target: Target) -> Iterator[NixlEndpoint]:
-    e = NixlEndpoint("initiator", cuda, mem_type="VRAM")
+    e = NixlEndpoint("initiator", cuda, mem_type="VRAM", auto_progress=True)
     e.connect(target.metadata)
     target.call("connect", e.metadata())
     yield e
@@ -67,39 +68,93 @@ def test_churn_every_byte_lands_where_named(ep: NixlEndpoint, cuda: Any, target:
     cuda.free(x)
 
 
-def test_without_the_check_a_write_into_a_freed_buffer_is_lost(ep: NixlEndpoint, cuda: Any, target: Target) -> None:
-    """The hazard itself, with gpupin's check switched off (confirm=False): NIXL says DONE and
-    the target's new buffer does not hold the data."""
+def test_raw_nixl_loses_a_write_into_a_freed_buffer(ep: NixlEndpoint, cuda: Any, target: Target) -> None:
+    """The hazard itself, through NIXL's own calls (what gpupin's leases stand between): the
+    target frees the buffer behind NIXL and allocates again at its address; a write through
+    the descriptor NIXL still has reports DONE and the new buffer does not hold the data."""
     dst = target.call("alloc", MiB)
+    src = cuda.alloc(MiB)
+    cuda.write(src, b"\x5a" * MiB)
     for _ in range(8):  # cuMemAlloc hands a freed address back, mostly at once
-        target.call("fill", dst, MiB, 0)
         rb = RemoteBufferOf(target, dst, MiB)
-        src = cuda.alloc(MiB)
-        cuda.write(src, b"\x5a" * MiB)
-        ep.write(src, MiB, rb)
+        ep.write(src, MiB, rb)  # connected, and the registration loaded at the initiator
+        target.call("unexpose", rb.to_bytes())  # the target's registration stays cached, idle
         target.call("free", dst)
         again = target.call("alloc", MiB)
         if again == dst:
             break
         dst = again
-        cuda.free(src)
     else:
         pytest.fail("cuMemAlloc never handed the freed address back")
     target.call("fill", dst, MiB, 0)
     cuda.write(src, b"\xa5" * MiB)
-    ep.write(src, MiB, rb, confirm=False)  # NIXL: DONE
-    got = target.call("read", dst, MiB)
-    landed = got.count(0xA5)
-    print(f"without the check: NIXL said DONE, the new buffer holds {landed} of {MiB} bytes")
-    assert landed < MiB, "this NIXL delivered into the new buffer: the hazard is gone here"
+    agent = ep.agent
+    with ep.cache.acquire(src, MiB):
+        local = agent.get_xfer_descs([(src, MiB, ep.driver.devid)], "VRAM")
+        remote = agent.get_xfer_descs([(dst, MiB, rb.devid)], "VRAM")
+        h = agent.initialize_xfer("WRITE", local, remote, "target", b"")
+        state = agent.transfer(h)
+        while state == "PROC":
+            state = agent.check_xfer_state(h)
+        agent.release_xfer_handle(h)
+    landed = target.call("read", dst, MiB).count(0xA5)
+    print(f"raw NIXL: {state}, the new buffer holds {landed} of {MiB} bytes")
+    assert state == "DONE" and landed < MiB, "this NIXL delivered into the new buffer: the hazard is gone here"
     target.call("free", dst)
     cuda.free(src)
 
 
-def test_with_the_check_it_is_never_reported_done(ep: NixlEndpoint, cuda: Any, target: Target) -> None:
-    outcome = scenario_freed_target(ep, cuda, target)
-    print(f"with gpupin's check: {outcome}")
-    assert outcome.split(",")[0] in ("stale", "delivered")
+def test_a_write_into_a_freed_buffer_is_prevented(ep: NixlEndpoint, cuda: Any, target: Target) -> None:
+    assert scenario_freed_target(ep, cuda, target) == "refused"
+
+
+def test_a_smaller_buffer_at_the_same_base_gets_the_bytes(ep: NixlEndpoint, cuda: Any, target: Target) -> None:
+    """Measured on an H100 before the initiator renewed its view of a peer that dropped a
+    registration: a write into a new, smaller buffer at the old base reported done, 0 bytes
+    there (NIXL routed it through the old registration's descriptor)."""
+    src = cuda.alloc(MiB)
+    for _ in range(8):
+        a = target.call("alloc", MiB)
+        ra = RemoteBufferOf(target, a, MiB)
+        ep.write(src, MiB, ra)
+        target.call("unexpose", ra.to_bytes())
+        target.call("free", a)
+        b = target.call("alloc", MiB // 2)
+        if b == a:
+            break
+        target.call("free", b)
+    else:
+        pytest.skip("cuMemAlloc never put a smaller buffer at a freed base here")
+    target.call("fill", b, MiB // 2, 0)
+    rb = RemoteBufferOf(target, b, MiB // 2)
+    cuda.write(src, b"\xa5" * MiB)
+    ep.write(src, MiB // 2, rb, confirm=True)
+    landed = target.call("read", b, MiB // 2).count(0xA5)
+    assert landed == MiB // 2, f"the write reported done, the new buffer holds {landed} of {MiB // 2} bytes"
+    target.call("unexpose", rb.to_bytes())
+    target.call("free", b)
+    cuda.free(src)
+
+
+def test_a_free_behind_the_providers_back_is_detected(ep: NixlEndpoint, cuda: Any, target: Target) -> None:
+    import time
+
+    dst = target.call("alloc", MiB)
+    rb = RemoteBufferOf(target, dst, MiB)
+    src = cuda.alloc(MiB)
+    ep.write(src, 4096, rb)
+    target.call("free_behind", dst)  # cuMemFree itself: the provider's hold cannot see it
+    target.call("alloc", MiB)
+    deadline = time.monotonic() + 10
+    while target.call("stats")["stale_exposures"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert target.call("stats")["stale_exposures"] == 1
+    deadline = time.monotonic() + 10
+    while ep._leases and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(StaleRemote):
+        ep.write(src, 4096, rb)
+    cuda.free(src)
 
 
 def test_bad_ranges_host_memory_and_a_gone_remote(ep: NixlEndpoint, cuda: Any, target: Target) -> None:

@@ -6,6 +6,8 @@ dependency; 'make setup' installs it (nixl-cu13 without torch).
 
 from __future__ import annotations
 
+import dataclasses
+import struct
 import sys
 import time
 import weakref
@@ -46,7 +48,8 @@ def target() -> Iterator[Target]:
 @pytest.fixture
 def ep(target: Target) -> Iterator[tuple[NixlEndpoint, HostMemory]]:
     mem = HostMemory(128 << 20)
-    e = NixlEndpoint("initiator", mem, mem_type="DRAM")
+    # auto_progress: the initiator answers the target's revocations while a test waits on it.
+    e = NixlEndpoint("initiator", mem, mem_type="DRAM", auto_progress=True)
     e.connect(target.metadata)
     target.call("connect", e.metadata())
     yield e, mem
@@ -68,12 +71,9 @@ def test_churn_every_byte_lands_where_named(ep: tuple[NixlEndpoint, HostMemory],
     assert target.close() == 0
 
 
-def test_a_write_into_a_freed_target_buffer_is_never_reported_done(
-    ep: tuple[NixlEndpoint, HostMemory], target: Target
-) -> None:
+def test_a_write_into_a_freed_target_buffer_is_prevented(ep: tuple[NixlEndpoint, HostMemory], target: Target) -> None:
     e, mem = ep
-    outcome = scenario_freed_target(e, mem, target)
-    assert outcome == "stale"  # the target tells, whatever UCX did with the bytes
+    assert scenario_freed_target(e, mem, target) == "refused"
     e.close()
     assert target.close() == 0
 
@@ -111,10 +111,15 @@ def test_a_remote_that_went_away_is_a_clear_error(ep: tuple[NixlEndpoint, HostMe
 
 
 def test_remote_buffer_round_trips_through_bytes() -> None:
-    rb = RemoteBuffer("peer-1", 0x7F00_0000_1000, 12345, 2, "VRAM", 77, (5 << 32) | 9, b"\x00md\xff")
+    rb = RemoteBuffer(
+        "peer-1", 0x7F00_0000_1000, 12345, 2, "VRAM", 77, 2**63 + 5, 2**64 - 1, (5 << 32) | 9, 3, b"\x00md"
+    )
     assert RemoteBuffer.from_bytes(rb.to_bytes()) == rb
-    wide = RemoteBuffer("wörker-ü", 1, 2, 0, "DRAM", 3, 4, b"md")  # a name in more bytes than letters
+    wide = RemoteBuffer("wörker-ü", 1, 2, 0, "DRAM", 3, 4, 0, 5, 0, b"md")  # a name in more bytes than letters
     assert RemoteBuffer.from_bytes(wide.to_bytes()) == wide
+    for bad in (b"", b"gprb" + bytes(10), b"xxxx" + rb.to_bytes()[4:]):
+        with pytest.raises(gpupin.InvalidArgument, match="RemoteBuffer"):
+            RemoteBuffer.from_bytes(bad)
 
 
 def test_one_process_two_agents_and_the_cache_counts(tmp_path: Path) -> None:
@@ -159,12 +164,14 @@ class Pair:
     """A target and an initiator endpoint in this process, the target answering from a thread.
     The garbage collector runs as it will: gpupin makes no NIXL call from it."""
 
-    def __init__(self, *, connect_back: bool = True, target_max_bytes: int = 0, tag: str = "") -> None:
+    def __init__(
+        self, *, connect_back: bool = True, target_max_bytes: int = 0, tag: str = "", auto_progress: bool = False
+    ) -> None:
         import threading
 
         self.mt, self.mi = HostMemory(16 << 20), HostMemory(16 << 20)
         self.tgt = NixlEndpoint(f"t-pair{tag}", self.mt, mem_type="DRAM", max_bytes=target_max_bytes)
-        self.ini = NixlEndpoint(f"i-pair{tag}", self.mi, mem_type="DRAM")
+        self.ini = NixlEndpoint(f"i-pair{tag}", self.mi, mem_type="DRAM", auto_progress=auto_progress)
         self.ini.connect(self.tgt.metadata())
         if connect_back:
             self.tgt.connect(self.ini.metadata())
@@ -182,24 +189,34 @@ class Pair:
 
 
 def test_answers_are_matched_to_the_endpoint_and_peer_that_asked() -> None:
-    """Two endpoints on one agent read each other's notifications: an answer for one must not
-    complete the other's transfer (both counted from 1 before: a stale write reported success)."""
+    """A verdict goes to the endpoint and peer that asked (a second endpoint on one agent, which
+    would read the first one's notifications, is refused).  The target's allocation is freed
+    behind the provider's back (what gpupin cannot prevent): the check that confirm=True asks
+    for says so, to that initiator alone."""
     p = Pair()
     try:
-        other = NixlEndpoint("i-pair-2", p.mi, mem_type="DRAM", agent=p.ini.agent)  # the same agent
+        p.tgt.watch_interval = 3600.0  # the check, not the watch, is what this test is about
+        with pytest.raises(gpupin.InvalidArgument, match="one endpoint per agent"):
+            NixlEndpoint("i-pair-2", p.mi, mem_type="DRAM", agent=p.ini.agent)  # would take i-pair's answers
+        other = NixlEndpoint("i-pair-2", p.mi, mem_type="DRAM")
+        other.connect(p.tgt.metadata())
+        p.tgt.connect(other.metadata())
         a, b = p.mt.alloc(MiB), p.mt.alloc(MiB)
         ra, rb = p.tgt.expose(a, MiB), p.tgt.expose(b, MiB)
         src = p.mi.alloc(MiB)
-        p.ini.write(src, 4096, ra)
-        p.mt.free(a)
+        p.ini.write(src, 4096, ra, confirm=True)
+        p.mt._fit.free(a)  # behind the hold: another allocator's free
         assert p.mt.alloc(MiB) == a
         for _ in range(3):
-            other.write(src, 4096, rb)  # good transfers, answered on the shared agent
-            other.write(src, 4096, rb, confirm=False)
-        with pytest.raises(StaleRemote, match="no longer the allocation"):
-            p.ini.write(src, 4096, ra)
-        assert p.tgt.stale_transfers == 1
-        assert not p.ini._acks and not other._acks  # nothing left behind
+            other.write(src, 4096, rb, confirm=True)  # good transfers, answered on the shared agent
+            other.write(src, 4096, rb)
+        with pytest.raises(StaleRemote, match="detected after the fact"):
+            p.ini.write(src, 4096, ra, confirm=True)
+        assert p.tgt.stale_transfers == 1 and p.ini.stale_answers == 1 and other.stale_answers == 0
+        with pytest.raises(StaleRemote, match="found stale on arrival"):
+            p.ini.write(src, 4096, ra)  # the lease is broken: refused before sending
+        assert not p.ini._verdicts and not other._verdicts and not p.ini._waiting  # nothing left behind
+        other.close()
     finally:
         p.close()
 
@@ -228,7 +245,7 @@ def test_a_target_that_cannot_answer_is_named() -> None:
     p = Pair(connect_back=False)
     try:
         rb = p.tgt.expose(p.mt.alloc(MiB), MiB)
-        with pytest.warns(RuntimeWarning, match="load its metadata here first"):
+        with pytest.warns(RuntimeWarning, match="connect\\(\\) with its metadata"):
             with pytest.raises(NixlError, match="loaded this endpoint's metadata"):
                 p.ini.write(p.mi.alloc(MiB), 4096, rb, timeout=3)
             p.stop.set()
@@ -239,7 +256,7 @@ def test_a_target_that_cannot_answer_is_named() -> None:
 
 
 def test_an_exposed_buffer_stays_registered_until_unexposed() -> None:
-    p = Pair(target_max_bytes=MiB)
+    p = Pair(target_max_bytes=MiB, auto_progress=True)
     try:
         a, b = p.mt.alloc(MiB), p.mt.alloc(MiB)
         ra = p.tgt.expose(a, MiB)
@@ -332,7 +349,13 @@ def test_a_malformed_notification_loses_nothing() -> None:
     malformed one too (counted and warned about once)."""
     p = Pair()
     try:
-        bad = [b"gpupin-nixl-ack/1:short", b"gpupin-nixl-xfer/1:" + b"x" * 3]
+        bad = [
+            b"gpupin-nixl-ack/1:short",  # an older gpupin's
+            b"gpupin-nixl/2:H" + bytes(3),  # too short for its head
+            b"gpupin-nixl/2:G" + struct.pack("<QH", 1, 5),  # five entries announced, none there
+            b"gpupin-nixl/2:X" + struct.pack("<QH", 1, 60000) + bytes(16),  # over the entry limit
+            b"gpupin-nixl/2:Z" + bytes(8),  # no such kind
+        ]
         with p.tgt.driver.lock:
             p.tgt.agent.send_notif("i-pair", b"app-1")
             for m in bad:
@@ -342,13 +365,32 @@ def test_a_malformed_notification_loses_nothing() -> None:
         with pytest.warns(RuntimeWarning, match="not one of gpupin's messages"):
             for _ in range(2000):
                 got += p.ini.progress()
-                if len(got) >= 4:
+                if len(got) >= 2 + len(bad):
                     break
                 time.sleep(0.001)
         assert sorted(m for _, m in got) == sorted([b"app-1", b"app-2", *bad])
-        assert p.ini.malformed_notifications == 2
+        assert p.ini.malformed_notifications == len(bad)
     finally:
         p.close()
+
+
+def _slow_transfers(ep: NixlEndpoint) -> list[bool]:
+    """Make ``ep``'s transfers report PROC (posted for real) while the returned flag is set."""
+    agent = ep.agent
+    slow = [True]
+    real_transfer, real_check = type(agent).transfer, type(agent).check_xfer_state
+    ref = weakref.ref(agent)
+
+    def transfer(h: Any, *a: Any) -> str:
+        state = real_transfer(ref(), h, *a)
+        return "PROC" if slow[0] else state
+
+    def check(h: Any) -> str:
+        state = real_check(ref(), h)
+        return "PROC" if slow[0] and state in ("PROC", "DONE") else state
+
+    agent.transfer, agent.check_xfer_state = transfer, check
+    return slow
 
 
 def test_a_transfer_past_its_timeout_keeps_its_buffer_registered_until_it_ends() -> None:
@@ -357,20 +399,7 @@ def test_a_transfer_past_its_timeout_keeps_its_buffer_registered_until_it_ends()
     can neither evict nor deregister it; settle() lets both go once NIXL says it ended, and
     close() refuses while one runs."""
     p = Pair()
-    agent = p.ini.agent
-    slow = [True]
-    real_transfer, real_check = type(agent).transfer, type(agent).check_xfer_state
-    agent_ref = weakref.ref(agent)
-
-    def transfer(h: Any, *a: Any) -> str:  # posted for real; reported running while ``slow``
-        state = real_transfer(agent_ref(), h, *a)
-        return "PROC" if slow[0] else state
-
-    def check(h: Any) -> str:
-        state = real_check(agent_ref(), h)
-        return "PROC" if slow[0] and state in ("PROC", "DONE") else state
-
-    agent.transfer, agent.check_xfer_state = transfer, check
+    slow = _slow_transfers(p.ini)
     try:
         dst = p.mt.alloc(MiB)
         rb = p.tgt.expose(dst, MiB)
@@ -388,7 +417,7 @@ def test_a_transfer_past_its_timeout_keeps_its_buffer_registered_until_it_ends()
         assert p.ini.cache.held() == 0 and p.ini.pending_transfers() == 0
     finally:
         slow[0] = False
-        del agent.transfer, agent.check_xfer_state
+        del p.ini.agent.transfer, p.ini.agent.check_xfer_state
         p.close()
 
 
@@ -425,6 +454,191 @@ def test_what_an_initiator_remembers_of_a_peer_is_bounded(monkeypatch: pytest.Mo
         for _ in range(10):  # ten registrations exposed, each a new generation of the target
             dst = p.mt.alloc(MiB // 2)
             p.ini.write(src, 4096, p.tgt.expose(dst, MiB // 2))
-        assert len(p.ini._loaded["t-pair"]) == 4
+        assert len(p.ini._views["t-pair"][1]) == 4
+    finally:
+        p.close()
+
+
+# -- prevention: no byte of a transfer lands in memory a new owner holds ---------------------------
+def test_unexpose_waits_for_a_transfer_in_flight_and_the_free_waits_for_unexpose() -> None:
+    import threading
+
+    p = Pair(auto_progress=True)
+    slow = _slow_transfers(p.ini)
+    try:
+        dst = p.mt.alloc(MiB)
+        rb = p.tgt.expose(dst, MiB)
+        src = p.mi.alloc(MiB)
+        with pytest.raises(NixlError, match="stays registered"):
+            p.ini.write(src, 4096, rb, timeout=0.2)  # still "running" at NIXL
+        done = threading.Event()
+        th = threading.Thread(target=lambda: (p.tgt.unexpose(rb, timeout=20), done.set()))
+        th.start()
+        assert not done.wait(0.5), "unexpose returned while a peer's transfer into the range still ran"
+        with pytest.raises(gpupin.InUse, match="unexpose"):
+            p.mt.free(dst)  # the provider refuses: a peer may still write there
+        slow[0] = False
+        assert p.ini.settle(5) == 0  # NIXL says it ended: the lease is dropped
+        assert done.wait(10), "unexpose did not return once the transfer ended"
+        th.join()
+        p.mt.free(dst)
+        assert p.tgt.driver.live <= 1 and not p.tgt._exposures
+    finally:
+        slow[0] = False
+        del p.ini.agent.transfer, p.ini.agent.check_xfer_state
+        p.close()
+
+
+def test_an_epoch_names_one_use_of_a_block() -> None:
+    """Allocator-level reuse without a free: the block is taken back (unexpose) and exposed under
+    a new epoch; a write meant for the old use is refused before any byte moves."""
+    p = Pair(auto_progress=True)
+    try:
+        seg = p.mt.alloc(MiB)
+        block = seg + 64 * 1024
+        old = p.tgt.expose(block, 65536, epoch=1)
+        src = p.mi.alloc(MiB)
+        p.mi.write(src, b"\x11" * 4096)
+        p.ini.write(src, 4096, old)
+        assert p.tgt.expose(block, 65536, epoch=1) == old  # the same use: the same descriptor
+        with pytest.raises(gpupin.InUse, match="unexpose"):
+            p.tgt.expose(block, 65536, epoch=2)
+        p.tgt.unexpose(old)
+        p.mt.write(block, bytes(4096))  # the block's new use
+        new = p.tgt.expose(block, 65536, epoch=2)
+        p.mi.write(src, b"\x22" * 4096)
+        with pytest.raises(StaleRemote, match="before any byte moved|took the exposure back"):
+            p.ini.write(src, 4096, old)
+        assert p.mt.read(block, 4096) == bytes(4096), "a write meant for the old use landed in the new one"
+        p.ini.write(src, 4096, new, confirm=True)
+        assert p.mt.read(block, 4096) == b"\x22" * 4096
+        forged = dataclasses.replace(new, epoch=1)  # the new exposure under the old epoch
+        with pytest.raises(StaleRemote, match="another epoch"):
+            p.ini.write(src, 4096, forged)
+    finally:
+        p.close()
+
+
+@pytest.mark.filterwarnings("ignore:gpupin.nixl.*changed while exposed:RuntimeWarning")
+def test_a_free_behind_the_providers_back_is_detected_and_revoked() -> None:
+    """What gpupin cannot prevent (a free it does not see) it detects: the target's watch
+    finds the allocation changed, revokes the leases with the reason, and the initiator's next
+    transfer into it is refused."""
+    p = Pair(auto_progress=True)
+    try:
+        dst = p.mt.alloc(MiB)
+        rb = p.tgt.expose(dst, MiB)
+        src = p.mi.alloc(MiB)
+        p.ini.write(src, 4096, rb)
+        p.mt._fit.free(dst)  # another allocator's free: the hold cannot see it
+        assert p.mt.alloc(MiB) == dst
+        deadline = time.monotonic() + 10
+        while p.tgt.stale_exposures == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert p.tgt.stale_exposures == 1
+        deadline = time.monotonic() + 10
+        while p.ini._leases and time.monotonic() < deadline:  # the revocation reaches the initiator
+            time.sleep(0.005)
+        with pytest.raises(StaleRemote):
+            p.ini.write(src, 4096, rb)
+        assert not p.tgt._exposures  # taken back and let go once the initiator dropped its lease
+    finally:
+        p.close()
+
+
+def test_a_smaller_buffer_at_the_same_base_gets_the_bytes() -> None:
+    """NIXL keeps a dropped registration's descriptor beside a new one at the same base and may
+    route a write through it (on an H100: a write reported done, 0 bytes in the new buffer).
+    The initiator forgets the peer's view when the target dropped a registration since."""
+    p = Pair(auto_progress=True)
+    try:
+        a = p.mt.alloc(MiB)
+        ra = p.tgt.expose(a, MiB)
+        src = p.mi.alloc(MiB)
+        p.ini.write(src, MiB, ra)
+        p.tgt.unexpose(ra)
+        p.mt.free(a)
+        b = p.mt.alloc(MiB // 2)
+        assert b == a
+        p.mt.write(b, bytes(MiB // 2))
+        rb = p.tgt.expose(b, MiB // 2)
+        assert rb.dereg > ra.dereg  # the old registration went first
+        p.mi.write(src, b"\xa5" * (MiB // 2))
+        p.ini.write(src, MiB // 2, rb, confirm=True)
+        assert p.mt.read(b, MiB // 2) == b"\xa5" * (MiB // 2)
+        assert p.ini.renewals == 1
+    finally:
+        p.close()
+
+
+def test_many_blocks_in_one_transfer_posted_without_waiting() -> None:
+    import asyncio
+
+    p = Pair()
+    try:
+        seg, local = p.mt.alloc(8 * MiB), p.mi.alloc(8 * MiB)
+        region = p.tgt.expose(seg, 8 * MiB)
+        blocks = []
+        for i in range(64):
+            data = bytes([i + 1]) * 4096
+            p.mi.write(local + i * 65536, data)
+            blocks.append((local + i * 65536, 4096, region, (63 - i) * 131072))
+        p.ini.write_blocks(blocks)
+        for i in range(64):
+            assert p.mt.read(seg + (63 - i) * 131072, 4096) == bytes([i + 1]) * 4096
+        t = p.ini.post_write(blocks[:8])
+        t.wait(10)
+        assert t.done() and t.state == "DONE"
+        t2 = p.ini.post_read([(local + 7 * MiB, 4096, region, 0)])
+        asyncio.run(t2.wait_async(10))
+        assert p.mi.read(local + 7 * MiB, 4096) == bytes([64]) * 4096
+        assert p.ini.leases_asked == 1  # one lease for the region, asked for once
+        other = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        other_peer = dataclasses.replace(other, agent="someone-else")
+        with pytest.raises(gpupin.InvalidArgument, match="one peer"):
+            p.ini.write_blocks([blocks[0], (local, 4096, other_peer, 0)])
+    finally:
+        p.close()
+
+
+def test_a_target_answers_only_for_what_it_exposed() -> None:
+    p = Pair()
+    try:
+        rb = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        src = p.mi.alloc(MiB)
+        for forged in (dataclasses.replace(rb, xid=rb.xid + 2), dataclasses.replace(rb, xid=12345)):
+            with pytest.raises(StaleRemote, match="no longer exposes it"):
+                p.ini.write(src, 4096, forged)
+        assert not p.ini._leases
+        p.ini.write(src, 4096, rb)
+    finally:
+        p.close()
+
+
+def test_a_holder_that_never_answers_keeps_the_range_until_forgotten() -> None:
+    p = Pair()  # the initiator takes no notifications of its own: it never sees the revocation
+    try:
+        dst = p.mt.alloc(MiB)
+        rb = p.tgt.expose(dst, MiB)
+        p.ini.write(p.mi.alloc(MiB), 4096, rb)
+        with pytest.raises(gpupin.InUse, match="i-pair still hold"):
+            p.tgt.unexpose(rb, timeout=0.3)
+        with pytest.raises(gpupin.InUse):
+            p.mt.free(dst)
+        p.tgt.forget_peer("i-pair")  # the application knows the peer can transfer no more
+        p.tgt.unexpose(rb, timeout=0.3)
+        p.mt.free(dst)
+    finally:
+        p.close()
+
+
+def test_a_closing_initiator_gives_its_leases_back() -> None:
+    p = Pair()
+    try:
+        rb = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        p.ini.write(p.mi.alloc(MiB), 4096, rb)
+        p.ini.close()
+        p.tgt.unexpose(rb, timeout=5)  # no revocation round trip needed: the drop came already
+        assert not p.tgt._exposures
     finally:
         p.close()
