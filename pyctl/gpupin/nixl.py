@@ -551,13 +551,28 @@ class Transfer:
     ``wait()`` blocks (``await t.wait_async()`` in asyncio).  Its local registrations and
     its leases are held until NIXL says it is over, also past a timeout."""
 
+    __slots__ = ("_ep", "_h", "_toks", "_leases", "seq", "op", "_blocks", "confirm", "state", "verdict")
+
     def __init__(
-        self, ep: NixlEndpoint, handle: Any, regs: list[Any], leases: list[_Lease], seq: int, what: str, confirm: bool
+        self,
+        ep: NixlEndpoint,
+        handle: Any,
+        toks: list[int],
+        leases: list[_Lease],
+        seq: int,
+        op: str,
+        blocks: list[tuple[int, int, RemoteBuffer, int]],
+        confirm: bool,
     ) -> None:
-        self._ep, self._h, self._regs, self._leases = ep, handle, regs, leases
-        self.seq, self.what, self.confirm = seq, what, confirm
+        self._ep, self._h, self._toks, self._leases = ep, handle, toks, leases
+        self.seq, self.op, self._blocks, self.confirm = seq, op, blocks, confirm
         self.state = "PROC"  # PROC, DONE, ERR
         self.verdict: tuple[int, int] | None = None  # the target's (status, xid), once its ACK came
+
+    @property
+    def what(self) -> str:
+        """The transfer in words, for messages (made only when one is)."""
+        return _what(self.op, self._blocks)
 
     def done(self) -> bool:
         """Whether NIXL finished it (DONE: the bytes are in place; or ERR); never blocks."""
@@ -608,6 +623,10 @@ class Transfer:
             await asyncio.sleep(poll)
         if self.state != "DONE":
             raise NixlError(f"{self.what} failed (the peer went away, or its registration did)", "ERR")
+
+
+def _what(op: str, blocks: list[tuple[int, int, RemoteBuffer, int]]) -> str:
+    return f"NIXL {op} of {sum(b[1] for b in blocks)} bytes in {len(blocks)} block(s) with {blocks[0][2].agent}"
 
 
 _PUMP_EVERY_S = 0.001  # a post takes notifications itself at most this often
@@ -1116,9 +1135,7 @@ class NixlEndpoint(Closable):
         if deadline - timeout - self._last_pump > _PUMP_EVERY_S:  # revocations reach a busy initiator too
             self._pump()
         leases = self._leases_for(peer, blocks, deadline)
-        nbytes = sum(b[1] for b in blocks)
-        what = f"NIXL {op} of {nbytes} bytes in {len(blocks)} block(s) with {peer}"
-        regs: list[Any] = []
+        toks: list[int] = []
         h = None
         with self._lock:
             # A REVOKE taken by another thread since the grant: the lease is gone, send nothing
@@ -1130,8 +1147,10 @@ class NixlEndpoint(Closable):
                         "before the transfer was posted; nothing was sent. Ask it to expose the buffer again"
                     )
             try:
-                for local, size, _, _ in blocks:
-                    regs.append(self.cache.acquire(local, size))
+                fast, miss = self.cache.fast_lookup, self.cache.miss
+                for local, size, _, _ in blocks:  # held (a token each) until the transfer is over
+                    tok = fast(local, size)
+                    toks.append(tok if tok >= 0 else miss(local, size, tok))
                 seq = next(self._seq)
                 with self.driver.lock:
                     ldesc = self.agent.get_xfer_descs(
@@ -1147,19 +1166,19 @@ class NixlEndpoint(Closable):
             except BaseException as exc:
                 if h is not None:
                     self.driver.release_xfer(h)
-                for reg in regs:
-                    reg.release()
+                for tok in toks:
+                    self.cache.release_token(tok)
                 if isinstance(exc, GpupinError):
                     raise
                 if isinstance(exc, Exception):
                     self.driver.peer_failed()
-                    raise _nixl_error(what, exc) from None
+                    raise _nixl_error(_what(op, blocks), exc) from None
                 raise
             for lease in leases:
                 lease.inflight += 1
             if confirm:
                 self._waiting.add((peer, seq))
-            t = Transfer(self, h, regs, leases, seq, what, confirm)
+            t = Transfer(self, h, toks, leases, seq, op, blocks, confirm)
             self.transfers += 1
             if state != "PROC":
                 self._complete(t, "DONE" if state == "DONE" else "ERR")
@@ -1167,6 +1186,11 @@ class NixlEndpoint(Closable):
 
     def _leases_for(self, peer: str, blocks: list[tuple[int, int, RemoteBuffer, int]], deadline: float) -> list[_Lease]:
         """This endpoint's held leases on the blocks' exposures, asked for where missing."""
+        if len(blocks) == 1:  # the common case: one lease, held and sound
+            r = blocks[0][2]
+            lease = self._leases.get((peer, r.xid))
+            if lease is not None and lease.state == "held" and not lease.broken and lease.epoch == r.epoch:
+                return [lease]  # post() checks it again under the lock
         remotes = {r.xid: r for _, _, r, _ in blocks}
         with self._lock:
             for r in remotes.values():
@@ -1335,9 +1359,9 @@ class NixlEndpoint(Closable):
         if state != "DONE":
             self.driver.peer_failed()
         self.driver.release_xfer(t._h)
-        for reg in t._regs:
-            reg.release()
-        t._regs = []
+        for tok in t._toks:
+            self.cache.release_token(tok)
+        t._toks = []
         if state == "DONE" and t.confirm:
             # The target's check of the exposures it went to, asked for (a round trip).  Sent
             # after DONE, on the channel the DROP takes later: the target counts these before it
