@@ -43,7 +43,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,8 +61,11 @@ INSTALL = "pip install --no-deps nixl-cu13 numpy"
 # (HOLD, GRANT and XFER carry a count, then that many entries).  See NixlEndpoint.
 _PREFIX = b"gpupin-nixl/2:"
 _HOLD, _GRANT, _XFER, _ACK, _REVOKE, _DROP = b"H", b"G", b"X", b"A", b"R", b"D"
-_HEAD = {_HOLD: "<QH", _GRANT: "<QH", _XFER: "<QH", _ACK: "<QBQ", _REVOKE: "<QB", _DROP: "<QQ"}
-_ENTRY = {_HOLD: "<QQ", _GRANT: "<QB", _XFER: "<QQ"}  # (xid, epoch), (xid, status), (xid, epoch)
+_MDASK, _MD = b"M", b"m"  # a target's current metadata, asked for and sent (its bytes follow the head)
+_HEAD = {
+    _HOLD: "<QH", _GRANT: "<QH", _XFER: "<QH", _ACK: "<QBQ", _REVOKE: "<QB", _DROP: "<QQ", _MDASK: "<Q", _MD: "<QQ"
+}  # fmt: skip
+_ENTRY = {_HOLD: "<QQ", _GRANT: "<QBQ", _XFER: "<QQ"}  # (xid, epoch), (xid, status, dereg), (xid, epoch)
 _MAX_ENTRIES = 1024  # exposures one transfer (or one hold request) may name
 # A target's verdicts: on a hold request (GRANT), and on a transfer's arrival (ACK).
 OK, GONE, EPOCH, FREED, NOT_HELD = 0, 1, 2, 3, 4
@@ -75,7 +78,7 @@ _VERDICT = {
 _LOADED_PER_PEER = 256  # metadata versions remembered as loaded, per peer (a bound, not a cache size)
 
 
-def _pack(kind: bytes, head: tuple[int, ...], entries: list[tuple[int, int]] | None = None) -> bytes:
+def _pack(kind: bytes, head: tuple[int, ...], entries: Sequence[tuple[int, ...]] | None = None) -> bytes:
     out = _PREFIX + kind + struct.pack(_HEAD[kind], *head)
     for e in entries or ():
         out += struct.pack(_ENTRY[kind], *e)
@@ -98,6 +101,8 @@ def _parse(m: bytes) -> tuple[bytes, tuple[int, ...], list[tuple[int, ...]]] | N
     head = struct.unpack_from(fmt, m, at)
     at += n
     entries: list[tuple[int, ...]] = []
+    if kind == _MD:  # (request, dropped registrations), then the metadata: handed on as bytes
+        return kind, head + (at,), entries
     efmt = _ENTRY.get(kind)
     if efmt is None:
         return (kind, head, entries) if len(m) == at else None
@@ -331,6 +336,11 @@ class NixlDriver(LibraryDriver):
             raise NixlError(f"NIXL agent {self.name!r}: closed (its driver retired it); make a new endpoint")
         return agent
 
+    def linger(self, seconds: float) -> None:
+        """Progress the agent at least ``seconds`` more before it is destroyed: messages just
+        sent (send_notif returns before UCX sent them) leave instead of dying with it."""
+        self._settle_until = max(self._settle_until, time.monotonic() + seconds)
+
     def peer_failed(self) -> None:
         """A transfer or notification with a peer failed: progress the agent for SETTLE_S before
         it is destroyed (UCX aborts the process when it destroys an unprogressed failure)."""
@@ -469,7 +479,8 @@ class RemoteBuffer:
     """A buffer a target exposed: where it is, which allocation it was (buffer id), the exposure
     it belongs to (``xid``, never reused by that target, and the application's ``epoch``), the
     registration's generation, how many registrations the target had dropped by then
-    (``dereg``), and the target agent's metadata (to connect and to see the registration).
+    (``dereg``), the target endpoint's ``incarnation`` (a restarted target under the same
+    name has another), and the target agent's metadata (to connect and to see the registration).
     ``to_bytes``/``from_bytes`` carry it over any channel."""
 
     agent: str
@@ -482,16 +493,17 @@ class RemoteBuffer:
     epoch: int
     generation: int
     dereg: int
+    incarnation: int
     metadata: bytes
 
-    _FMT = "<4sQQQQQQqQH"
+    _FMT = "<4sQQQQQQqQQH"
     _MAGIC = b"gprb"
 
     def to_bytes(self) -> bytes:
         name = self.agent.encode()
         head = struct.pack(
             self._FMT, self._MAGIC, self.addr, self.size, self.devid, self.buffer_id, self.xid, self.epoch,
-            self.generation, self.dereg, len(name),
+            self.generation, self.dereg, self.incarnation, len(name),
         )  # fmt: skip
         return head + name + self.mem_type.encode().ljust(4) + self.metadata
 
@@ -503,12 +515,12 @@ class RemoteBuffer:
                 f"RemoteBuffer.from_bytes: {len(data)} bytes that are not a RemoteBuffer of this gpupin version "
                 "(make it with the target's expose(...).to_bytes())"
             )
-        _, addr, size, devid, bid, xid, epoch, gen, dereg, alen = struct.unpack_from(cls._FMT, data)
+        _, addr, size, devid, bid, xid, epoch, gen, dereg, inc, alen = struct.unpack_from(cls._FMT, data)
         if len(data) < n + alen + 4:
             raise InvalidArgument(f"RemoteBuffer.from_bytes: truncated ({len(data)} bytes)")
         agent = bytes(data[n : n + alen]).decode()
         mem = data[n + alen : n + alen + 4].decode().strip()
-        return cls(agent, addr, size, devid, mem, bid, xid, epoch, gen, dereg, bytes(data[n + alen + 4 :]))
+        return cls(agent, addr, size, devid, mem, bid, xid, epoch, gen, dereg, inc, bytes(data[n + alen + 4 :]))
 
 
 @dataclass
@@ -539,8 +551,9 @@ class _Lease:
     peer: str
     xid: int
     epoch: int
-    state: str = "asking"  # asking, held, revoked (REVOKE came; no new transfer), refused
+    state: str = "asking"  # asking, granted (loading), held, revoked (REVOKE came; no new transfer), refused
     verdict: int = OK
+    dereg: int = 0  # the target's dropped registrations when it granted the lease
     inflight: int = 0  # transfers posted under it and not over
     checks: int = 0  # check messages sent under it (wait(confirm=True))
     broken: str = ""  # a target's ACK found a transfer stale: detection, after the fact
@@ -629,6 +642,9 @@ def _what(op: str, blocks: list[tuple[int, int, RemoteBuffer, int]]) -> str:
     return f"NIXL {op} of {sum(b[1] for b in blocks)} bytes in {len(blocks)} block(s) with {blocks[0][2].agent}"
 
 
+_ASKED, _PENDING = ("asking",), ("asking", "granted")  # lease states a transfer waits out
+_LINGER_S = 0.05  # a closing endpoint progresses its agent this long for its last messages to leave
+_OTHER_MAX = 65536  # application messages kept for progress(); older ones go (counted)
 _PUMP_EVERY_S = 0.001  # a post takes notifications itself at most this often
 _SPIN_S = 100e-6  # a transfer's wait polls without sleeping this long (a small one is done by then)
 _NAP_MIN_S, _NAP_MAX_S = 20e-6, 1e-3
@@ -685,6 +701,8 @@ class NixlEndpoint(Closable):
         start = secrets.randbits(62)
         self._seq = itertools.count(start)
         self._xids = itertools.count(secrets.randbits(62) | 1)
+        self.incarnation = secrets.randbits(63)  # this endpoint among others of its name (restarts)
+        self._incarnations: dict[str, int] = {}  # (initiator) peer -> the incarnation it talks to
         # _lock guards the protocol's state below; taken before the agent's lock (driver.lock),
         # never after.  _plock: one thread at a time takes NIXL's notifications.
         self._lock = threading.RLock()
@@ -699,6 +717,10 @@ class NixlEndpoint(Closable):
         self._views: dict[str, tuple[int, dict[int, None]]] = {}  # peer -> (dereg, metadata keys loaded)
         self._other: list[tuple[str, bytes]] = []
         self._inflight: list[Transfer] = []  # past their wait()'s timeout, not over
+        self._running: set[Transfer] = set()  # every posted transfer NIXL has not ended (polled here)
+        self._drops: list[tuple[str, bytes]] = []  # lease drops whose sending failed: sent again
+        self._md_asked: dict[int, tuple[str, int, bytes] | None] = {}  # request -> (peer, dereg, metadata)
+        self.dropped_notifications = 0  # application messages let go: progress() was not called
         self.unanswered = 0  # (target) messages it could not answer (peer not connected, send failed)
         self.stale_transfers = 0  # (target) transfers whose arrival found their exposure changed
         self.stale_answers = 0  # (initiator) bad verdicts received
@@ -749,6 +771,7 @@ class NixlEndpoint(Closable):
                 self._finish_if_settled(ex)
             for key in [k for k in self._leases if k[0] == peer]:
                 del self._leases[key]
+            self._drops = [d for d in self._drops if d[0] != peer]
             self._views.pop(peer, None)
             self._connected.discard(peer)
             with self.driver.lock:
@@ -794,7 +817,7 @@ class NixlEndpoint(Closable):
     def _descriptor(self, ex: _Exposure) -> RemoteBuffer:
         return RemoteBuffer(
             self.name, ex.ptr, ex.size, self.driver.devid, self.driver.mem_type, ex.buffer_id, ex.xid, ex.epoch,
-            ex.reg.token, self.driver.deregistrations, self.metadata(),
+            ex.reg.token, self.driver.deregistrations, self.incarnation, self.metadata(),
         )  # fmt: skip
 
     def unexpose(self, remote: RemoteBuffer, timeout: float = 30.0) -> None:
@@ -810,15 +833,19 @@ class NixlEndpoint(Closable):
                 return
             if not ex.revoked:
                 ex.revoked = True
-                del self._by_range[(ex.ptr, ex.size)]
-                for peer, (_, dropped) in ex.holders.items():
-                    if dropped < 0:
-                        self._send(peer, _pack(_REVOKE, (ex.xid, OK)))
+                self._by_range.pop((ex.ptr, ex.size), None)
+            for peer, (_, dropped) in ex.holders.items():  # again on a later call: one may have been lost
+                if dropped < 0:
+                    self._send(peer, _pack(_REVOKE, (ex.xid, OK)))
             self._finish_if_settled(ex)
         while not ex.done:
             if time.monotonic() > deadline:
                 with self._lock:
-                    late = sorted(p for p, (got, d) in ex.holders.items() if d < 0 or got < d)
+                    late = sorted(
+                        f"{p} ({'no drop yet' if d < 0 else f'{got} of its {d} checks arrived'})"
+                        for p, (got, d) in ex.holders.items()
+                        if d < 0 or got < d
+                    )
                 raise InUse(
                     f"unexpose({ex.ptr:#x}, {ex.size}): peer(s) {', '.join(late)} still hold a lease after {timeout} s "
                     "(they must call progress(), or run with auto_progress=True); the range stays held: call "
@@ -859,11 +886,19 @@ class NixlEndpoint(Closable):
             with self._lock:
                 self._last_pump = time.monotonic()
                 for peer, msgs in new.items():
-                    peer = peer.decode() if isinstance(peer, bytes) else str(peer)
+                    peer = peer.decode(errors="replace") if isinstance(peer, bytes) else str(peer)
                     for m in msgs:
                         self._on_message(peer, bytes(m))
+                if len(self._other) > _OTHER_MAX:  # the application never takes its messages
+                    self.dropped_notifications += len(self._other) - _OTHER_MAX
+                    del self._other[: len(self._other) - _OTHER_MAX]
                 if self._last_pump >= self._next_watch:
                     self._watch()
+                drops, self._drops = self._drops, []
+                for peer, msg in drops:
+                    self._send_drop(peer, msg)
+            if self._running:
+                self._poll_inflight()
         finally:
             self._plock.release()
 
@@ -901,6 +936,17 @@ class NixlEndpoint(Closable):
         kind, head, entries = parsed
         if kind == _HOLD:
             self._on_hold(peer, head[0], entries)
+        elif kind == _MDASK:
+            if peer in self._connected:  # as grants: to connected peers only
+                md = _pack(_MD, (head[0], self.driver.deregistrations))
+                with self.driver.lock:
+                    md += bytes(self.agent.get_agent_metadata())
+                self._send(peer, md)
+            else:
+                self._not_connected(peer)
+        elif kind == _MD:
+            if head[0] in self._md_asked:
+                self._md_asked[head[0]] = (peer, head[1], m[head[2] :])
         elif kind == _XFER:
             self._on_xfer(peer, head[0], entries)
         elif kind == _DROP:
@@ -912,10 +958,11 @@ class NixlEndpoint(Closable):
             asked = self._holds.get(head[0])
             if asked and asked[0].peer == peer:  # else not ours, or late (given up on)
                 del self._holds[head[0]]
-                verdicts = {x: s for x, s in entries}
+                verdicts = {x: (st, d) for x, st, d in entries}
                 for one in asked:
-                    status = verdicts.get(one.xid, GONE)
-                    one.state, one.verdict = ("held", OK) if status == OK else ("refused", status)
+                    status, one.dereg = verdicts.get(one.xid, (GONE, 0))
+                    # granted: usable once the asking thread loaded its registration ("held")
+                    one.state, one.verdict = ("granted", OK) if status == OK else ("refused", status)
         elif kind == _ACK:
             seq, status, xid = head
             if status != OK:
@@ -928,7 +975,7 @@ class NixlEndpoint(Closable):
         elif kind == _REVOKE:
             revoked = self._leases.get((peer, head[0]))
             if revoked is None:
-                self._send(peer, _pack(_DROP, (head[0], 0)))
+                self._send_drop(peer, _pack(_DROP, (head[0], 0)))
             else:
                 revoked.state = "revoked"
                 if head[1] != OK and not revoked.broken:
@@ -991,8 +1038,11 @@ class NixlEndpoint(Closable):
         for xid, epoch in entries:
             status, ex = self._verdict_of(peer, xid, epoch)
             if status == OK and ex is not None:
-                ex.holders.setdefault(peer, [0, -1])
-            out.append((xid, status))
+                got, dropped = ex.holders.get(peer, (0, -1))
+                # A new lease of a peer that dropped one (a new endpoint on its agent): waited
+                # for again; the checks its old lease still has on the way count against that.
+                ex.holders[peer] = [got - dropped, -1] if dropped >= 0 else [got, dropped]
+            out.append((xid, status, self.driver.deregistrations))
         self._send(peer, _pack(_GRANT, (req, len(out)), out))
 
     def _on_xfer(self, peer: str, seq: int, entries: list[tuple[int, ...]]) -> None:
@@ -1130,13 +1180,14 @@ class NixlEndpoint(Closable):
         if len({r.xid for _, _, r, _ in blocks}) > _MAX_ENTRIES:
             raise InvalidArgument(f"post({op!r}): more than {_MAX_ENTRIES} exposures in one transfer")
         deadline = time.monotonic() + timeout
-        if self._inflight:
+        if self._running:
             self._poll_inflight()
         if deadline - timeout - self._last_pump > _PUMP_EVERY_S:  # revocations reach a busy initiator too
             self._pump()
         leases = self._leases_for(peer, blocks, deadline)
         toks: list[int] = []
         h = None
+        posting = False
         with self._lock:
             # A REVOKE taken by another thread since the grant: the lease is gone, send nothing
             # (checked under the lock the revocation takes, up to the count that keeps it).
@@ -1159,11 +1210,25 @@ class NixlEndpoint(Closable):
                     rdesc = self.agent.get_xfer_descs(
                         [(r.addr + off, size, r.devid) for _, size, r, off in blocks], blocks[0][2].mem_type
                     )
-                    # No notification rides on the transfer: NIXL then makes DONE wait for a flush
-                    # and the peer's progress (~600 us here for 4 KiB, against ~20 without).
+                    # No notification rides on the transfer: one makes DONE wait for its delivery,
+                    # which needs the peer's progress (~0.5 ms here for 4 KiB, against ~20 us).
+                    # DONE means the data arrived without one too: NIXL's UCX backend ends every
+                    # transfer with an endpoint flush after its puts (sendXferRange, ucx_backend.cpp).
                     h = self.agent.initialize_xfer(op, ldesc, rdesc, peer, b"")
+                    posting = True  # from here NIXL may have posted puts: the handle is kept
                     state = self.agent.transfer(h)
             except BaseException as exc:
+                if posting:  # polled until NIXL says it is over, like any running transfer
+                    t = Transfer(self, h, toks, leases, seq, op, blocks, False)
+                    for lease in leases:
+                        lease.inflight += 1
+                    self._running.add(t)
+                    self._inflight.append(t)
+                    self.driver.peer_failed()
+                    self._check(t)  # over already (NIXL refused it whole): let go of it now
+                    if isinstance(exc, Exception):
+                        raise _nixl_error(_what(op, blocks), exc) from None
+                    raise
                 if h is not None:
                     self.driver.release_xfer(h)
                 for tok in toks:
@@ -1179,6 +1244,7 @@ class NixlEndpoint(Closable):
             if confirm:
                 self._waiting.add((peer, seq))
             t = Transfer(self, h, toks, leases, seq, op, blocks, confirm)
+            self._running.add(t)
             self.transfers += 1
             if state != "PROC":
                 self._complete(t, "DONE" if state == "DONE" else "ERR")
@@ -1192,6 +1258,12 @@ class NixlEndpoint(Closable):
             if lease is not None and lease.state == "held" and not lease.broken and lease.epoch == r.epoch:
                 return [lease]  # post() checks it again under the lock
         remotes = {r.xid: r for _, _, r, _ in blocks}
+        inc = blocks[0][2].incarnation
+        if any(r.incarnation != inc for r in remotes.values()):
+            raise InvalidArgument(f"post(): blocks for two incarnations of {peer} (it restarted): one transfer, one")
+        if self._incarnations.get(peer, inc) != inc:
+            self._new_incarnation(peer)
+        self._incarnations[peer] = inc
         with self._lock:
             for r in remotes.values():
                 lease = self._leases.get((peer, r.xid))
@@ -1212,8 +1284,9 @@ class NixlEndpoint(Closable):
                         "(unexpose); nothing was sent. Ask it to expose the buffer again"
                     )
             ask = [r for r in remotes.values() if (peer, r.xid) not in self._leases]
-        for r in sorted(ask, key=lambda r: r.dereg):
-            self._load(peer, r)
+            first_contact = peer not in self._connected and peer not in self._views
+        if first_contact:  # nothing of the peer loaded yet: no descriptor of it to go stale
+            self._load(peer, ask[0] if ask else next(iter(remotes.values())))
         if ask:
             with self._lock:
                 req = next(self._seq)
@@ -1227,27 +1300,119 @@ class NixlEndpoint(Closable):
             if not self._send(peer, msg):
                 self._unask(req)
                 raise NixlError(f"cannot ask {peer} for a lease: load its metadata (connect) and let it load ours")
-            while any(lease.state == "asking" for lease in asked):
-                if time.monotonic() > deadline:
+        # Wait for every lease still asked for: by this thread, or by another one right now
+        # (whose registration that thread loads before the lease is held).
+        mine = {r.xid for r in ask}
+        while True:
+            with self._lock:
+                waiting = [x for x in remotes if self._lease_state(peer, x) in (_ASKED if x in mine else _PENDING)]
+            if not waiting:
+                break
+            if time.monotonic() > deadline:
+                if ask:
                     self._unask(req)
-                    raise NixlError(
-                        f"no answer from {peer} to a lease request (it must call progress() or serve(), and have "
-                        "loaded this endpoint's metadata)"
-                    )
-                self._pump()
-        with self._lock:
-            leases = [self._leases[(peer, x)] for x in remotes]
-            refused = [lease for lease in leases if lease.state == "refused"]
-            for lease in refused:
-                del self._leases[(peer, lease.xid)]
-            if refused:
-                r = remotes[refused[0].xid]
-                raise StaleRemote(
-                    f"NIXL transfer into {peer}'s buffer at {r.addr:#x} (buffer id {r.buffer_id}): refused before "
-                    f"any byte moved: {_VERDICT.get(refused[0].verdict, refused[0].verdict)}; ask the target to "
-                    "expose the buffer again"
+                raise NixlError(
+                    f"no answer from {peer} to a lease request (it must call progress() or serve(), and have "
+                    "loaded this endpoint's metadata)"
                 )
-            return leases
+            self._pump()
+            time.sleep(_NAP_MIN_S)
+        with self._lock:
+            leases = []
+            for x, r in remotes.items():
+                lease = self._leases.get((peer, x))
+                if lease is None or lease.state == "refused":  # refused, or forgotten meanwhile
+                    verdict = lease.verdict if lease is not None else GONE
+                    for y in remotes:
+                        other = self._leases.get((peer, y))
+                        if other is not None and other.state == "refused":
+                            del self._leases[(peer, y)]
+                    raise StaleRemote(
+                        f"NIXL transfer into {peer}'s buffer at {r.addr:#x} (buffer id {r.buffer_id}): refused before "
+                        f"any byte moved: {_VERDICT.get(verdict, verdict)}; ask the target to expose the buffer again"
+                    )
+                leases.append(lease)
+        for r in ask:  # granted: now its registration is loaded, with no dropped one
+            lease = self._leases[(peer, r.xid)]
+            try:
+                self._load_granted(peer, r, lease, deadline)
+            except BaseException:
+                with self._lock:
+                    if self._leases.get((peer, r.xid)) is lease:  # waiting threads see it gone
+                        del self._leases[(peer, r.xid)]
+                        self._send_drop(peer, _pack(_DROP, (r.xid, 0)))
+                raise
+            with self._lock:
+                if lease.state == "granted":
+                    lease.state = "held"
+        return leases
+
+    def _new_incarnation(self, peer: str) -> None:
+        """``peer`` restarted under its name: forget the old one (its leases, NIXL's view of it)
+        once no transfer with it runs; the next load is a first contact."""
+        with self._lock:
+            if any(lease.inflight for (p, _), lease in self._leases.items() if p == peer):
+                raise NixlError(f"{peer} restarted and a transfer with its old incarnation still runs: settle() first")
+            for key in [k for k in self._leases if k[0] == peer]:
+                del self._leases[key]
+            self._drops = [d for d in self._drops if d[0] != peer]
+            self._connected.discard(peer)
+            self._views.pop(peer, None)
+            with self.driver.lock:
+                try:
+                    self.agent.remove_remote_agent(peer)
+                except Exception:  # noqa: BLE001, S110 - not loaded: nothing to forget
+                    pass
+
+    def _lease_state(self, peer: str, xid: int) -> str:
+        lease = self._leases.get((peer, xid))
+        return lease.state if lease is not None else ""
+
+    def _load_granted(self, peer: str, r: RemoteBuffer, lease: _Lease, deadline: float) -> None:
+        """Make this endpoint's view of ``peer`` hold a granted exposure's registration, and no
+        registration the target dropped.  The grant says how many registrations the target has
+        dropped: a view loaded before the last of them may hold a dropped one's descriptor,
+        where NIXL may route a transfer; so may the descriptor's own metadata (as of its
+        expose()) if it is older than that.  Then the peer is forgotten and its current
+        metadata, asked for, loaded instead (``renewals``)."""
+        with self._lock:
+            view = self._views.get(peer)
+            stale_view = view is not None and view[0] < lease.dereg
+            if not stale_view and view is not None and hash(r.metadata) in view[1]:
+                return
+        if r.dereg >= lease.dereg and not stale_view:
+            self._load(peer, r)  # current: only registrations added since the view
+            return
+        dereg, md = self._current_metadata(peer, deadline)
+        self._renew(peer)
+        self.renewals += 1
+        self._reload(peer, md)
+        keys = {hash(md): None}
+        if r.dereg >= dereg:  # its own metadata holds nothing dropped either
+            keys[hash(r.metadata)] = None
+        with self._lock:
+            self._views[peer] = (dereg, keys)
+
+    def _current_metadata(self, peer: str, deadline: float) -> tuple[int, bytes]:
+        """``peer``'s metadata now, and how many registrations it had dropped (a round trip)."""
+        with self._lock:
+            req = next(self._seq)
+            self._md_asked[req] = None
+        try:
+            if not self._send(peer, _pack(_MDASK, (req,))):
+                raise NixlError(f"cannot ask {peer} for its metadata: it went away, or never loaded ours")
+            while True:
+                with self._lock:
+                    got = self._md_asked.get(req)
+                if got is not None and got[0] == peer:
+                    return got[1], got[2]
+                if time.monotonic() > deadline:
+                    raise NixlError(f"no answer from {peer} to a metadata request (it must call progress())")
+                self._pump()
+                time.sleep(_NAP_MIN_S)
+        finally:
+            with self._lock:
+                self._md_asked.pop(req, None)
 
     def _unask(self, req: int) -> None:
         with self._lock:
@@ -1281,21 +1446,22 @@ class NixlEndpoint(Closable):
         """Forget NIXL's view of ``peer`` (remove_remote_agent), once no transfer with it runs."""
         deadline = time.monotonic() + 30.0
         while True:
+            # Under the lock that post() holds while it posts: no transfer starts in between
+            # (a peer removed under a running transfer makes NIXL call it over while UCX still
+            # moves its bytes).
             with self._lock:
-                busy = any(lease.inflight for (p, _), lease in self._leases.items() if p == peer)
-            if not busy:
-                break
+                if not any(lease.inflight for (p, _), lease in self._leases.items() if p == peer):
+                    with self.driver.lock:
+                        try:
+                            self.agent.remove_remote_agent(peer)
+                        except Exception as exc:  # noqa: BLE001 - NIXL's own classes
+                            raise _nixl_error(f"remove_remote_agent({peer!r})", exc) from None
+                    self._views.pop(peer, None)
+                    return
             if time.monotonic() > deadline:
                 raise NixlError(f"{peer} dropped registrations and transfers with it still run: settle() first")
             self._poll_inflight()
             time.sleep(0.0005)
-        with self.driver.lock:
-            try:
-                self.agent.remove_remote_agent(peer)
-            except Exception as exc:  # noqa: BLE001 - NIXL's own classes
-                raise _nixl_error(f"remove_remote_agent({peer!r})", exc) from None
-        with self._lock:
-            self._views.pop(peer, None)
 
     def _reload(self, peer: str, metadata: bytes) -> None:
         """Load ``peer``'s metadata as of an expose().
@@ -1374,13 +1540,20 @@ class NixlEndpoint(Closable):
         for lease in t._leases:
             lease.inflight -= 1
             self._drop_if_idle(lease)
+        self._running.discard(t)
         if t in self._inflight:
             self._inflight.remove(t)
 
     def _drop_if_idle(self, lease: _Lease) -> None:
         if lease.state == "revoked" and lease.inflight == 0:
             self._leases.pop((lease.peer, lease.xid), None)
-            self._send(lease.peer, _pack(_DROP, (lease.xid, lease.checks)))
+            self._send_drop(lease.peer, _pack(_DROP, (lease.xid, lease.checks)))
+
+    def _send_drop(self, peer: str, msg: bytes) -> None:
+        """A lease drop: the target waits for it, so one that could not be sent is sent again
+        at the next pump (until ``forget_peer``)."""
+        if not self._send(peer, msg):
+            self._drops.append((peer, msg))
 
     def _orphan(self, t: Transfer) -> None:
         with self._lock:
@@ -1402,6 +1575,7 @@ class NixlEndpoint(Closable):
                     "loaded this endpoint's metadata)"
                 )
             self._pump()
+            time.sleep(_NAP_MIN_S)
         self.confirm_s += time.perf_counter() - start
         t.verdict = got
         status, xid = got
@@ -1428,7 +1602,8 @@ class NixlEndpoint(Closable):
         return len(self._inflight)
 
     def _poll_inflight(self) -> None:
-        for t in list(self._inflight):
+        """Poll every transfer NIXL has not ended (also those posted and never waited for)."""
+        for t in list(self._running):
             self._check(t)
 
     def close(self) -> None:
@@ -1467,9 +1642,11 @@ class NixlEndpoint(Closable):
         for lease in leases:
             if lease.inflight == 0:
                 self._send(lease.peer, _pack(_DROP, (lease.xid, lease.checks)))
+        if leases:
+            self.driver.linger(_LINGER_S)
 
     def _bare(self, ex: _Exposure) -> RemoteBuffer:
-        return RemoteBuffer(self.name, ex.ptr, ex.size, 0, "", ex.buffer_id, ex.xid, ex.epoch, 0, 0, b"")
+        return RemoteBuffer(self.name, ex.ptr, ex.size, 0, "", ex.buffer_id, ex.xid, ex.epoch, 0, 0, 0, b"")
 
 
 # -- what works here: 'gpupin nixl status' and 'gpupin doctor' ----------------------------------

@@ -112,10 +112,10 @@ def test_a_remote_that_went_away_is_a_clear_error(ep: tuple[NixlEndpoint, HostMe
 
 def test_remote_buffer_round_trips_through_bytes() -> None:
     rb = RemoteBuffer(
-        "peer-1", 0x7F00_0000_1000, 12345, 2, "VRAM", 77, 2**63 + 5, 2**64 - 1, (5 << 32) | 9, 3, b"\x00md"
+        "peer-1", 0x7F00_0000_1000, 12345, 2, "VRAM", 77, 2**63 + 5, 2**64 - 1, (5 << 32) | 9, 3, 2**63 - 1, b"\x00md"
     )
     assert RemoteBuffer.from_bytes(rb.to_bytes()) == rb
-    wide = RemoteBuffer("wörker-ü", 1, 2, 0, "DRAM", 3, 4, 0, 5, 0, b"md")  # a name in more bytes than letters
+    wide = RemoteBuffer("wörker-ü", 1, 2, 0, "DRAM", 3, 4, 0, 5, 0, 6, b"md")  # a name in more bytes than letters
     assert RemoteBuffer.from_bytes(wide.to_bytes()) == wide
     for bad in (b"", b"gprb" + bytes(10), b"xxxx" + rb.to_bytes()[4:]):
         with pytest.raises(gpupin.InvalidArgument, match="RemoteBuffer"):
@@ -621,7 +621,7 @@ def test_a_holder_that_never_answers_keeps_the_range_until_forgotten() -> None:
         dst = p.mt.alloc(MiB)
         rb = p.tgt.expose(dst, MiB)
         p.ini.write(p.mi.alloc(MiB), 4096, rb)
-        with pytest.raises(gpupin.InUse, match="i-pair still hold"):
+        with pytest.raises(gpupin.InUse, match="i-pair .no drop yet. still hold"):
             p.tgt.unexpose(rb, timeout=0.3)
         with pytest.raises(gpupin.InUse):
             p.mt.free(dst)
@@ -640,5 +640,83 @@ def test_a_closing_initiator_gives_its_leases_back() -> None:
         p.ini.close()
         p.tgt.unexpose(rb, timeout=5)  # no revocation round trip needed: the drop came already
         assert not p.tgt._exposures
+    finally:
+        p.close()
+
+
+def test_an_old_descriptor_never_brings_a_dropped_registration_back() -> None:
+    """NIXL matches a transfer to the covering remote descriptor: a dropped 1 MiB registration
+    loaded again beside a live 512 KiB one at the same base would take writes past 512 KiB.
+    Using the old descriptor is refused, and loads nothing."""
+    p = Pair(auto_progress=True)
+    try:
+        a = p.mt.alloc(MiB)
+        ra = p.tgt.expose(a, MiB)
+        src = p.mi.alloc(MiB)
+        p.ini.write(src, 4096, ra)
+        p.tgt.unexpose(ra)
+        p.mt.free(a)
+        assert p.mt.alloc(MiB // 2) == a
+        rb = p.tgt.expose(a, MiB // 2)
+        p.ini.write(src, 4096, rb)
+        beyond = dataclasses.replace(rb, addr=a + 600 * 1024, size=4096)  # inside the old, past the new
+        assert deregistered_through_nixl(p.ini, src, 4096, beyond)
+        with pytest.raises(StaleRemote):
+            p.ini.write(src, 4096, ra)  # the old descriptor, shown again
+        assert deregistered_through_nixl(p.ini, src, 4096, beyond), "the dropped registration is back in NIXL's view"
+    finally:
+        p.close()
+
+
+def test_a_posted_transfer_never_waited_for_still_ends_its_lease() -> None:
+    import gc
+
+    p = Pair(auto_progress=True)
+    slow = _slow_transfers(p.ini)
+    try:
+        dst = p.mt.alloc(MiB)
+        rb = p.tgt.expose(dst, MiB)
+        src = p.mi.alloc(MiB)
+        t = p.ini.post_write([(src, 4096, rb, 0)])
+        assert not t.done()
+        del t
+        gc.collect()  # the endpoint keeps it: no NIXL finalizer releases its handle behind gpupin
+        slow[0] = False
+        p.tgt.unexpose(rb, timeout=10)  # the initiator's progress finds it over and drops the lease
+        assert p.ini.cache.held() == 0 and not p.ini._running
+        p.mt.free(dst)
+    finally:
+        slow[0] = False
+        del p.ini.agent.transfer, p.ini.agent.check_xfer_state
+        p.close()
+
+
+def test_threads_using_a_new_exposure_at_once_all_get_the_lease() -> None:
+    """The first transfers into an exposure, from four threads at once: one asks, the others
+    wait for its answer (none takes the lease still asked for as taken back)."""
+    import threading
+
+    p = Pair()
+    try:
+        errors: list[BaseException] = []
+        srcs = [p.mi.alloc(65536) for _ in range(4)]
+        for _ in range(5):
+            rb = p.tgt.expose(p.mt.alloc(MiB), MiB)  # a new exposure each round
+            start = threading.Barrier(4)
+
+            def one(i: int, rb: RemoteBuffer = rb, start: threading.Barrier = start) -> None:
+                try:
+                    start.wait()
+                    p.ini.write(srcs[i], 4096, rb, offset=i * 4096)
+                except BaseException as exc:  # noqa: BLE001 - collected for the assertion
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+        assert not errors, errors
+        assert p.ini.leases_asked == 5
     finally:
         p.close()
