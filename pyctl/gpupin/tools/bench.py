@@ -13,6 +13,11 @@ Figures are ratios measured in one run (these machines are shared and noisy):
 - threads: lookup + release_token hits from 1, 4 and 16 threads on one cache
   (aggregate time per hit; the GIL serialises Python, the cache's own lock
   must not make it worse);
+- nixl (``--nixl``): NIXL registration per transfer, by hand and through NixlCache over one
+  trace; then NixlEndpoint between this process and a target process (endpoint figures,
+  ``bench_nixl_endpoint``): a blocking write against raw NIXL on the same agents at 4 KiB to
+  4 MiB, a 64-block scatter write, a confirmed write, and a churn trace (the target frees and
+  reallocates exposed buffers between writes: false deliveries and stale bytes, goal 0);
 - floor (``--vm``/``--only-vm`` for SimMemory, ``--cuda`` for CudaMemory): a
   buffer-id hit against the provider's query in C called in a C loop, the
   least a validated hit can cost (goal: 2x).
@@ -70,6 +75,13 @@ TARGETS = {
     "nixl_cache_over_hand_total": 1.2,
     "nixl_hit_over_direct_query": 1.5,
     "nixl_stale_transfers": 0,
+    "nixl_ep_over_raw_4k": 1.2,
+    "nixl_ep_over_raw_64k": 1.2,
+    "nixl_ep_over_raw_1m": 1.2,
+    "nixl_ep_over_raw_4m": 1.2,
+    "nixl_scatter_ep_over_raw_throughput": 0.9,
+    "nixl_churn_false_deliveries": 0,
+    "nixl_churn_stale_bytes": 0,
 }
 
 
@@ -646,6 +658,260 @@ def bench_nixl(
     return out
 
 
+EP_SIZES = (("4k", 4 << 10), ("64k", 64 << 10), ("1m", MiB), ("4m", 4 * MiB))
+# Transfers per timing batch at each size (a batch of each mode in turn, per round).
+EP_BATCH = {"4k": 400, "64k": 200, "1m": 40, "4m": 12}
+SCATTER_BLOCKS, SCATTER_BLOCK, SCATTER_REGION = 64, 64 << 10, 16 * MiB
+CHURN_SLOTS, CHURN_SLOT = 4, 256 << 10
+
+
+def _bench_memory(dram_bytes: int) -> tuple[Any, str]:
+    """CudaMemory (VRAM) where CUDA works, else HostMemory (DRAM): bench_nixl's choice."""
+    try:
+        from ..cuda import CudaMemory
+
+        return CudaMemory(), "VRAM"
+    except Exception:  # noqa: BLE001 - no CUDA: DRAM
+        from ..hostmem import HostMemory
+
+        return HostMemory(dram_bytes), "DRAM"
+
+
+def raw_write(ep: Any, local: list[tuple[int, int]], remote: Any, offsets: list[int]) -> None:
+    """One WRITE through NIXL's own calls on ``ep``'s agent, the endpoint's protocol left out:
+    descriptors, ``initialize_xfer`` without a notification, ``transfer``, ``check_xfer_state``
+    polled until DONE, ``release_xfer_handle``.  Each call under the agent's lock, as the
+    endpoint makes them (its progress thread calls the agent too; NIXL locks nothing)."""
+    agent, lock, devid, mem_type = ep.agent, ep.driver.lock, ep.driver.devid, ep.driver.mem_type
+    with lock:
+        ldesc = agent.get_xfer_descs([(p, n, devid) for p, n in local], mem_type)
+        rdesc = agent.get_xfer_descs(
+            [(remote.addr + off, n, remote.devid) for (_, n), off in zip(local, offsets, strict=True)],
+            remote.mem_type,
+        )
+        h = agent.initialize_xfer("WRITE", ldesc, rdesc, remote.agent, b"")
+        st = agent.transfer(h)
+    while st == "PROC":
+        with lock:
+            st = agent.check_xfer_state(h)
+    with lock:
+        agent.release_xfer_handle(h)
+    if st != "DONE":
+        raise GpupinError(f"bench: a raw NIXL write of {len(local)} block(s) ended {st}")
+
+
+def bench_nixl_endpoint(seed: int = 1, reps: int = 15, quick: bool = False) -> dict[str, Any]:
+    """NixlEndpoint between two processes (this one initiates; a target process,
+    gpupin.tools.nixl_bench_target, exposes), VRAM with a CUDA GPU, else DRAM:
+    - a blocking ``write`` against raw NIXL on the same agents and registrations
+      (:func:`raw_write`) at 4 KiB to 4 MiB, batches of each in turn, medians;
+    - 64 blocks of 64 KiB at scattered offsets of one exposed region, ``write_blocks``
+      against raw NIXL with the same 64 descriptors in one transfer: GB/s;
+    - ``write(..., confirm=True)`` at 4 KiB, for information (the target's check, a round trip);
+    - a churn trace (:func:`churn_trace`): the target takes buffers back, frees them and
+      exposes the reallocated ones between (and during) writes."""
+    from ..nixl import NixlEndpoint, NixlError, RemoteBuffer
+    from .nixl_bench_target import TargetProcess
+
+    rng = random.Random(seed)
+    scale = 10 if quick else 1
+    mem, mem_type = _bench_memory(32 * MiB)
+    progress(f"bench: nixl endpoint: starting the target process ({mem_type})")
+    tgt = TargetProcess(mem_type, 32 * MiB)
+    ini = None
+    out: dict[str, Any] = {"nixl_ep_mem_type": mem_type}
+    try:
+        ini = NixlEndpoint(f"gpupin-bench-ep-{os.getpid()}", mem, mem_type=mem_type, auto_progress=True)
+        ini.connect(tgt.metadata)
+        tgt.call("connect", ini.metadata())
+        big = EP_SIZES[-1][1]
+        dst = tgt.call("alloc", big)
+        region = tgt.call("alloc", SCATTER_REGION)
+        rb = RemoteBuffer.from_bytes(tgt.call("expose", dst, big))
+        rregion = RemoteBuffer.from_bytes(tgt.call("expose", region, SCATTER_REGION))
+        src = mem.alloc(big)
+        ssrc = mem.alloc(SCATTER_BLOCKS * SCATTER_BLOCK)
+        slots = rng.sample(range(SCATTER_REGION // SCATTER_BLOCK), SCATTER_BLOCKS)
+        blocks = [(ssrc + i * SCATTER_BLOCK, SCATTER_BLOCK, rregion, s * SCATTER_BLOCK) for i, s in enumerate(slots)]
+        scatter_local = [(b[0], b[1]) for b in blocks]
+        scatter_offs = [b[3] for b in blocks]
+
+        # Both ways move the bytes (checked once, before any timing).
+        for way in ("endpoint", "raw"):
+            data = rng.randbytes(big)
+            mem.write(src, data)
+            if way == "endpoint":
+                ini.write(src, big, rb)
+            else:
+                raw_write(ini, [(src, big)], rb, [0])
+            if tgt.call("read", dst, big) != data:
+                raise GpupinError(f"bench: a {way} write of {big} bytes did not put them in the target's buffer")
+            sdata = rng.randbytes(SCATTER_BLOCKS * SCATTER_BLOCK)
+            mem.write(ssrc, sdata)
+            if way == "endpoint":
+                ini.write_blocks(blocks)
+            else:
+                raw_write(ini, scatter_local, rregion, scatter_offs)
+            got = tgt.call("read", region, SCATTER_REGION)
+            for i, off in enumerate(scatter_offs):
+                if got[off : off + SCATTER_BLOCK] != sdata[i * SCATTER_BLOCK : (i + 1) * SCATTER_BLOCK]:
+                    raise GpupinError(f"bench: a {way} scatter write left block {i} out of the target's region")
+
+        def ep_loop(size: int, confirm: bool = False) -> Callable[[int], None]:
+            write = ini.write
+
+            def run(n: int) -> None:
+                for _ in range(n):
+                    write(src, size, rb, confirm=confirm)
+
+            return run
+
+        def raw_loop(size: int) -> Callable[[int], None]:
+            local = [(src, size)]
+
+            def run(n: int) -> None:
+                for _ in range(n):
+                    raw_write(ini, local, rb, [0])
+
+            return run
+
+        for label, size in EP_SIZES:
+            batch = max(2, EP_BATCH[label] // scale)
+            progress(f"bench: nixl endpoint write {label}, endpoint and raw in turn ({reps} rounds of {batch})")
+            t = interleaved_ns({"ep": ep_loop(size), "raw": raw_loop(size)}, batch, reps)
+            out[f"nixl_ep_write_{label}_us"] = t["ep"] / 1e3
+            out[f"nixl_raw_write_{label}_us"] = t["raw"] / 1e3
+            out[f"nixl_ep_over_raw_{label}"] = t["ep"] / t["raw"]
+
+        def scatter_ep(n: int) -> None:
+            for _ in range(n):
+                ini.write_blocks(blocks)
+
+        def scatter_raw(n: int) -> None:
+            for _ in range(n):
+                raw_write(ini, scatter_local, rregion, scatter_offs)
+
+        batch = max(2, 20 // scale)
+        progress(f"bench: nixl endpoint scatter, {SCATTER_BLOCKS} x 64 KiB ({reps} rounds of {batch})")
+        t = interleaved_ns({"ep": scatter_ep, "raw": scatter_raw}, batch, reps)
+        total = SCATTER_BLOCKS * SCATTER_BLOCK
+        out["nixl_scatter_blocks"] = SCATTER_BLOCKS
+        out["nixl_scatter_ep_gbps"] = total / t["ep"]  # bytes per ns: GB/s
+        out["nixl_scatter_raw_gbps"] = total / t["raw"]
+        out["nixl_scatter_ep_over_raw_throughput"] = t["raw"] / t["ep"]
+
+        # Last: the check messages make NIXL's next transfers to the peer wait for its progress.
+        batch = max(2, 50 // scale)
+        progress(f"bench: nixl endpoint write 4k confirmed by the target ({reps} rounds of {batch})")
+        t = interleaved_ns({"confirm": ep_loop(4 << 10, confirm=True)}, batch, reps)
+        out["nixl_ep_write_confirm_4k_us"] = t["confirm"] / 1e3
+
+        rounds = 30 if quick else 300
+        progress(f"bench: nixl endpoint churn trace ({rounds} writes)")
+        try:
+            out.update(churn_trace(ini, mem, tgt, rounds, rng))
+        except NixlError as exc:  # NIXL 1.5.1 over VRAM: see NixlEndpoint._reload
+            why = f"not measured: {type(exc).__name__}: {exc}"
+            out["nixl_churn_false_deliveries"] = out["nixl_churn_stale_bytes"] = why
+            progress(f"bench: nixl endpoint churn trace {why}")
+        else:  # the target answered every command: it can close cleanly and say what it saw
+            for k, v in tgt.close().items():
+                out[f"nixl_churn_target_{k}"] = v
+        for p in (src, ssrc):
+            mem.free(p)
+    finally:
+        tgt.kill()
+        if ini is not None:
+            ini.close()
+        mem.close()
+    return out
+
+
+def churn_trace(ini: Any, mem: Any, tgt: Any, rounds: int, rng: random.Random) -> dict[str, Any]:
+    """Writes into a target that recycles its buffers: CHURN_SLOTS exposed buffers; now and
+    then the target unexposes one, frees it, allocates the same size (mostly at the same
+    address), zeroes and exposes it; a quarter of those while a write into it is in flight.
+    Each write that returns is checked at the target (false delivery: its bytes are not in
+    the buffer it was exposed as, read before the free when it was churned); writes through
+    descriptors the target took back are tried too, and the new owner's memory at their
+    address is searched for their bytes (stale bytes)."""
+    from ..nixl import RemoteBuffer, StaleRemote
+
+    size_of = CHURN_SLOT
+    cur = []
+    for _ in range(CHURN_SLOTS):
+        p = tgt.call("alloc", size_of)
+        tgt.call("fill", p, size_of, 0)
+        cur.append(RemoteBuffer.from_bytes(tgt.call("expose", p, size_of)))
+    expect = [bytearray(size_of) for _ in range(CHURN_SLOTS)]  # what each buffer's owner holds
+    taken_back: list[RemoteBuffer] = []
+    src, src2 = mem.alloc(size_of), mem.alloc(size_of)
+    c = dict.fromkeys(
+        (
+            "writes", "false_deliveries", "stale_bytes", "stale_bytes_checked", "churns", "churns_in_flight",
+            "same_address", "stale_attempts", "stale_refused", "live_refused",
+        ),
+        0,
+    )  # fmt: skip
+    for r in range(rounds):
+        if r and r % 100 == 0:
+            progress(f"bench: nixl endpoint churn trace: {r}/{rounds}, {c['churns']} churns")
+        k = rng.randrange(CHURN_SLOTS)
+        size = rng.choice((4096, 65536))
+        off = rng.randrange(0, size_of - size + 1) & ~63
+        data = rng.randbytes(size)
+        mem.write(src, data)
+        churned = None
+        if rng.random() < 0.25:  # the target takes the buffer back while the write may be in flight
+            t = ini.post_write([(src, size, cur[k], off)])
+            tgt.ask("churn", cur[k].to_bytes(), (off, size))
+            t.wait()
+            c["writes"] += 1
+            churned = tgt.answer("churn")
+            c["false_deliveries"] += churned[2] != data
+            c["churns_in_flight"] += 1
+        else:
+            try:
+                ini.write(src, size, cur[k], off)
+            except StaleRemote:
+                c["live_refused"] += 1  # refused, not delivered: counted, not a false delivery
+            else:
+                c["writes"] += 1
+                if tgt.call("read", cur[k].addr + off, size) == data:
+                    expect[k][off : off + size] = data
+                else:
+                    c["false_deliveries"] += 1
+            if rng.random() < 0.2:
+                churned = tgt.call("churn", cur[k].to_bytes(), None)
+        if churned is not None:
+            taken_back.append(cur[k])
+            cur[k] = RemoteBuffer.from_bytes(churned[1])
+            expect[k] = bytearray(size_of)
+            c["churns"] += 1
+            c["same_address"] += churned[3]
+        if taken_back and rng.random() < 0.5:  # a write through a descriptor taken back
+            old = rng.choice(taken_back[-2 * CHURN_SLOTS :])
+            size = rng.choice((4096, 65536))
+            off = rng.randrange(0, size_of - size + 1) & ~63
+            stale = rng.randbytes(size)
+            mem.write(src2, stale)
+            c["stale_attempts"] += 1
+            try:
+                ini.write(src2, size, old, off)
+                c["false_deliveries"] += 1  # it returned, and no buffer is exposed as `old` any more
+            except StaleRemote:
+                c["stale_refused"] += 1
+            owner = next((i for i, b in enumerate(cur) if b.addr == old.addr), None)
+            if owner is not None:
+                got = tgt.call("read", old.addr + off, size)
+                want = expect[owner][off : off + size]
+                c["stale_bytes"] += sum(1 for g, s, w in zip(got, stale, want, strict=True) if g == s and g != w)
+                c["stale_bytes_checked"] += size
+    mem.free(src)
+    mem.free(src2)
+    return {f"nixl_churn_{k}": v for k, v in c.items()}
+
+
 def _gds_file(driver: Any, size: int) -> tuple[Any, str, str]:
     """A file cuFile can read for the trace: (GdsFile or None, its path, why not)."""
     from ..errors import GdsError
@@ -780,6 +1046,7 @@ def run(
     res: dict[str, Any] = {}
     if nixl:
         res.update(bench_nixl(1000 if quick else 10_000, seed=seed, reps=reps, n=n))
+        res.update(bench_nixl_endpoint(seed=seed, reps=reps, quick=quick))
         res["targets"] = _targets(res, lambda k: k.startswith("nixl_"))
         return res
     if gds:
@@ -844,6 +1111,7 @@ def _met(key: str, target: float, value: Any) -> bool | None:
         "gds_speedup",
         "nixl_registration_reduction",
         "nixl_registration_time_reduction",
+        "nixl_scatter_ep_over_raw_throughput",
     ):
         return value >= target
     return value <= target
