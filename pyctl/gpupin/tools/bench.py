@@ -1032,6 +1032,22 @@ def bench_gds(
     return out
 
 
+def _nixl_log_to_stderr() -> None:
+    """NIXL's Python logger writes to stdout (INFO and up, configured at its import), where
+    the figures go (``--json``): its handler writes to stderr instead, beside the progress."""
+    import logging
+
+    from ..nixl import load_nixl
+
+    try:
+        load_nixl()
+    except GpupinError:
+        return  # not installed: bench_nixl says so
+    for h in logging.getLogger("nixl").handlers:
+        if isinstance(h, logging.StreamHandler) and h.stream is sys.stdout:
+            h.setStream(sys.stderr)
+
+
 def run(
     quick: bool = False,
     vm: bool = False,
@@ -1045,6 +1061,7 @@ def run(
     reps, n = (5, 2000) if quick else (15, 20000)
     res: dict[str, Any] = {}
     if nixl:
+        _nixl_log_to_stderr()
         res.update(bench_nixl(1000 if quick else 10_000, seed=seed, reps=reps, n=n))
         res.update(bench_nixl_endpoint(seed=seed, reps=reps, quick=quick))
         res["targets"] = _targets(res, lambda k: k.startswith("nixl_"))
