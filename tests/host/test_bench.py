@@ -44,6 +44,45 @@ def test_quick_bench_prints_json_and_progress(tmp_path: object) -> None:
     assert "vm_pin_unpin_many_over_100" not in res  # the VM figures need the modules
 
 
+@pytest.mark.timeout(300)
+def test_quick_nixl_bench_times_the_endpoint_and_finds_no_stale_bytes(tmp_path: object) -> None:
+    """--nixl --quick: the registration-cache figures and the endpoint's, from a target process;
+    the churn trace churned, tried writes through descriptors taken back, and none delivered."""
+    pytest.importorskip("nixl_cu13", reason="NIXL is not installed: run 'make setup' (pip install --no-deps nixl-cu13)")
+    out = os.path.join(str(tmp_path), "nixl.json")
+    r = subprocess.run(
+        [sys.executable, "-m", "gpupin", "bench", "--nixl", "--quick", "--json", "--out", out],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)  # NIXL's log goes to stderr: stdout is the JSON alone
+    with open(out) as f:
+        assert json.load(f) == res
+    for step in ("nixl cache", "nixl endpoint write 4k", "nixl endpoint scatter", "nixl endpoint churn trace"):
+        assert step in r.stderr, step
+    assert res["nixl_registration_reduction"] > 1  # the registration-cache figures are still there
+    for label in ("4k", "64k", "1m", "4m"):
+        ep, raw = res[f"nixl_ep_write_{label}_us"], res[f"nixl_raw_write_{label}_us"]
+        assert isinstance(ep, float) and isinstance(raw, float) and ep > 0 and raw > 0, label
+        assert res[f"nixl_ep_over_raw_{label}"] == pytest.approx(ep / raw)
+        assert res["targets"][f"nixl_ep_over_raw_{label}"]["target"] == 1.2
+    assert res["nixl_scatter_ep_gbps"] > 0 and res["nixl_scatter_raw_gbps"] > 0
+    ratio = res["targets"]["nixl_scatter_ep_over_raw_throughput"]
+    assert ratio["met"] == (ratio["measured"] >= 0.9)
+    assert res["nixl_ep_write_confirm_4k_us"] > 0
+    assert res["nixl_churn_false_deliveries"] == 0 and res["nixl_churn_stale_bytes"] == 0
+    assert res["targets"]["nixl_churn_false_deliveries"]["met"] and res["targets"]["nixl_churn_stale_bytes"]["met"]
+    # The trace did what it counts: churns (some with a write in flight), writes through
+    # descriptors taken back (all refused), the new owners' memory searched.
+    assert res["nixl_churn_churns"] > 0 and res["nixl_churn_churns_in_flight"] > 0
+    assert res["nixl_churn_stale_attempts"] > 0
+    assert res["nixl_churn_stale_refused"] == res["nixl_churn_stale_attempts"]
+    assert res["nixl_churn_stale_bytes_checked"] > 0
+    assert res["nixl_churn_target_stale_transfers"] == res["nixl_churn_target_live"] == 0
+
+
 def _attr(atype: int, payload: bytes) -> bytes:
     raw = struct.pack("=HH", 4 + len(payload), atype) + payload
     return raw + b"\0" * (-len(raw) % 4)
