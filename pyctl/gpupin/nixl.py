@@ -1199,7 +1199,16 @@ class NixlEndpoint(Closable):
                     )
             try:
                 fast, miss = self.cache.fast_lookup, self.cache.miss
-                for local, size, _, _ in blocks:  # held (a token each) until the transfer is over
+                spans = [(b[0], b[1]) for b in blocks]
+                if len(blocks) > 1:  # blocks of one allocation (a scatter list): one lookup for all
+                    lo, hi = min(b[0] for b in blocks), max(b[0] + b[1] for b in blocks)
+                    try:
+                        r = self.memory.range_of(lo)
+                        if hi <= r.base + r.size:
+                            spans = [(lo, hi - lo)]
+                    except GpupinError:
+                        pass  # each block on its own below says what is wrong
+                for local, size in spans:  # held (a token each) until the transfer is over
                     tok = fast(local, size)
                     toks.append(tok if tok >= 0 else miss(local, size, tok))
                 seq = next(self._seq)
