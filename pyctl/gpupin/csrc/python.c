@@ -277,9 +277,24 @@ static PyObject *gp_py_cuda_buffer_id(PyObject *mod, PyObject *arg)
 	return PyLong_FromUnsignedLongLong(gp_cuda_buffer_id_or_0(ptr));
 }
 
+/*
+ * The cost of calling C from Python with one address and getting an int back,
+ * as cuda_buffer_id does, without the query: the benchmark's Python floor.
+ */
+static PyObject *gp_py_call_floor(PyObject *mod, PyObject *arg)
+{
+	unsigned long long ptr;
+
+	(void)mod;
+	if (gp_py_u64(arg, &ptr))
+		return NULL;
+	return PyLong_FromUnsignedLongLong(ptr >> 48);
+}
+
 static PyMethodDef gp_py_defs[] = {
 	{ "gpc_bind", gpc_py_bind, METH_O, "(fast_lookup, release_token) bound to one cache core" },
 	{ "cuda_buffer_id", gp_py_cuda_buffer_id, METH_O, "buffer id at ptr, 0 if not CUDA memory" },
+	{ "call_floor", gp_py_call_floor, METH_O, "cuda_buffer_id's call without the query (benchmarks)" },
 };
 
 int gpc_install(void)

@@ -466,7 +466,7 @@ def bench_sim_hit(reps: int, n: int) -> dict[str, Any]:
 
 def bench_cuda(reps: int, n: int) -> dict[str, Any]:
     """Buffer-id queries and buffer-id-checked hits on a real GPU (no kernel module needed: FakeDevice pins)."""
-    from .._native import cuda_buffer_id
+    from .._native import call_floor, cuda_buffer_id
     from ..cuda import CudaMemory
     from ..testing.fake import FakeDevice
 
@@ -489,6 +489,8 @@ def bench_cuda(reps: int, n: int) -> dict[str, Any]:
             "direct_buffer_id_query_wrapped_ns": query_loop(mem.buffer_id, ptrs),
             "cuda_dict_lookup_ns": dict_loop(ptrs),
         }
+        if call_floor is not None:  # the same loop and call into C, without the query
+            loops["cuda_python_call_floor_ns"] = query_loop(call_floor, ptrs)
         if mem.direct_buffer_id_query:  # the hit path's own query, in a C loop
             loops["cuda_buffer_id_query_floor_ns"] = query_floor_loop(mem.c_buffer_id_query, mem.c_buffer_id_ctx, ptrs)
         for mode in ("buffer_id", "both"):
@@ -504,6 +506,16 @@ def bench_cuda(reps: int, n: int) -> dict[str, Any]:
         out["cuda_buffer_id_hit_over_direct_query"] = out["cuda_hit_buffer_id_ns"] / out["direct_buffer_id_query_ns"]
         if "cuda_buffer_id_query_floor_ns" in out:
             out["cuda_buffer_id_hit_over_floor"] = out["cuda_hit_buffer_id_ns"] / out["cuda_buffer_id_query_floor_ns"]
+        if "cuda_python_call_floor_ns" in out and "cuda_buffer_id_query_floor_ns" in out:
+            # Where a hit's time goes: the Python loop and call (measured without the query), the
+            # query as C alone sees it (the floor), the query's extra cost when called between
+            # Python's own work (caches and branch predictors the interpreter evicted), and the
+            # cache's own lookup (hit less the direct query).
+            call, floor = out["cuda_python_call_floor_ns"], out["cuda_buffer_id_query_floor_ns"]
+            out["cuda_hit_part_python_call_ns"] = call
+            out["cuda_hit_part_query_in_c_ns"] = floor
+            out["cuda_hit_part_query_cold_extra_ns"] = out["direct_buffer_id_query_ns"] - call - floor
+            out["cuda_hit_part_cache_lookup_ns"] = out["cuda_hit_buffer_id_ns"] - out["direct_buffer_id_query_ns"]
     finally:
         for p in ptrs:
             mem.free(p)
