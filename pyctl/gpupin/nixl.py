@@ -1630,9 +1630,17 @@ class NixlEndpoint(Closable):
         if not collecting():
             for ex in list(self._exposures.values()):
                 self.unexpose(self._bare(ex), timeout=5.0)
+        holds = []
         for ex in list(self._exposures.values()):  # from the collector: no peer can be asked
-            ex.revoked, ex.holders = True, {}
-            self._finish_if_settled(ex)
+            # Peers may still write until the agent (and its registrations) is gone: the free
+            # holds stay until then, let go by reap() after the agent's retirement.
+            holds.append(ex.hold)
+            ex.revoked, ex.holders, ex.hold, ex.done = True, {}, None, True
+            del self._exposures[ex.xid]
+            try:
+                ex.reg.release()
+            except GpupinError:  # the cache went first (collected with it): its registrations too
+                pass
         self._by_range.clear()
         if not collecting():
             self._drop_leases()
@@ -1642,6 +1650,15 @@ class NixlEndpoint(Closable):
             except (TypeError, NixlError):  # a test double, or the agent already retired
                 pass
         self.driver.close()
+        release = getattr(self.memory, "release_free_hold", None)
+        kept = [h for h in holds if h is not None]
+        if release is not None and kept:
+
+            def let_go() -> None:
+                for h in kept:
+                    release(h)
+
+            _defer(let_go)  # queued after the agent's retirement: run by reap() once it is gone
 
     def _drop_leases(self) -> None:
         """(initiator, closing) Tell each target that this endpoint holds its leases no more."""

@@ -720,3 +720,25 @@ def test_threads_using_a_new_exposure_at_once_all_get_the_lease() -> None:
         assert p.ini.leases_asked == 5
     finally:
         p.close()
+
+
+def test_an_endpoint_left_to_the_collector_holds_its_exposed_memory_until_reaped() -> None:
+    """Collected without close(), a target can ask no peer to let go: its exposed memory stays
+    held from free() until reap() has retired its agent (and the registrations with it)."""
+    import gc
+
+    mem = HostMemory(4 << 20)
+    tgt = NixlEndpoint("t-collected", mem, mem_type="DRAM")
+    dst = mem.alloc(MiB)
+    tgt.expose(dst, MiB)
+    tgt.cycle = tgt  # type: ignore[attr-defined] - only the collector frees it
+    agent = weakref.ref(tgt.agent)
+    del tgt
+    gc.collect()
+    assert agent() is not None  # retirement waits for reap()
+    with pytest.raises(gpupin.InUse):
+        mem.free(dst)
+    gpupin.nixl.reap()
+    assert agent() is None
+    mem.free(dst)
+    mem.close()
