@@ -1386,7 +1386,9 @@ class NixlEndpoint(Closable):
         metadata, asked for, loaded instead (``renewals``)."""
         with self._lock:
             view = self._views.get(peer)
-            stale_view = view is not None and view[0] < lease.dereg
+            # A view this endpoint did not load itself (connect() with metadata of unknown age)
+            # counts as stale once the target has dropped anything.
+            stale_view = view[0] < lease.dereg if view is not None else lease.dereg > 0
             if not stale_view and view is not None and hash(r.metadata) in view[1]:
                 return
         if r.dereg >= lease.dereg and not stale_view:

@@ -742,3 +742,24 @@ def test_an_endpoint_left_to_the_collector_holds_its_exposed_memory_until_reaped
     assert agent() is None
     mem.free(dst)
     mem.close()
+
+
+def test_metadata_loaded_by_connect_is_renewed_once_the_target_dropped_a_registration() -> None:
+    """connect() loads metadata of unknown age: if the target dropped a registration since, the
+    first grant makes the initiator forget that view, or its dropped descriptor would stay."""
+    p = Pair(auto_progress=True)
+    try:
+        a = p.mt.alloc(MiB)
+        ra = p.tgt.expose(a, MiB)
+        p.ini.connect(p.tgt.metadata())  # the 1 MiB registration is now in NIXL's view of t-pair
+        p.tgt.unexpose(ra)
+        p.mt.free(a)
+        assert p.mt.alloc(MiB // 2) == a
+        rb = p.tgt.expose(a, MiB // 2)  # the 1 MiB registration is dropped first
+        src = p.mi.alloc(MiB)
+        p.ini.write(src, 4096, rb)
+        beyond = dataclasses.replace(rb, addr=a + 600 * 1024, size=4096)
+        assert deregistered_through_nixl(p.ini, src, 4096, beyond), "the dropped registration is still reachable"
+        assert p.ini.renewals == 1
+    finally:
+        p.close()
