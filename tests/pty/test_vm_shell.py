@@ -107,7 +107,7 @@ def test_vm_shell_in_a_terminal(tmp_path: Path) -> None:
     env = dict(os.environ, RESULTS=str(tmp_path / "results"), TERM="xterm")
     term = Terminal([str(ROOT / "scripts" / "vm-run.sh"), "shell"], env)
     try:
-        term.expect(r"loaded\s+\['nvp2p_sim', 'gpupin'\]", BOOT_TIMEOUT)
+        term.expect(r"loaded\s+\['nvp2p_sim', 'gpupin_cb', 'gpupin'\]", BOOT_TIMEOUT)
         term.expect(r"# $")
         # Echo and a real terminal with the host's size, job control on.
         term.send("tty; stty size; set -o | grep -w monitor\r")
