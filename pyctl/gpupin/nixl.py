@@ -769,16 +769,26 @@ class NixlEndpoint(Closable):
             for ex in list(self._exposures.values()):
                 ex.holders.pop(peer, None)
                 self._finish_if_settled(ex)
-            for key in [k for k in self._leases if k[0] == peer]:
-                del self._leases[key]
-            self._drops = [d for d in self._drops if d[0] != peer]
-            self._views.pop(peer, None)
-            self._connected.discard(peer)
-            with self.driver.lock:
-                try:
-                    self.agent.remove_remote_agent(peer)
-                except Exception:  # noqa: BLE001, S110 - not loaded: nothing to forget
-                    pass
+            self._forget_view(peer, quiet=True)
+
+    def _busy_with(self, peer: str) -> bool:
+        """Whether a transfer with ``peer`` runs (one of its leases counts one)."""
+        return any(lease.inflight for (p, _), lease in self._leases.items() if p == peer)
+
+    def _forget_view(self, peer: str, *, quiet: bool) -> None:
+        """(under _lock) Forget this initiator's leases with ``peer``, the drops owed to it and
+        NIXL's view of it (remove_remote_agent: an error is raised, or ignored when ``quiet``)."""
+        for key in [k for k in self._leases if k[0] == peer]:
+            del self._leases[key]
+        self._drops = [d for d in self._drops if d[0] != peer]
+        self._views.pop(peer, None)
+        self._connected.discard(peer)
+        with self.driver.lock:
+            try:
+                self.agent.remove_remote_agent(peer)
+            except Exception as exc:  # noqa: BLE001 - NIXL's own classes
+                if not quiet:
+                    raise _nixl_error(f"remove_remote_agent({peer!r})", exc) from None
 
     # -- target side -----------------------------------------------------------
     def expose(self, ptr: int, size: int, *, epoch: int = 0) -> RemoteBuffer:
@@ -1360,18 +1370,9 @@ class NixlEndpoint(Closable):
         """``peer`` restarted under its name: forget the old one (its leases, NIXL's view of it)
         once no transfer with it runs; the next load is a first contact."""
         with self._lock:
-            if any(lease.inflight for (p, _), lease in self._leases.items() if p == peer):
+            if self._busy_with(peer):
                 raise NixlError(f"{peer} restarted and a transfer with its old incarnation still runs: settle() first")
-            for key in [k for k in self._leases if k[0] == peer]:
-                del self._leases[key]
-            self._drops = [d for d in self._drops if d[0] != peer]
-            self._connected.discard(peer)
-            self._views.pop(peer, None)
-            with self.driver.lock:
-                try:
-                    self.agent.remove_remote_agent(peer)
-                except Exception:  # noqa: BLE001, S110 - not loaded: nothing to forget
-                    pass
+            self._forget_view(peer, quiet=True)  # not loaded: nothing to forget
 
     def _lease_state(self, peer: str, xid: int) -> str:
         lease = self._leases.get((peer, xid))
@@ -1461,7 +1462,8 @@ class NixlEndpoint(Closable):
             # (a peer removed under a running transfer makes NIXL call it over while UCX still
             # moves its bytes).
             with self._lock:
-                if not any(lease.inflight for (p, _), lease in self._leases.items() if p == peer):
+                if not self._busy_with(peer):
+                    # Its leases stay: the exposures live on, and the view is loaded again.
                     with self.driver.lock:
                         try:
                             self.agent.remove_remote_agent(peer)
@@ -1492,21 +1494,14 @@ class NixlEndpoint(Closable):
                 raise
             first = exc
         with self._lock:
-            if any(lease.inflight for (p, _), lease in self._leases.items() if p == peer):
+            if self._busy_with(peer):
                 raise NixlError(
                     f"NIXL will not load {peer}'s new metadata ({first.status}) and a transfer with {peer} still "
                     "runs: settle() first, then try again",
                     first.status,
                 )
             # A new incarnation: the old one's leases and view mean nothing to it.
-            for key in [k for k in self._leases if k[0] == peer]:
-                del self._leases[key]
-            self._views.pop(peer, None)
-        with self.driver.lock:
-            try:
-                self.agent.remove_remote_agent(peer)
-            except Exception as exc:  # noqa: BLE001 - NIXL's own classes
-                raise _nixl_error(f"remove_remote_agent({peer!r})", exc) from None
+            self._forget_view(peer, quiet=False)
         try:
             self.connect(metadata)
         except NixlError as exc:
