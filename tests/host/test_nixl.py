@@ -6,6 +6,7 @@ dependency; 'make setup' installs it (nixl-cu13 without torch).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import struct
 import sys
@@ -374,8 +375,10 @@ def test_a_malformed_notification_loses_nothing() -> None:
         p.close()
 
 
-def _slow_transfers(ep: NixlEndpoint) -> list[bool]:
-    """Make ``ep``'s transfers report PROC (posted for real) while the returned flag is set."""
+@contextlib.contextmanager
+def _slow_transfers(ep: NixlEndpoint) -> Iterator[list[bool]]:
+    """Make ``ep``'s transfers report PROC (posted for real) while the flag it gives is set;
+    NIXL's own calls again when the block ends."""
     agent = ep.agent
     slow = [True]
     real_transfer, real_check = type(agent).transfer, type(agent).check_xfer_state
@@ -390,7 +393,11 @@ def _slow_transfers(ep: NixlEndpoint) -> list[bool]:
         return "PROC" if slow[0] and state in ("PROC", "DONE") else state
 
     agent.transfer, agent.check_xfer_state = transfer, check
-    return slow
+    try:
+        yield slow
+    finally:
+        slow[0] = False
+        del agent.transfer, agent.check_xfer_state
 
 
 def test_a_transfer_past_its_timeout_keeps_its_buffer_registered_until_it_ends() -> None:
@@ -399,25 +406,23 @@ def test_a_transfer_past_its_timeout_keeps_its_buffer_registered_until_it_ends()
     can neither evict nor deregister it; settle() lets both go once NIXL says it ended, and
     close() refuses while one runs."""
     p = Pair()
-    slow = _slow_transfers(p.ini)
     try:
-        dst = p.mt.alloc(MiB)
-        rb = p.tgt.expose(dst, MiB)
-        src = p.mi.alloc(MiB)
-        with pytest.raises(NixlError, match="stays registered") as ei:
-            p.ini.write(src, 4096, rb, timeout=0.2)
-        assert ei.value.status == "timeout"
-        assert p.ini.pending_transfers() == 1 and p.ini.cache.held() == 1
-        assert p.ini.settle(0.05) == 1
-        with pytest.raises(gpupin.InUse, match="still running past their timeout"):
-            p.ini.close()  # waits 5 s for it, then refuses, changing nothing
-        assert p.ini.cache.held() == 1 and p.ini.driver.live == 1
-        slow[0] = False
-        assert p.ini.settle(5) == 0
-        assert p.ini.cache.held() == 0 and p.ini.pending_transfers() == 0
+        with _slow_transfers(p.ini) as slow:
+            dst = p.mt.alloc(MiB)
+            rb = p.tgt.expose(dst, MiB)
+            src = p.mi.alloc(MiB)
+            with pytest.raises(NixlError, match="stays registered") as ei:
+                p.ini.write(src, 4096, rb, timeout=0.2)
+            assert ei.value.status == "timeout"
+            assert p.ini.pending_transfers() == 1 and p.ini.cache.held() == 1
+            assert p.ini.settle(0.05) == 1
+            with pytest.raises(gpupin.InUse, match="still running past their timeout"):
+                p.ini.close()  # waits 5 s for it, then refuses, changing nothing
+            assert p.ini.cache.held() == 1 and p.ini.driver.live == 1
+            slow[0] = False
+            assert p.ini.settle(5) == 0
+            assert p.ini.cache.held() == 0 and p.ini.pending_transfers() == 0
     finally:
-        slow[0] = False
-        del p.ini.agent.transfer, p.ini.agent.check_xfer_state
         p.close()
 
 
@@ -464,28 +469,26 @@ def test_unexpose_waits_for_a_transfer_in_flight_and_the_free_waits_for_unexpose
     import threading
 
     p = Pair(auto_progress=True)
-    slow = _slow_transfers(p.ini)
     try:
-        dst = p.mt.alloc(MiB)
-        rb = p.tgt.expose(dst, MiB)
-        src = p.mi.alloc(MiB)
-        with pytest.raises(NixlError, match="stays registered"):
-            p.ini.write(src, 4096, rb, timeout=0.2)  # still "running" at NIXL
-        done = threading.Event()
-        th = threading.Thread(target=lambda: (p.tgt.unexpose(rb, timeout=20), done.set()))
-        th.start()
-        assert not done.wait(0.5), "unexpose returned while a peer's transfer into the range still ran"
-        with pytest.raises(gpupin.InUse, match="unexpose"):
-            p.mt.free(dst)  # the provider refuses: a peer may still write there
-        slow[0] = False
-        assert p.ini.settle(5) == 0  # NIXL says it ended: the lease is dropped
-        assert done.wait(10), "unexpose did not return once the transfer ended"
-        th.join()
-        p.mt.free(dst)
-        assert p.tgt.driver.live <= 1 and not p.tgt._exposures
+        with _slow_transfers(p.ini) as slow:
+            dst = p.mt.alloc(MiB)
+            rb = p.tgt.expose(dst, MiB)
+            src = p.mi.alloc(MiB)
+            with pytest.raises(NixlError, match="stays registered"):
+                p.ini.write(src, 4096, rb, timeout=0.2)  # still "running" at NIXL
+            done = threading.Event()
+            th = threading.Thread(target=lambda: (p.tgt.unexpose(rb, timeout=20), done.set()))
+            th.start()
+            assert not done.wait(0.5), "unexpose returned while a peer's transfer into the range still ran"
+            with pytest.raises(gpupin.InUse, match="unexpose"):
+                p.mt.free(dst)  # the provider refuses: a peer may still write there
+            slow[0] = False
+            assert p.ini.settle(5) == 0  # NIXL says it ended: the lease is dropped
+            assert done.wait(10), "unexpose did not return once the transfer ended"
+            th.join()
+            p.mt.free(dst)
+            assert p.tgt.driver.live <= 1 and not p.tgt._exposures
     finally:
-        slow[0] = False
-        del p.ini.agent.transfer, p.ini.agent.check_xfer_state
         p.close()
 
 
@@ -672,22 +675,20 @@ def test_a_posted_transfer_never_waited_for_still_ends_its_lease() -> None:
     import gc
 
     p = Pair(auto_progress=True)
-    slow = _slow_transfers(p.ini)
     try:
-        dst = p.mt.alloc(MiB)
-        rb = p.tgt.expose(dst, MiB)
-        src = p.mi.alloc(MiB)
-        t = p.ini.post_write([(src, 4096, rb, 0)])
-        assert not t.done()
-        del t
-        gc.collect()  # the endpoint keeps it: no NIXL finalizer releases its handle behind gpupin
-        slow[0] = False
-        p.tgt.unexpose(rb, timeout=10)  # the initiator's progress finds it over and drops the lease
-        assert p.ini.cache.held() == 0 and not p.ini._running
-        p.mt.free(dst)
+        with _slow_transfers(p.ini) as slow:
+            dst = p.mt.alloc(MiB)
+            rb = p.tgt.expose(dst, MiB)
+            src = p.mi.alloc(MiB)
+            t = p.ini.post_write([(src, 4096, rb, 0)])
+            assert not t.done()
+            del t
+            gc.collect()  # the endpoint keeps it: no NIXL finalizer releases its handle behind gpupin
+            slow[0] = False
+            p.tgt.unexpose(rb, timeout=10)  # the initiator's progress finds it over and drops the lease
+            assert p.ini.cache.held() == 0 and not p.ini._running
+            p.mt.free(dst)
     finally:
-        slow[0] = False
-        del p.ini.agent.transfer, p.ini.agent.check_xfer_state
         p.close()
 
 
