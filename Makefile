@@ -130,6 +130,7 @@ test-native: pyext
 
 # The guest may run 80 min: the full counts took 28-36 min, the cache's thread stress adds 10.
 test-long: setup pyext
+	GPUPIN_LONG=1 $(VENV)/bin/pytest -q tests/host/test_cache_threads.py
 	GPUPIN_LONG=1 GPUPIN_CYCLES=20 GPUPIN_TEST_TIMEOUT=1800 VM_TIMEOUT=$${VM_TIMEOUT:-4800} scripts/vm-run.sh test
 
 # A 6.1 kernel with KASAN, lockdep, DEBUG_ATOMIC_SLEEP and kmemleak, built once (~13 min,

@@ -1,11 +1,14 @@
 """The registration cache under threads: inserts racing hits, frees and reallocations,
 evictions and close, in every validate mode, with the buffer id checked in Python and in C.
 
-Each test names the defect it pins down and failed on the code before its fix.
+Each test names the defect it pins down and failed on the code before its fix.  The stress
+lasts a few seconds per mode; GPUPIN_LONG=1 (make test-long) runs ten minutes in all, 100 s per
+mode; GPUPIN_CACHE_STRESS_S sets the seconds per mode.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -24,6 +27,9 @@ MiB = 1 << 20
 # (validate, the provider offers its buffer-id query in C): every pair; "kernel" checks no
 # buffer id, with or without a query to offer.
 MODES = [(v, c) for v in ("both", "buffer_id", "kernel") for c in (False, True)]
+LONG = os.environ.get("GPUPIN_LONG") == "1"
+# Seconds per mode that a stress lasts however soon it did everything (0: until it did).
+STRESS_S = float(os.environ.get("GPUPIN_CACHE_STRESS_S") or (100 if LONG else 0))
 
 
 @pytest.fixture(autouse=True)
@@ -110,13 +116,13 @@ def test_threads_never_get_a_half_inserted_entry_or_another_allocation(validate:
         pin = dev.pins.get(reg.handle)
         return pin is not None and pin.is_valid() and pin.base <= reg.ptr < pin.end
 
-    res = stress_cache(
-        cache, mem, size=MiB, seconds=20, realloc=lambda p: mem.alloc(MiB, at=p), pin_ok=pin_ok
-    )  # at most 20 s on a loaded machine
+    limit = STRESS_S or 20  # at most 20 s on a loaded machine
+    kw = {"at_least": STRESS_S} if STRESS_S else {}
+    res = stress_cache(cache, mem, size=MiB, seconds=limit, realloc=lambda p: mem.alloc(MiB, at=p), pin_ok=pin_ok, **kw)
     assert not res.hung, "a thread hung"
     assert not res.errors, res.errors[:3]
     assert not res.wrong, res.wrong[:3]
-    assert res.did_everything, ("in 20 s the threads did not do each thing once", cache.stats(), res)
+    assert res.did_everything, (f"in {limit} s the threads did not do each thing once", cache.stats(), res)
     assert cache.held() == 0, "a reference was never released"
     closers: list[BaseException] = []
     run_threads([cache.close] * 3, closers)  # several at once: each closes or finds it closed
