@@ -64,7 +64,10 @@ if [ "${GPUPIN_COVERAGE:-0}" = 1 ]; then
 	mkdir -p "$OUT/coverage-gpu"
 	runner=(python3 -m coverage run --rcfile="$ROOT/pyproject.toml" --data-file="$OUT/coverage-gpu/.coverage")
 fi
-step "$OUT/gpu-tests.txt" "${runner[@]}" -m pytest -q -p no:cacheprovider -rsP tests/gpu
+# GPUPIN_GPU_K: only the GPU tests that pytest's -k selects (one test in one command).
+select=()
+[ -z "${GPUPIN_GPU_K:-}" ] || select=(-k "$GPUPIN_GPU_K")
+step "$OUT/gpu-tests.txt" "${runner[@]}" -m pytest -q -p no:cacheprovider -rsP tests/gpu "${select[@]}"
 # The command a user runs: here (no module loading) the module checks say why they cannot
 # run, and the CUDA checks must pass.
 step "$OUT/selftest.txt" python3 -m gpupin selftest
