@@ -62,8 +62,10 @@ INSTALL = "pip install --no-deps nixl-cu13 numpy"
 _PREFIX = b"gpupin-nixl/2:"
 _HOLD, _GRANT, _XFER, _ACK, _REVOKE, _DROP = b"H", b"G", b"X", b"A", b"R", b"D"
 _MDASK, _MD = b"M", b"m"  # a target's current metadata, asked for and sent (its bytes follow the head)
+_DROPPED = b"d"  # a target has a closing initiator's drop (DROP's third field asks for it)
 _HEAD = {
-    _HOLD: "<QH", _GRANT: "<QH", _XFER: "<QH", _ACK: "<QBQ", _REVOKE: "<QB", _DROP: "<QQ", _MDASK: "<Q", _MD: "<QQ"
+    _HOLD: "<QH", _GRANT: "<QH", _XFER: "<QH", _ACK: "<QBQ", _REVOKE: "<QB", _DROP: "<QQB", _MDASK: "<Q",
+    _MD: "<QQ", _DROPPED: "<Q",
 }  # fmt: skip
 _ENTRY = {_HOLD: "<QQ", _GRANT: "<QBQ", _XFER: "<QQ"}  # (xid, epoch), (xid, status, dereg), (xid, epoch)
 _MAX_ENTRIES = 1024  # exposures one transfer (or one hold request) may name
@@ -719,6 +721,7 @@ class NixlEndpoint(Closable):
         self._inflight: list[Transfer] = []  # past their wait()'s timeout, not over
         self._running: set[Transfer] = set()  # every posted transfer NIXL has not ended (polled here)
         self._drops: list[tuple[str, bytes]] = []  # lease drops whose sending failed: sent again
+        self._unacked: set[tuple[str, int]] = set()  # (closing initiator) (peer, xid) drops not yet acknowledged
         self._md_asked: dict[int, tuple[str, int, bytes] | None] = {}  # request -> (peer, dereg, metadata)
         self.dropped_notifications = 0  # application messages let go: progress() was not called
         self.unanswered = 0  # (target) messages it could not answer (peer not connected, send failed)
@@ -964,6 +967,10 @@ class NixlEndpoint(Closable):
             if ex is not None and peer in ex.holders:
                 ex.holders[peer][1] = head[1]
                 self._finish_if_settled(ex)
+            if head[2] and peer in self._connected:  # a closing initiator waits for this
+                self._send(peer, _pack(_DROPPED, (head[0],)))
+        elif kind == _DROPPED:
+            self._unacked.discard((peer, head[0]))
         elif kind == _GRANT:
             asked = self._holds.get(head[0])
             if asked and asked[0].peer == peer:  # else not ours, or late (given up on)
@@ -985,7 +992,7 @@ class NixlEndpoint(Closable):
         elif kind == _REVOKE:
             revoked = self._leases.get((peer, head[0]))
             if revoked is None:
-                self._send_drop(peer, _pack(_DROP, (head[0], 0)))
+                self._send_drop(peer, _pack(_DROP, (head[0], 0, 0)))
             else:
                 revoked.state = "revoked"
                 if head[1] != OK and not revoked.broken:
@@ -1359,7 +1366,7 @@ class NixlEndpoint(Closable):
                 with self._lock:
                     if self._leases.get((peer, r.xid)) is lease:  # waiting threads see it gone
                         del self._leases[(peer, r.xid)]
-                        self._send_drop(peer, _pack(_DROP, (r.xid, 0)))
+                        self._send_drop(peer, _pack(_DROP, (r.xid, 0, 0)))
                 raise
             with self._lock:
                 if lease.state == "granted":
@@ -1553,7 +1560,7 @@ class NixlEndpoint(Closable):
     def _drop_if_idle(self, lease: _Lease) -> None:
         if lease.state == "revoked" and lease.inflight == 0:
             self._leases.pop((lease.peer, lease.xid), None)
-            self._send_drop(lease.peer, _pack(_DROP, (lease.xid, lease.checks)))
+            self._send_drop(lease.peer, _pack(_DROP, (lease.xid, lease.checks, 0)))
 
     def _send_drop(self, peer: str, msg: bytes) -> None:
         """A lease drop: the target waits for it, so one that could not be sent is sent again
@@ -1612,21 +1619,23 @@ class NixlEndpoint(Closable):
         for t in list(self._running):
             self._check(t)
 
-    def close(self) -> None:
-        """Take every exposed range back (``unexpose``, 5 s each), deregister everything (InUse
-        while a transfer holds a registration) and retire the agent if the endpoint made it.
-        A transfer that outlived its call is waited for up to 5 s (``settle``), then close()
+    def close(self, timeout: float = 5.0) -> None:
+        """Take every exposed range back (``unexpose``, ``timeout`` s each), tell each target
+        that this endpoint's leases are dropped and wait up to ``timeout`` s for each to say it
+        heard (a warning names those that did not), deregister everything (InUse while a
+        transfer holds a registration) and retire the agent if the endpoint made it.  A transfer
+        that outlived its call is waited for up to ``timeout`` s (``settle``), then close()
         raises InUse naming it.  An endpoint dropped without close() makes no NIXL call from
         the garbage collector: see reap()."""
         self._stop_progress()
-        if self._inflight and not collecting() and self.settle(5.0):
+        if self._inflight and not collecting() and self.settle(timeout):
             raise InUse(
                 f"NixlEndpoint {self.name!r}: {len(self._inflight)} transfer(s) still running past their timeout "
                 f"({self._inflight[0].what}); their buffers stay registered: settle() and close() again"
             )
         if not collecting():
             for ex in list(self._exposures.values()):
-                self.unexpose(self._bare(ex), timeout=5.0)
+                self.unexpose(self._bare(ex), timeout=timeout)
         holds = []
         for ex in list(self._exposures.values()):  # from the collector: no peer can be asked
             # Peers may still write until the agent (and its registrations) is gone: the free
@@ -1640,7 +1649,7 @@ class NixlEndpoint(Closable):
                 pass
         self._by_range.clear()
         if not collecting():
-            self._drop_leases()
+            self._drop_leases(timeout)
         with _registry_lock:
             try:
                 _ENDPOINT_OF.pop(self.driver.agent, None)
@@ -1657,14 +1666,35 @@ class NixlEndpoint(Closable):
 
             _defer(let_go)  # queued after the agent's retirement: run by reap() once it is gone
 
-    def _drop_leases(self) -> None:
-        """(initiator, closing) Tell each target that this endpoint holds its leases no more."""
+    def _drop_leases(self, timeout: float) -> None:
+        """(initiator, closing) Tell each target that this endpoint holds its leases no more, and
+        wait up to ``timeout`` s for each target to say it has the drop.  A notification NIXL
+        accepted may still wait inside UCX (for the peer's side of a new connection, say), and
+        dies with the agent: a target that never gets the drop would wait for this endpoint in
+        its unexpose() until that times out."""
         with self._lock:
             leases = [lease for lease in self._leases.values() if lease.state in ("held", "revoked")]
             self._leases.clear()
-        for lease in leases:
-            if lease.inflight == 0:
-                self._send(lease.peer, _pack(_DROP, (lease.xid, lease.checks)))
+            for lease in leases:
+                if lease.inflight == 0 and self._send(lease.peer, _pack(_DROP, (lease.xid, lease.checks, 1))):
+                    self._unacked.add((lease.peer, lease.xid))
+        deadline = time.monotonic() + timeout
+        while self._unacked and time.monotonic() < deadline:
+            try:
+                self._pump()
+            except NixlError:  # the agent cannot progress: no answer can come
+                break
+            time.sleep(_NAP_MIN_S)
+        if self._unacked:
+            peers = sorted({p for p, _ in self._unacked})
+            warnings.warn(
+                f"gpupin.nixl: endpoint {self.name!r} closed without word from {', '.join(peers)} that it has "
+                f"{len(self._unacked)} lease drop(s) (no progress() there within {timeout} s?): an unexpose() "
+                f"there waits for this endpoint until it times out; call forget_peer({self.name!r}) there",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self._unacked.clear()
         if leases:
             self.driver.linger(_LINGER_S)
 
@@ -1904,10 +1934,14 @@ def selftest(*, size: int = 64 << 10, agent: Any = None, timeout: float = 10.0) 
             f"confirmed by the target and read back equal in {took * 1e3:.1f} ms"
         )
     finally:
-        stop.set()
-        if pump is not None:
-            pump.join()
-        for ep in reversed(endpoints):
-            ep.close()
-        mi.close()
-        mt.close()
+        try:
+            for ep in endpoints[1:]:  # the initiator, while the target serves: it hears the lease drop
+                ep.close()
+        finally:
+            stop.set()
+            if pump is not None:
+                pump.join()
+            if endpoints:
+                endpoints[0].close()
+            mi.close()
+            mt.close()

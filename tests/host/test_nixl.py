@@ -11,6 +11,7 @@ import dataclasses
 import struct
 import sys
 import time
+import warnings
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -152,12 +153,14 @@ def test_one_process_two_agents_and_the_cache_counts(tmp_path: Path) -> None:
         st = ini.cache.stats()
         assert (st.pins, st.hits, st.invalidations_buffer_id) == (5, 1, 1)
     finally:
-        stop.set()
-        pump.join()
-        ini.close()
-        tgt.close()
-        mi.close()
-        mt.close()
+        try:
+            ini.close()  # while the target serves: it acknowledges the lease drop
+        finally:
+            stop.set()
+            pump.join()
+            tgt.close()
+            mi.close()
+            mt.close()
     assert ini.driver.live == 0 and tgt.driver.live == 0
 
 
@@ -181,9 +184,11 @@ class Pair:
         self.pump.start()
 
     def close(self) -> None:
-        self.stop.set()
-        self.pump.join()
-        self.ini.close()
+        try:
+            self.ini.close()  # while the target serves: it acknowledges the lease drops
+        finally:
+            self.stop.set()
+            self.pump.join()
         self.tgt.close()
         self.mi.close()
         self.mt.close()
@@ -447,7 +452,9 @@ def test_a_peer_restarted_under_the_same_name_is_reached_again() -> None:
                 t.kill()
     finally:
         mem.free(src)
-        e.close()
+        with warnings.catch_warnings():  # the last target is dead: it hears no lease drop
+            warnings.simplefilter("ignore", RuntimeWarning)
+            e.close(timeout=0.5)
         mem.close()
 
 
@@ -631,16 +638,23 @@ def test_a_holder_that_never_answers_keeps_the_range_until_forgotten() -> None:
         p.tgt.forget_peer("i-pair")  # the application knows the peer can transfer no more
         p.tgt.unexpose(rb, timeout=0.3)
         p.mt.free(dst)
+        # The initiator still holds its lease; a target that forgot it does not answer its drop.
+        with pytest.warns(RuntimeWarning, match="closed without word from t-pair that it has 1 lease drop"):
+            p.ini.close(timeout=0.2)
     finally:
         p.close()
 
 
 def test_a_closing_initiator_gives_its_leases_back() -> None:
+    """close() returns once the target has the drop: a notification NIXL accepted may still
+    wait inside UCX and die with the agent (a target then waited for it in vain, 1 run in 15
+    of this file on a loaded machine)."""
     p = Pair()
     try:
         rb = p.tgt.expose(p.mt.alloc(MiB), MiB)
         p.ini.write(p.mi.alloc(MiB), 4096, rb)
         p.ini.close()
+        assert p.tgt._exposures[rb.xid].holders["i-pair"][1] == 0, "the target has not heard the drop"
         p.tgt.unexpose(rb, timeout=5)  # no revocation round trip needed: the drop came already
         assert not p.tgt._exposures
     finally:
