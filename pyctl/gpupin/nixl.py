@@ -1152,7 +1152,7 @@ class NixlEndpoint(Closable):
     def _blocking(
         self, op: str, blocks: list[tuple[int, int, RemoteBuffer, int]], *, timeout: float = 30.0, confirm: bool = False
     ) -> None:
-        t = self.post(op, blocks, timeout=timeout, confirm=confirm)
+        t = self._post(op, blocks, timeout, confirm, tracked=False)
         try:
             t.wait(timeout, confirm=confirm)
         finally:
@@ -1177,7 +1177,16 @@ class NixlEndpoint(Closable):
     ) -> Transfer:
         """One NIXL transfer of ``blocks``: leases asked for where this endpoint holds none (one
         round trip for all of them), local buffers registered through the cache and held, the
-        transfer posted with its notification.  ``timeout`` bounds the lease request."""
+        transfer posted.  ``timeout`` bounds the lease request.  Polled by the endpoint (its
+        progress thread, its next post) until NIXL ends it, also if never waited for."""
+        return self._post(op, blocks, timeout, confirm, tracked=True)
+
+    def _post(
+        self, op: str, blocks: list[tuple[int, int, RemoteBuffer, int]], timeout: float, confirm: bool, tracked: bool
+    ) -> Transfer:
+        """post(); ``tracked=False`` for a transfer its caller waits for at once (write/read):
+        not polled by other threads meanwhile (the progress thread would take the endpoint's
+        locks from the waiter at every poll), and tracked once its wait gives up (_orphan)."""
         if op not in ("WRITE", "READ"):
             raise InvalidArgument(f"post({op!r}): 'WRITE' or 'READ'")
         if not blocks:
@@ -1270,7 +1279,8 @@ class NixlEndpoint(Closable):
             if confirm:
                 self._waiting.add((peer, seq))
             t = Transfer(self, h, toks, leases, seq, op, blocks, confirm)
-            self._running.add(t)
+            if tracked:
+                self._running.add(t)
             self.transfers += 1
             if state != "PROC":
                 self._complete(t, "DONE" if state == "DONE" else "ERR")
@@ -1572,6 +1582,7 @@ class NixlEndpoint(Closable):
         with self._lock:
             if t.state == "PROC" and t not in self._inflight:
                 self._inflight.append(t)
+                self._running.add(t)
             self._waiting.discard((t._leases[0].peer, t.seq))
 
     def _await_verdict(self, t: Transfer, deadline: float) -> None:
