@@ -773,8 +773,15 @@ class NixlEndpoint(Closable):
     def forget_peer(self, peer: str) -> None:
         """Drop everything known of ``peer``: its leases on this target's exposures (call it
         only once that peer can transfer no more, e.g. its process is dead: unexpose then
-        completes without its word), this initiator's leases with it, and NIXL's view of it."""
+        completes without its word), this initiator's leases with it, and NIXL's view of it.
+        InUse while a transfer of this endpoint with the peer runs (NIXL would report it over
+        while UCX may still move its bytes): ``settle()`` first."""
         with self._lock:
+            if self._busy_with(peer):
+                raise InUse(
+                    f"forget_peer({peer!r}): a transfer with {peer} still runs; settle() first (its buffers "
+                    "stay registered and its leases held until NIXL says it ended)"
+                )
             for ex in list(self._exposures.values()):
                 ex.holders.pop(peer, None)
                 self._finish_if_settled(ex)
@@ -1511,7 +1518,7 @@ class NixlEndpoint(Closable):
         after that is raised, and tried again at the next transfer.
         """
         try:
-            self.connect(metadata)
+            self._connect_idle(peer, metadata)
             return
         except NixlError as exc:
             if exc.status not in ("nixlNotAllowedError", "nixlInvalidParamError"):
@@ -1526,15 +1533,33 @@ class NixlEndpoint(Closable):
                 )
             # A new incarnation: the old one's leases and view mean nothing to it.
             self._forget_view(peer, quiet=False)
-        try:
-            self.connect(metadata)
-        except NixlError as exc:
-            raise NixlError(
-                f"NIXL will not load {peer}'s metadata ({first.status}), nor after forgetting the peer "
-                f"({exc.status}); on VRAM NIXL 1.5.1 then loads no more of that peer: reach it from a new "
-                "NixlEndpoint (a new agent)",
-                exc.status,
-            ) from None
+            try:
+                self.connect(metadata)
+                return
+            except NixlError as exc:
+                second = exc
+        raise NixlError(
+            f"NIXL will not load {peer}'s metadata ({first.status}), nor after forgetting the peer "
+            f"({second.status}); on VRAM NIXL 1.5.1 then loads no more of that peer: reach it from a new "
+            "NixlEndpoint (a new agent)",
+            second.status,
+        ) from None
+
+    def _connect_idle(self, peer: str, metadata: bytes) -> None:
+        """connect() to a peer NIXL knows only while no transfer with it runs.  A load NIXL
+        refuses erases its whole view of the peer (loadRemoteSections in nixl_agent.cpp), and a
+        transfer still running with it is then reported NOT_FOUND: gpupin would count it over
+        while UCX may still move its bytes.  Under the lock post() holds while it posts."""
+        deadline = time.monotonic() + 30.0
+        while True:
+            with self._lock:
+                if not self._busy_with(peer):
+                    self.connect(metadata)
+                    return
+            if time.monotonic() > deadline:
+                raise NixlError(f"{peer}'s new metadata waits for transfers with it that never end: settle() first")
+            self._poll_inflight()
+            time.sleep(_NAP_MIN_S)
 
     def _check(self, t: Transfer) -> None:
         with self._lock:

@@ -706,6 +706,37 @@ def test_a_posted_transfer_never_waited_for_still_ends_its_lease() -> None:
         p.close()
 
 
+def test_no_metadata_of_a_peer_is_loaded_while_a_transfer_with_it_runs() -> None:
+    """A load NIXL refuses erases its whole view of the peer, and a transfer running with it is
+    then reported NOT_FOUND, which gpupin took for over while UCX could still move its bytes:
+    a known peer's new metadata now waits until no transfer with it runs, and forget_peer()
+    refuses meanwhile."""
+    import threading
+
+    p = Pair(auto_progress=True)
+    try:
+        with _slow_transfers(p.ini) as slow:
+            rb = p.tgt.expose(p.mt.alloc(MiB), MiB)
+            src = p.mi.alloc(MiB)
+            t = p.ini.post_write([(src, 4096, rb, 0)])
+            with pytest.raises(gpupin.InUse, match="a transfer with t-pair still runs"):
+                p.ini.forget_peer("t-pair")
+            loads: list[bytes] = []
+            real = p.ini.connect
+            p.ini.connect = lambda md: (loads.append(md), real(md))[1]  # type: ignore[method-assign]
+            other = p.tgt.expose(p.mt.alloc(2 * MiB), 2 * MiB)  # new metadata to load
+            second = threading.Thread(target=lambda: p.ini.write(src, 4096, other))
+            second.start()
+            time.sleep(0.3)
+            assert not loads and second.is_alive(), "a peer's metadata was loaded while a transfer with it ran"
+            slow[0] = False
+            second.join(10)
+            assert not second.is_alive() and loads and t.done()
+            del p.ini.connect
+    finally:
+        p.close()
+
+
 def test_threads_using_a_new_exposure_at_once_all_get_the_lease() -> None:
     """The first transfers into an exposure, from four threads at once: one asks, the others
     wait for its answer (none takes the lease still asked for as taken back)."""
