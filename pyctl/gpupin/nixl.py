@@ -1671,11 +1671,19 @@ class NixlEndpoint(Closable):
         raises InUse naming it.  An endpoint dropped without close() makes no NIXL call from
         the garbage collector: see reap()."""
         self._stop_progress()
-        if self._inflight and not collecting() and self.settle(timeout):
-            raise InUse(
-                f"NixlEndpoint {self.name!r}: {len(self._inflight)} transfer(s) still running past their timeout "
-                f"({self._inflight[0].what}); their buffers stay registered: settle() and close() again"
-            )
+        if self._running and not collecting():
+            # Every transfer NIXL has not ended: past its wait's timeout, or posted and never
+            # waited for.  Its leases and registrations stay until it ends.
+            deadline = time.monotonic() + timeout
+            while self._running and time.monotonic() < deadline:
+                self._poll_inflight()
+                time.sleep(0.001)
+            if self._running:
+                t = next(iter(self._running))
+                raise InUse(
+                    f"NixlEndpoint {self.name!r}: {len(self._running)} transfer(s) NIXL has not ended ({t.what}); "
+                    "their buffers stay registered and their leases held: settle() (or wait() them) and close() again"
+                )
         if not collecting():
             for ex in list(self._exposures.values()):
                 self.unexpose(self._bare(ex), timeout=timeout)
@@ -1715,12 +1723,22 @@ class NixlEndpoint(Closable):
         accepted may still wait inside UCX (for the peer's side of a new connection, say), and
         dies with the agent: a target that never gets the drop would wait for this endpoint in
         its unexpose() until that times out."""
+        failed = 0
         with self._lock:
-            leases = [lease for lease in self._leases.values() if lease.state in ("held", "revoked")]
-            self._leases.clear()
+            # A lease asked for may be granted still (a HOLD the target answers after close):
+            # dropped too, after it on the same connection.  One a transfer still uses stays
+            # (close() refuses before this while one runs).
+            leases = [
+                lease
+                for lease in self._leases.values()
+                if lease.state in ("asking", "granted", "held", "revoked") and lease.inflight == 0
+            ]
             for lease in leases:
-                if lease.inflight == 0 and self._send(lease.peer, _pack(_DROP, (lease.xid, lease.checks, 1))):
+                del self._leases[(lease.peer, lease.xid)]
+                if self._send(lease.peer, _pack(_DROP, (lease.xid, lease.checks, 1))):
                     self._unacked.add((lease.peer, lease.xid))
+                else:
+                    failed += 1
         deadline = time.monotonic() + timeout
         while self._unacked and time.monotonic() < deadline:
             try:
@@ -1728,6 +1746,13 @@ class NixlEndpoint(Closable):
             except NixlError:  # the agent cannot progress: no answer can come
                 break
             time.sleep(_NAP_MIN_S)
+        if failed:
+            warnings.warn(
+                f"gpupin.nixl: endpoint {self.name!r} closed and could not send {failed} lease drop(s): "
+                "the targets' unexpose() waits for this endpoint until it times out (forget_peer there)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         if self._unacked:
             peers = sorted({p for p, _ in self._unacked})
             warnings.warn(

@@ -421,7 +421,7 @@ def test_a_transfer_past_its_timeout_keeps_its_buffer_registered_until_it_ends()
             assert ei.value.status == "timeout"
             assert p.ini.pending_transfers() == 1 and p.ini.cache.held() == 1
             assert p.ini.settle(0.05) == 1
-            with pytest.raises(gpupin.InUse, match="still running past their timeout"):
+            with pytest.raises(gpupin.InUse, match="NIXL has not ended"):
                 p.ini.close()  # waits 5 s for it, then refuses, changing nothing
             assert p.ini.cache.held() == 1 and p.ini.driver.live == 1
             slow[0] = False
@@ -701,6 +701,29 @@ def test_a_posted_transfer_never_waited_for_still_ends_its_lease() -> None:
             slow[0] = False
             p.tgt.unexpose(rb, timeout=10)  # the initiator's progress finds it over and drops the lease
             assert p.ini.cache.held() == 0 and not p.ini._running
+            p.mt.free(dst)
+    finally:
+        p.close()
+
+
+def test_close_keeps_the_lease_of_a_transfer_posted_and_never_waited_for() -> None:
+    """close() waited only for transfers past their wait's timeout: with one posted and never
+    waited for still running it cleared every lease, sent no drop for it, then refused (its
+    registration held): a second close() sent nothing, and the target waited in vain."""
+    p = Pair(auto_progress=True)
+    try:
+        with _slow_transfers(p.ini) as slow:
+            dst = p.mt.alloc(MiB)
+            rb = p.tgt.expose(dst, MiB)
+            t = p.ini.post_write([(p.mi.alloc(MiB), 4096, rb, 0)])
+            with pytest.raises(gpupin.InUse, match="1 transfer.s. NIXL has not ended"):
+                p.ini.close(timeout=0.2)
+            assert ("t-pair", rb.xid) in p.ini._leases, "the running transfer's lease was let go"
+            slow[0] = False
+            assert t.done() and t.state == "DONE"
+            p.ini.close()  # now the drop goes, and the target hears it
+            assert p.tgt._exposures[rb.xid].holders["i-pair"][1] == 0
+            p.tgt.unexpose(rb, timeout=5)
             p.mt.free(dst)
     finally:
         p.close()
