@@ -986,7 +986,11 @@ class NixlEndpoint(Closable):
             self._unacked.discard((peer, head[0]))
         elif kind == _GRANT:
             asked = self._holds.get(head[0])
-            if asked and asked[0].peer == peer:  # else not ours, or late (given up on)
+            if asked is None:  # late (given up on): the target holds leases nobody uses
+                for xid, status, _ in entries:
+                    if status == OK:
+                        self._send_drop(peer, _pack(_DROP, (xid, 0, 0)))
+            elif asked[0].peer == peer:  # else not ours
                 del self._holds[head[0]]
                 verdicts = {x: (st, d) for x, st, d in entries}
                 for one in asked:

@@ -760,6 +760,24 @@ def test_no_metadata_of_a_peer_is_loaded_while_a_transfer_with_it_runs() -> None
         p.close()
 
 
+def test_a_grant_that_came_too_late_is_given_back() -> None:
+    """A lease request given up on (its timeout) and answered afterwards: the target holds a
+    lease nobody uses, and its unexpose() waited for a drop that never came."""
+    p = Pair()
+    p.stop.set()
+    p.pump.join()  # the target takes no notifications for now
+    rb = p.tgt.expose(p.mt.alloc(MiB), MiB)
+    with pytest.raises(NixlError, match="no answer from t-pair to a lease request"):
+        p.ini.write(p.mi.alloc(MiB), 4096, rb, timeout=0.2)
+    deadline = time.monotonic() + 5
+    while p.tgt._exposures[rb.xid].holders.get("i-pair", [0, -1])[1] < 0 and time.monotonic() < deadline:
+        p.tgt.progress()  # the request arrives late: granted
+        p.ini.progress()  # the late grant: given back
+    assert p.tgt._exposures[rb.xid].holders["i-pair"][1] == 0, "the late grant was not given back"
+    p.tgt.unexpose(rb, timeout=1)  # no round trip needed: the initiator does not progress here
+    p.close()
+
+
 def test_threads_using_a_new_exposure_at_once_all_get_the_lease() -> None:
     """The first transfers into an exposure, from four threads at once: one asks, the others
     wait for its answer (none takes the lease still asked for as taken back)."""
