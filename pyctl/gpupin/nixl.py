@@ -1172,10 +1172,15 @@ class NixlEndpoint(Closable):
         t = self._post(op, blocks, timeout, confirm, tracked=False)
         try:
             t.wait(timeout, confirm=confirm)
+        except BaseException:
+            if t.state == "PROC":  # interrupted (its timeout does this itself): polled from now on
+                self._orphan(t)
+            raise
         finally:
-            with self._lock:
-                self._waiting.discard((t._leases[0].peer, t.seq))
-                self._verdicts.pop((t._leases[0].peer, t.seq), None)
+            if confirm:
+                with self._lock:
+                    self._waiting.discard((t._leases[0].peer, t.seq))
+                    self._verdicts.pop((t._leases[0].peer, t.seq), None)
 
     def post_write(self, blocks: list[tuple[int, int, RemoteBuffer, int]], *, timeout: float = 30.0) -> Transfer:
         """Start a WRITE of (local, size, remote, offset) blocks to one peer; returns at once."""

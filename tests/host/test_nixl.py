@@ -778,6 +778,39 @@ def test_a_grant_that_came_too_late_is_given_back() -> None:
     p.close()
 
 
+def test_an_interrupted_blocking_transfer_is_polled_to_its_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """write()'s transfer is left to the waiting thread; interrupted there (KeyboardInterrupt)
+    it must be polled by the endpoint from then on, or its registration and lease stay held
+    forever."""
+    p = Pair(auto_progress=True)
+    try:
+        with _slow_transfers(p.ini) as slow:
+            rb = p.tgt.expose(p.mt.alloc(MiB), MiB)
+            src = p.mi.alloc(MiB)
+            real_done, calls = gpupin.nixl.Transfer.done, [0]
+
+            def done(t: gpupin.nixl.Transfer) -> bool:
+                calls[0] += 1
+                if calls[0] == 3:
+                    raise KeyboardInterrupt
+                return real_done(t)
+
+            monkeypatch.setattr(gpupin.nixl.Transfer, "done", done)
+            with pytest.raises(KeyboardInterrupt):
+                p.ini.write(src, 4096, rb)
+            monkeypatch.undo()
+            assert p.ini.cache.held() == 1 and len(p.ini._running) == 1
+            slow[0] = False
+            assert p.ini.settle(5) == 0
+            deadline = time.monotonic() + 5
+            while p.ini._running and time.monotonic() < deadline:
+                time.sleep(0.001)  # the progress thread finds it over
+            assert not p.ini._running and p.ini.cache.held() == 0
+            p.tgt.unexpose(rb, timeout=5)
+    finally:
+        p.close()
+
+
 def test_threads_using_a_new_exposure_at_once_all_get_the_lease() -> None:
     """The first transfers into an exposure, from four threads at once: one asks, the others
     wait for its answer (none takes the lease still asked for as taken back)."""
