@@ -914,7 +914,10 @@ class NixlEndpoint(Closable):
                 for peer, msgs in new.items():
                     peer = peer.decode(errors="replace") if isinstance(peer, bytes) else str(peer)
                     for m in msgs:
-                        self._on_message(peer, bytes(m))
+                        try:
+                            self._on_message(peer, bytes(m))
+                        except Exception as exc:  # noqa: BLE001 - the batch's other messages still count
+                            self._unanswered(f"a message from {peer} failed ({type(exc).__name__}: {exc})")
                 if len(self._other) > _OTHER_MAX:  # the application never takes its messages
                     self.dropped_notifications += len(self._other) - _OTHER_MAX
                     del self._other[: len(self._other) - _OTHER_MAX]

@@ -380,6 +380,36 @@ def test_a_malformed_notification_loses_nothing() -> None:
         p.close()
 
 
+def test_a_message_whose_handling_fails_loses_nothing_else() -> None:
+    """A message of gpupin's layout whose handling raises (here: NIXL refusing the metadata a
+    request asked for) took the rest of its batch with it: the application's messages
+    after it were lost and progress() raised."""
+    p = Pair()
+    p.stop.set()
+    p.pump.join()  # the target takes its notifications here
+
+    def refuse() -> bytes:
+        raise RuntimeError("NIXL refused")
+
+    try:
+        with p.ini.driver.lock:
+            p.ini.agent.send_notif("t-pair", b"gpupin-nixl/2:M" + struct.pack("<Q", 7))  # a metadata request
+            p.ini.agent.send_notif("t-pair", b"app-after")
+        p.tgt.agent.get_agent_metadata = refuse
+        got: list[tuple[str, bytes]] = []
+        with pytest.warns(RuntimeWarning, match="a message from i-pair failed .RuntimeError: NIXL refused"):
+            for _ in range(2000):
+                got += p.tgt.progress()
+                if got:
+                    break
+                p.ini.progress()  # a new connection moves with both sides' progress
+                time.sleep(0.001)
+        assert got == [("i-pair", b"app-after")] and p.tgt.unanswered == 1
+    finally:
+        del p.tgt.agent.get_agent_metadata
+        p.close()
+
+
 @contextlib.contextmanager
 def _slow_transfers(ep: NixlEndpoint) -> Iterator[list[bool]]:
     """Make ``ep``'s transfers report PROC (posted for real) while the flag it gives is set;
