@@ -826,6 +826,16 @@ class NixlEndpoint(Closable):
                         "first (that waits until no peer can still write into it)"
                     )
                 return self._descriptor(ex)
+            for old in self._exposures.values():
+                # Taken back, but a holder has not said its transfers are over (unexpose timed
+                # out): its writes may still land there.
+                if old.revoked and not old.done and old.ptr < ptr + size and ptr < old.ptr + old.size:
+                    late = sorted(p for p, (_, d) in old.holders.items() if d < 0)
+                    raise InUse(
+                        f"expose({ptr:#x}, {size}): overlaps [{old.ptr:#x}, +{old.size}), still being taken back "
+                        f"from {', '.join(late) or 'its holders'} (their transfers may still land there): call "
+                        "unexpose() on it again, or forget_peer() a peer that can transfer no more"
+                    )
             reg = self.cache.acquire(ptr, size)
             hold = None
             holder = getattr(self.memory, "hold_free", None)

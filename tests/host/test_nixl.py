@@ -665,6 +665,8 @@ def test_a_holder_that_never_answers_keeps_the_range_until_forgotten() -> None:
             p.tgt.unexpose(rb, timeout=0.3)
         with pytest.raises(gpupin.InUse):
             p.mt.free(dst)
+        with pytest.raises(gpupin.InUse, match="still being taken back from i-pair"):
+            p.tgt.expose(dst, MiB, epoch=2)  # the block's next use, while i-pair may still write
         p.tgt.forget_peer("i-pair")  # the application knows the peer can transfer no more
         p.tgt.unexpose(rb, timeout=0.3)
         p.mt.free(dst)
