@@ -84,6 +84,18 @@
 #include <nv-p2p.h>
 #include "../include/uapi/gpupin.h"
 
+/*
+ * The drivers without the persistent API (515.x, 520.x, 525.x before
+ * 525.105.17 bar 525.47.22-35, 530.x) read the page table in
+ * nvidia_p2p_put_pages before taking their lock, and read it again after a
+ * successful put freed it (nv-p2p.c): a put racing the free callback, and
+ * every successful put, reads freed memory inside NVIDIA.  The macro came
+ * with the put that reads nothing before the lock: build for those only.
+ */
+#ifndef NVIDIA_P2P_CAP_GET_PAGES_PERSISTENT_API
+#error "this NVIDIA driver's nvidia_p2p_put_pages reads freed memory (no NVIDIA_P2P_CAP_GET_PAGES_PERSISTENT_API in nv-p2p.h): gpupin needs 525.105.17 or later (535.129.03 or later recommended)"
+#endif
+
 #define GPUPIN_VERSION "0.1.0"
 #define GPU_BOUND_SHIFT 16
 #define GPU_BOUND_SIZE BIT_ULL(GPU_BOUND_SHIFT)

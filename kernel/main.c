@@ -94,9 +94,7 @@ static void gpupin_detect_provider(void)
 		symbol_put(nvp2p_sim_provider);
 	}
 #endif
-#ifdef NVIDIA_P2P_CAP_GET_PAGES_PERSISTENT_API
-	gpupin_caps |= GPUPIN_CAP_PERSISTENT;
-#endif
+	gpupin_caps |= GPUPIN_CAP_PERSISTENT;	/* gpupin.h refuses drivers without it */
 }
 
 static int __init gpupin_init(void)

@@ -428,7 +428,6 @@ static void gpupin_pin_hold_detached(struct gpupin_pin_obj *pin)
  */
 static DEFINE_MUTEX(gpupin_p2p_tables);
 
-#ifdef NVIDIA_P2P_CAP_GET_PAGES_PERSISTENT_API
 /* A persistent pin outside a pin object (topo.c's probe), kept apart from puts all the same. */
 int gpupin_p2p_get_persistent(u64 va, u64 len, struct nvidia_p2p_page_table **pt)
 {
@@ -449,7 +448,6 @@ int gpupin_p2p_put_persistent(u64 va, struct nvidia_p2p_page_table *pt)
 	mutex_unlock(&gpupin_p2p_tables);
 	return ret;
 }
-#endif
 
 /*
  * Put the pages of a pin whose release the caller claimed (state @claimed),
@@ -475,15 +473,9 @@ static bool gpupin_put_pages(struct gpupin_pin_obj *pin, enum gpupin_pin_state c
 		mutex_unlock(&gpupin_p2p_tables);
 		return true;	/* the callback released them */
 	}
-	/*
-	 * Without the persistent API (no NVIDIA_P2P_CAP_GET_PAGES_PERSISTENT_API:
-	 * 515.x, 530.x) no pin is persistent (gpupin_pin_create).
-	 */
-#ifdef NVIDIA_P2P_CAP_GET_PAGES_PERSISTENT_API
 	if (persistent || gpupin_fault_put_other_kind())
 		ret = nvidia_p2p_put_pages_persistent(pin->aligned_va, pin->pt, 0);
 	else
-#endif
 		ret = nvidia_p2p_put_pages(0, 0, pin->aligned_va, pin->pt);
 	mutex_unlock(&gpupin_p2p_tables);
 	/*
@@ -974,12 +966,10 @@ static int gpupin_pin_create(struct gpupin_file *f, const struct gpupin_pin *req
 
 	pin->pt = GPUPIN_PT_UNSET;	/* see gpupin_get_pages_err() */
 	mutex_lock(&gpupin_p2p_tables);
-#ifdef NVIDIA_P2P_CAP_GET_PAGES_PERSISTENT_API
 	if (persistent)
 		ret = nvidia_p2p_get_pages_persistent(pin->aligned_va, pin->aligned_size,
 						      &pin->pt, 0);
 	else
-#endif
 		ret = nvidia_p2p_get_pages(0, 0, pin->aligned_va, pin->aligned_size,
 					   &pin->pt, gpupin_cb_free_callback,
 					   (void *)(unsigned long)pin->cb_id);

@@ -62,7 +62,6 @@ static DEFINE_MUTEX(gpupin_topo_lock);	/* guards gpupin_topo_list and gpupin_top
  */
 static int gpupin_topo_ask(struct gpupin_pin_obj *pin, struct pci_dev *peer)
 {
-#ifdef NVIDIA_P2P_CAP_GET_PAGES_PERSISTENT_API
 	struct nvidia_p2p_page_table *pt = NULL;
 	struct nvidia_p2p_dma_mapping *m = NULL;
 	int ret;
@@ -78,9 +77,6 @@ static int gpupin_topo_ask(struct gpupin_pin_obj *pin, struct pci_dev *peer)
 	if (!ret)
 		return 0;
 	return ret == -ENOTSUPP ? -EOPNOTSUPP : -ENOENT;
-#else
-	return -ENOENT;
-#endif
 }
 
 /*
