@@ -372,6 +372,7 @@ void gpupin_file_release_pins(struct gpupin_file *f, u32 reason);
 void gpupin_pin_destroy_now(struct gpupin_file *f, struct gpupin_pin_obj *pin, u32 reason);
 bool gpupin_caller_owns(struct gpupin_file *f);
 struct nvidia_p2p_page_table;
+bool gpupin_table_version_ok(u32 version);
 int gpupin_p2p_get_persistent(u64 va, u64 len, struct nvidia_p2p_page_table **pt);
 int gpupin_p2p_put_persistent(u64 va, struct nvidia_p2p_page_table *pt);
 bool gpupin_may_read_addrs(struct gpupin_file *f);

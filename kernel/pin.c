@@ -648,7 +648,7 @@ void gpupin_file_release_pins(struct gpupin_file *f, u32 reason)
  * `flags` to the 1.2 layout, and gpupin reads no field after gpu_uuid (added
  * in 1.2), so a 1.2 table - smaller by that member - is read in bounds.
  */
-static bool gpupin_table_version_ok(u32 version)
+bool gpupin_table_version_ok(u32 version)
 {
 	u32 major = NVIDIA_P2P_MAJOR_VERSION(version);
 	u32 minor = NVIDIA_P2P_MINOR_VERSION(version);

@@ -69,7 +69,15 @@ static int gpupin_topo_ask(struct gpupin_pin_obj *pin, struct pci_dev *peer)
 	/* On failure *pt may point to a freed table: never touched. */
 	if (gpupin_p2p_get_persistent(pin->aligned_va, GPU_BOUND_SIZE, &pt))
 		return -ENOENT;
-	ret = nvidia_p2p_dma_map_pages(peer, pt, &m);
+	/*
+	 * The address is pinned again here: freed meanwhile and reallocated on
+	 * another GPU, the answer would be that GPU's, kept under this one's UUID.
+	 */
+	if (!gpupin_table_version_ok(pt->version) || !pt->gpu_uuid ||
+	    memcmp(pt->gpu_uuid, pin->gpu_uuid, sizeof(pin->gpu_uuid)))
+		ret = -ENODEV;	/* unknown: not kept */
+	else
+		ret = nvidia_p2p_dma_map_pages(peer, pt, &m);
 	if (!ret)
 		nvidia_p2p_dma_unmap_pages(peer, pt, m);
 	if (gpupin_p2p_put_persistent(pin->aligned_va, pt))
