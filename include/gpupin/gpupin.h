@@ -13,7 +13,10 @@
  *   4. For each transfer: gpupin_access_begin(ref); read the bus addresses
  *      with gpupin_ref_dma_addr(); start the DMA; gpupin_access_end(ref) once
  *      the engine owns the descriptors (or, for a synchronous engine, when
- *      the transfer is done).
+ *      the transfer is done).  Inside an access call no gpupin_ref_dma_map()
+ *      or gpupin_ref_put(), of this reference or another: they may wait for
+ *      NVIDIA's lock, which a free callback holds while it waits for the
+ *      open access to end (a deadlock).
  *   5. If the GPU memory is freed, gpupin calls notify(priv) from the GPU
  *      driver's free callback, before the pages go away.  The driver must
  *      stop DMA to these pages there and return.  Later accesses fail.
