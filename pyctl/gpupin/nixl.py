@@ -1238,7 +1238,7 @@ class NixlEndpoint(Closable):
                     f"{op.lower()}({local:#x}, {size}, offset={offset}): [offset, offset + size) must lie inside the "
                     f"remote buffer of {remote.size} bytes"
                 )
-        if len({r.xid for _, _, r, _ in blocks}) > _MAX_ENTRIES:
+        if len(blocks) > _MAX_ENTRIES and len({r.xid for _, _, r, _ in blocks}) > _MAX_ENTRIES:
             raise InvalidArgument(f"post({op!r}): more than {_MAX_ENTRIES} exposures in one transfer")
         deadline = time.monotonic() + timeout
         if self._running:
@@ -1260,7 +1260,7 @@ class NixlEndpoint(Closable):
                     )
             try:
                 fast, miss = self.cache.fast_lookup, self.cache.miss
-                spans = [(b[0], b[1]) for b in blocks]
+                spans = [(b[0], b[1]) for b in blocks] if len(blocks) > 1 else [(blocks[0][0], blocks[0][1])]
                 if len(blocks) > 1:  # blocks of one allocation (a scatter list): one lookup for all
                     lo, hi = min(b[0] for b in blocks), max(b[0] + b[1] for b in blocks)
                     try:
