@@ -602,11 +602,8 @@ class Transfer:
         if the target's memory changed behind the protocol's back).  Only for a transfer posted
         with ``confirm=True`` (``write(..., confirm=True)`` does both)."""
         ep = self._ep
-        start = time.monotonic()
-        deadline = start + timeout
-        # Poll without sleeping about as long as this endpoint's transfers took of late: a nap
-        # (at least ~50 us of timer slack) would make a 100-400 us transfer 20-50 % slower.
-        spin_until = start + min(_SPIN_MAX_S, max(_SPIN_S, 1.5 * ep._took_s))
+        deadline = time.monotonic() + timeout
+        spin_until = time.monotonic() + _SPIN_S
         nap = _NAP_MIN_S
         while not self.done():
             now = time.monotonic()
@@ -621,7 +618,6 @@ class Transfer:
             if now > spin_until:  # past the spin, sleep instead of burning a core
                 time.sleep(nap)
                 nap = min(nap * 2, _NAP_MAX_S)
-        ep._took_s += (time.monotonic() - start - ep._took_s) * 0.125
         if self.state != "DONE":
             ep.driver.peer_failed()
             raise NixlError(f"{self.what} failed (the peer went away, or its registration did)", "ERR")
@@ -652,8 +648,7 @@ _ASKED, _PENDING = ("asking",), ("asking", "granted")  # lease states a transfer
 _LINGER_S = 0.05  # a closing endpoint progresses its agent this long for its last messages to leave
 _OTHER_MAX = 65536  # application messages kept for progress(); older ones go (counted)
 _PUMP_EVERY_S = 0.001  # a post takes notifications itself at most this often
-_SPIN_S = 100e-6  # a transfer's wait polls without sleeping at least this long (a small one is done by then)
-_SPIN_MAX_S = 2e-3  # ... and at most this long, when this endpoint's transfers took that long of late
+_SPIN_S = 100e-6  # a transfer's wait polls without sleeping this long (a small one is done by then)
 _NAP_MIN_S, _NAP_MAX_S = 20e-6, 1e-3
 
 
@@ -740,7 +735,6 @@ class NixlEndpoint(Closable):
         self.leases_asked = 0
         self.renewals = 0  # (initiator) peers' views forgotten because they dropped a registration
         self.confirm_s = 0.0
-        self._took_s = 0.0  # (initiator) how long a wait() took of late (a moving average)
         self._progress_stop: threading.Event | None = None
         if auto_progress:
             self._start_progress()
@@ -1273,21 +1267,20 @@ class NixlEndpoint(Closable):
                     tok = fast(local, size)
                     toks.append(tok if tok >= 0 else miss(local, size, tok))
                 seq = next(self._seq)
-                drv = self.driver
-                with drv.lock:
-                    agent = self.agent
-                    devid = drv.devid
-                    ldesc = agent.get_xfer_descs([(b[0], b[1], devid) for b in blocks], drv.mem_type)
-                    rdesc = agent.get_xfer_descs(
+                with self.driver.lock:
+                    ldesc = self.agent.get_xfer_descs(
+                        [(b[0], b[1], self.driver.devid) for b in blocks], self.driver.mem_type
+                    )
+                    rdesc = self.agent.get_xfer_descs(
                         [(r.addr + off, size, r.devid) for _, size, r, off in blocks], blocks[0][2].mem_type
                     )
                     # No notification rides on the transfer: one makes DONE wait for its delivery,
                     # which needs the peer's progress (~0.5 ms here for 4 KiB, against ~20 us).
                     # DONE means the data arrived without one too: NIXL's UCX backend ends every
                     # transfer with an endpoint flush after its puts (sendXferRange, ucx_backend.cpp).
-                    h = agent.initialize_xfer(op, ldesc, rdesc, peer, b"")
+                    h = self.agent.initialize_xfer(op, ldesc, rdesc, peer, b"")
                     posting = True  # from here NIXL may have posted puts: the handle is kept
-                    state = agent.transfer(h)
+                    state = self.agent.transfer(h)
             except BaseException as exc:
                 if posting:  # polled until NIXL says it is over, like any running transfer
                     t = Transfer(self, h, toks, leases, seq, op, blocks, False)
