@@ -731,6 +731,7 @@ class NixlEndpoint(Closable):
         self.stale_exposures = 0  # (target) exposures whose allocation changed under a lease (detected)
         self.watch_interval = 0.005  # (target) how often progress() checks leased exposures' buffer ids
         self._last_pump = self._next_watch = 0.0
+        self._last_post = 0.0  # (initiator) when a transfer was last posted
         self.transfers = 0
         self.leases_asked = 0
         self.renewals = 0  # (initiator) peers' views forgotten because they dropped a registration
@@ -1137,6 +1138,11 @@ class NixlEndpoint(Closable):
                 ep = ref()
                 if ep is None:
                     return
+                if time.monotonic() - ep._last_post < _PUMP_EVERY_S:
+                    # A thread posts transfers now and takes notifications itself (at most a
+                    # millisecond apart): taking them here too only contends for the locks.
+                    del ep
+                    continue
                 try:
                     ep._pump()
                 except Exception:  # noqa: BLE001 - a failing peer: the next transfer says so
@@ -1234,10 +1240,12 @@ class NixlEndpoint(Closable):
                 )
         if len(blocks) > _MAX_ENTRIES and len({r.xid for _, _, r, _ in blocks}) > _MAX_ENTRIES:
             raise InvalidArgument(f"post({op!r}): more than {_MAX_ENTRIES} exposures in one transfer")
-        deadline = time.monotonic() + timeout
+        now = time.monotonic()
+        deadline = now + timeout
+        self._last_post = now
         if self._running:
             self._poll_inflight()
-        if deadline - timeout - self._last_pump > _PUMP_EVERY_S:  # revocations reach a busy initiator too
+        if now - self._last_pump > _PUMP_EVERY_S:  # revocations reach a busy initiator too
             self._pump()
         leases = self._leases_for(peer, blocks, deadline)
         toks: list[int] = []
