@@ -1262,7 +1262,7 @@ class NixlEndpoint(Closable):
                     )
             try:
                 fast, miss = self.cache.fast_lookup, self.cache.miss
-                spans = [(b[0], b[1]) for b in blocks] if len(blocks) > 1 else [(blocks[0][0], blocks[0][1])]
+                spans = [(b[0], b[1]) for b in blocks]
                 if len(blocks) > 1:  # blocks of one allocation (a scatter list): one lookup for all
                     lo, hi = min(b[0] for b in blocks), max(b[0] + b[1] for b in blocks)
                     try:
