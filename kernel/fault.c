@@ -44,6 +44,21 @@ void gpupin_fault_callback_tail(void)
 	gpupin_fault_pause(&gpupin_callback_tail_delay_ms);
 }
 
+static unsigned int gpupin_fail_init_ms;
+module_param_named(fail_init_ms, gpupin_fail_init_ms, uint, 0444);
+MODULE_PARM_DESC(fail_init_ms, "Testing: module init pauses this long once everything is set up, then fails with -EAGAIN (a load that fails while a free callback is in gpupin; 0 = off)");
+
+/* The end of module init: 0, or the injected failure after its pause. */
+int gpupin_fault_init_end(void)
+{
+	unsigned int ms = READ_ONCE(gpupin_fail_init_ms);
+
+	if (!ms)
+		return 0;
+	msleep(ms);
+	return -EAGAIN;
+}
+
 static unsigned int gpupin_release_delay_ms;
 module_param_named(release_delay_ms, gpupin_release_delay_ms, uint, 0644);
 MODULE_PARM_DESC(release_delay_ms, "Testing: an unpin pauses this long between claiming a pin and putting its pages (widens the window for a free callback racing it)");

@@ -116,6 +116,7 @@ struct pci_dev;
 #ifdef GPUPIN_FAULT_INJECTION
 bool gpupin_fail_alloc(void);
 void gpupin_fault_callback_tail(void);
+int gpupin_fault_init_end(void);
 void gpupin_fault_release_delay(void);
 void gpupin_fault_unmap_late_delay(void);
 void gpupin_fault_own_map_batch(void);
@@ -127,6 +128,11 @@ void gpupin_fault_exit(void);
 #else
 static inline void gpupin_fault_callback_tail(void)
 {
+}
+
+static inline int gpupin_fault_init_end(void)
+{
+	return 0;
 }
 
 static inline void gpupin_fault_release_delay(void)
@@ -366,6 +372,7 @@ void gpupin_pin_put(struct gpupin_pin_obj *pin);
 void gpupin_cb_ids_exit(void);
 int gpupin_cb_handler_init(void);
 void gpupin_cb_handler_exit(void);
+void gpupin_cb_handler_abort(void);
 int gpupin_pin_use(struct gpupin_pin_obj *pin);
 void gpupin_pin_unuse(struct gpupin_pin_obj *pin);
 void gpupin_file_release_pins(struct gpupin_file *f, u32 reason);

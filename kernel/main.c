@@ -124,6 +124,9 @@ static int __init gpupin_init(void)
 	ret = gpupin_nl_init();
 	if (ret)
 		goto err_fault;
+	ret = gpupin_fault_init_end();	/* before the device: no pin can exist */
+	if (ret)
+		goto err_nl;
 	ret = gpupin_file_init();
 	if (ret)
 		goto err_nl;
@@ -135,7 +138,7 @@ err_nl:
 err_fault:
 	gpupin_fault_exit();
 err_cb:
-	gpupin_cb_handler_exit();
+	gpupin_cb_handler_abort();
 	return ret;
 }
 

@@ -33,10 +33,12 @@
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
 #include <linux/capability.h>
+#include <linux/delay.h>
 #include <linux/err.h>
 #include <linux/mm.h>
 #include <linux/module.h>
 #include <linux/overflow.h>
+#include <linux/rcupdate.h>
 #include <linux/sched.h>
 #include <linux/slab.h>
 #include <linux/uaccess.h>
@@ -372,6 +374,35 @@ int gpupin_cb_handler_init(void)
 void gpupin_cb_handler_exit(void)
 {
 	gpupin_cb_unregister(&gpupin_handler);
+}
+
+/*
+ * A module load that fails, instead of gpupin_cb_handler_exit(): the loader
+ * frees this module's memory as soon as gpupin_init() returns, without the
+ * check for references an unload makes.  gpupin_cb.ko takes a module that is
+ * still loading like any other, so a callback for a pin of an earlier
+ * gpupin.ko (one whose put_pages released nothing: see the top of this file)
+ * may be in gpupin_free_callback() now.  No pin of this instance exists (the
+ * device was not created), so unregister, then wait until that callback's
+ * module reference - the only one besides the loader's own - is back:
+ * gpupin_cb.ko drops it once the callback has returned to it.
+ */
+void gpupin_cb_handler_abort(void)
+{
+	gpupin_cb_handler_exit();
+#ifdef CONFIG_MODULE_UNLOAD
+	while (module_refcount(THIS_MODULE) > 1)
+		msleep(20);
+#else
+	/*
+	 * No references are counted: wait for the callbacks gpupin counts
+	 * and for every task to have left their last instructions.  One that
+	 * gpupin_cb.ko passed on but that has not counted itself yet is not
+	 * seen here.
+	 */
+	wait_var_event(&gpupin_callbacks_running, !atomic_read(&gpupin_callbacks_running));
+	synchronize_rcu_tasks();
+#endif
 }
 
 /* dma-buf move_notify (reservation lock held): the exporter revokes the buffer. */

@@ -11,6 +11,7 @@ import errno
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -270,6 +271,61 @@ def test_unload_is_refused_while_a_callback_leaves_gpupin(gpupin_loaded: None, l
             assert refused.value.errno in (errno.EAGAIN, errno.EBUSY), refused.value
             freer.join()
             kmod.unload("gpupin")
+            assert not kmod.is_loaded("gpupin")
+            s = sim_stats()
+            assert s.page_tables == 0 and s.live_callbacks == 0 and s.use_after_free_calls == 0, s
+    finally:
+        ensure_loaded()
+
+
+@pytest.mark.simonly(
+    reason="loads gpupin.ko with an init that fails (fail_init_ms) while an earlier pin's callback is in it"
+)
+def test_a_failed_load_waits_for_a_callback_inside_it(gpupin_loaded: None, leakcheck: None) -> None:
+    """An MPS client's pin whose put_pages said 0 and released nothing keeps its callback armed
+    after gpupin.ko is unloaded.  It comes while a new gpupin.ko is loading, and gpupin_cb.ko
+    passes it to that module; if the load then fails, the loader frees the module's memory as
+    soon as its init returns.  So init waits for the callback to leave first
+    (callback_tail_delay_ms keeps it in gpupin 2 s; without the wait it returns into freed text)."""
+    for m in ("gpupin_peer",):
+        if kmod.is_loaded(m):
+            kmod.unload(m)
+    orphaned = "/sys/module/gpupin_cb/parameters/orphaned_callbacks"
+    try:
+        with SimMemory() as sim:
+            dev = Device()
+            va = sim.alloc(GPU_PAGE)
+            dev.pin(va, GPU_PAGE)
+            sim.forget_owner(va)
+            dev.close()  # put_pages says 0 and releases nothing: the callback stays armed
+            kmod.unload("gpupin")
+            before = int(Path(orphaned).read_text())
+            freed_at: list[float] = []
+
+            def free_while_loading() -> None:
+                deadline = time.monotonic() + 30
+                state = Path("/sys/module/gpupin/initstate")
+                while time.monotonic() < deadline:
+                    if state.exists() and state.read_text().strip() == "coming":
+                        break
+                    time.sleep(0.005)
+                time.sleep(0.2)  # well inside init's 1.5 s pause, with the handler registered
+                freed_at.append(time.monotonic())
+                sim.free(va)
+
+            freer = threading.Thread(target=free_while_loading)
+            freer.start()
+            with pytest.raises(gpupin.ModuleError) as failed:
+                kmod.load(kmod.module_file("gpupin"), {"fail_init_ms": 1500, "callback_tail_delay_ms": 2000})
+            returned = time.monotonic()
+            freer.join()
+            assert failed.value.errno == errno.EAGAIN, failed.value
+            assert freed_at, "the load never reached its init"
+            assert int(Path(orphaned).read_text()) == before, "the callback came before or after the loading gpupin"
+            assert returned - freed_at[0] >= 1.9, (
+                f"the failed load returned {returned - freed_at[0]:.2f} s after the free, "
+                "with the callback still in its 2 s tail"
+            )
             assert not kmod.is_loaded("gpupin")
             s = sim_stats()
             assert s.page_tables == 0 and s.live_callbacks == 0 and s.use_after_free_calls == 0, s
