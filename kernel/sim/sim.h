@@ -106,7 +106,8 @@ struct sim_pin {
 	void *data;
 	struct task_struct *cb_task;	/* running the callback */
 	struct completion cb_done;
-	struct work_struct race_work;	/* race_put_pages injection */
+	struct work_struct race_work;	/* race_put_pages, race_get_pages* injection */
+	unsigned int race_delay_us;	/* race_get_pages_late_us: the free's delay */
 	refcount_t refs;		/* registry + temporary users */
 	struct list_head maps;		/* sim_map, under sim_lock */
 };

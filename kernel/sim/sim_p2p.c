@@ -71,6 +71,7 @@ static struct {
 	int fail_dma_map_nth;
 	int fail_errno;
 	bool race_get_pages;
+	unsigned int race_get_pages_late_us;
 	bool race_put_pages;
 	bool callback_twice;
 	bool free_before_register;
@@ -116,6 +117,8 @@ module_param_named(fail_errno, sim_p2p_knobs.fail_errno, int, 0644);
 MODULE_PARM_DESC(fail_errno, "Positive errno returned by the injected failure (default ENOMEM)");
 module_param_named(race_get_pages, sim_p2p_knobs.race_get_pages, bool, 0644);
 MODULE_PARM_DESC(race_get_pages, "Free the memory as each get_pages drops the API lock: its callback runs before get_pages returns (default off)");
+module_param_named(race_get_pages_late_us, sim_p2p_knobs.race_get_pages_late_us, uint, 0644);
+MODULE_PARM_DESC(race_get_pages_late_us, "Free the memory on another CPU a random 0 to N-1 microseconds after each non-persistent get_pages drops the API lock, while get_pages takes a random 0 to N-1 microseconds more to return (a preempted caller): the callback may run before get_pages returns, while the client takes the table or publishes the pin, or after (0 = off)");
 module_param_named(race_put_pages, sim_p2p_knobs.race_put_pages, bool, 0644);
 MODULE_PARM_DESC(race_put_pages, "Fire the free callback concurrently with every put_pages (default off)");
 module_param_named(callback_twice, sim_p2p_knobs.callback_twice, bool, 0644);
@@ -472,11 +475,20 @@ void sim_run_callbacks(struct list_head *claimed)
 	}
 }
 
-/* The memory is freed "on another CPU" (race_put_pages, race_get_pages). */
+/*
+ * The forced frees run here, not on a system workqueue: the module's exit
+ * drains it, so no work is left in this module's text (race_get_pages_late_us
+ * waits for nobody).
+ */
+static struct workqueue_struct *sim_race_wq;
+
+/* The memory is freed "on another CPU" (race_put_pages, race_get_pages*). */
 static void sim_race_work(struct work_struct *work)
 {
 	struct sim_pin *pin = container_of(work, struct sim_pin, race_work);
 
+	if (pin->race_delay_us)
+		fsleep(pin->race_delay_us);
 	/* The waiter must not lose the callback: wait as long as it takes. */
 	while (sim_api_lock("free (injected race)"))
 		;
@@ -616,6 +628,7 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 	struct sim_pin *pin, *dead = NULL;
 	struct sim_alloc *alloc;
 	bool race = false, unregistered = false;
+	unsigned int late_us;
 	LIST_HEAD(evicted);
 	u32 entries, version, i;
 	int err;
@@ -696,6 +709,7 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 	sim_stats.bar_bytes += len;
 	sim_stats.page_tables++;
 	*page_table = pin->pt;
+	late_us = READ_ONCE(sim_p2p_knobs.race_get_pages_late_us);
 	if (!persistent && READ_ONCE(sim_p2p_knobs.free_before_register)) {
 		/*
 		 * NVIDIA's nv_p2p_get_pages (nv-p2p.c) pins through
@@ -717,8 +731,21 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 		pin->state = SIM_PIN_CALLBACK;
 		list_del_init(&pin->node);
 		refcount_inc(&pin->refs);
-		queue_work(system_unbound_wq, &pin->race_work);
+		queue_work(sim_race_wq, &pin->race_work);
 		race = true;
+	} else if (!persistent && late_us) {
+		/*
+		 * Freed on another CPU, a little later: the callback meets
+		 * the client anywhere between here and well after get_pages
+		 * returned.  The registry's reference carries the pin to the
+		 * callback; a put meanwhile finds it CALLBACK and waits.
+		 */
+		pin->state = SIM_PIN_CALLBACK;
+		list_del_init(&pin->node);
+		pin->race_delay_us = get_random_u32() % late_us;
+		queue_work(sim_race_wq, &pin->race_work);
+	} else {
+		late_us = 0;
 	}
 	spin_unlock(&sim_lock);
 	sim_api_unlock();
@@ -729,6 +756,8 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 		sim_pin_put(pin);
 		return -EINVAL;
 	}
+	if (late_us)
+		fsleep(get_random_u32() % late_us);	/* preempted on the way out */
 	if (race) {
 		/* Return only once the callback ran: the worst case for the client. */
 		wait_for_completion(&pin->cb_done);
@@ -929,7 +958,7 @@ static int sim_put_pages(u64 va, struct nvidia_p2p_page_table *pt, bool persiste
 		/* Free the memory "now", on another CPU, as put_pages runs. */
 		pin->state = SIM_PIN_CALLBACK;
 		list_del_init(&pin->node);
-		queue_work(system_unbound_wq, &pin->race_work);
+		queue_work(sim_race_wq, &pin->race_work);
 	}
 	if (pin->state == SIM_PIN_CALLBACK) {
 		/* The callback holds the API lock in the real driver: wait it out. */
@@ -1308,7 +1337,15 @@ EXPORT_SYMBOL_GPL(nvidia_p2p_free_dma_mapping);
 
 int sim_p2p_init(void)
 {
-	return register_module_notifier(&sim_module_nb);
+	int ret;
+
+	sim_race_wq = alloc_workqueue("nvp2p_sim_race", WQ_UNBOUND, 0);
+	if (!sim_race_wq)
+		return -ENOMEM;
+	ret = register_module_notifier(&sim_module_nb);
+	if (ret)
+		destroy_workqueue(sim_race_wq);
+	return ret;
 }
 
 /* Module unload: empty the graveyard. */
@@ -1318,6 +1355,7 @@ void sim_p2p_exit(void)
 	LIST_HEAD(dead);
 
 	unregister_module_notifier(&sim_module_nb);
+	destroy_workqueue(sim_race_wq);	/* no forced free left running */
 	spin_lock(&sim_lock);
 	list_splice_init(&sim_graveyard, &dead);
 	list_for_each_entry(pin, &dead, node)

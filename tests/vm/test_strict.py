@@ -322,6 +322,43 @@ def test_memory_freed_before_get_pages_returns(device: Device, sim: SimMemory, s
     sim.free(va)
 
 
+def test_memory_freed_while_the_pin_is_taken_and_published(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
+    """NVIDIA runs the free callback on whichever CPU frees the memory, as soon as its API lock
+    drops: before get_pages returns, while PIN checks the table, while it publishes the pin, or
+    after.  Wherever it lands (race_get_pages_late_us spreads it over that span), PIN either
+    says the memory was freed or returns a pin the callback then invalidates, with one record
+    for it and none for a pin PIN never returned; nothing stays behind."""
+    sim_params(race_get_pages_late_us=80)
+    va = sim.alloc(GPU_PAGE)
+    before = sim_stats()
+    returned: list[int] = []
+    refused = 0
+    for _ in range(300):
+        try:
+            pin = device.pin(va, GPU_PAGE)
+        except gpupin.PinInvalidated as e:
+            assert e.errno == errno.ENXIO, e
+            refused += 1
+            continue
+        returned.append(pin.handle)
+        deadline = time.monotonic() + 10
+        while pin.is_valid() and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        assert not pin.is_valid(), "the memory was freed, but the pin stayed valid"
+        device.unpin(pin)
+    records = [e.handle for e in device.read_events()]
+    assert sorted(records) == sorted(returned), "one record per returned pin, none for a refused one"
+    deadline = time.monotonic() + 10
+    while (s := sim_stats()).callbacks_run - before.callbacks_run < 300 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the simulator counts a callback once gpupin's part of it returned
+    assert s.callbacks_run - before.callbacks_run == 300 and s.use_after_free_calls == 0, s
+    assert s.page_tables == 0 and s.live_callbacks == 0 and s.bar_bytes == 0, s
+    info = device.info()
+    assert info.file_pins == 0 and info.pinned_bytes == 0
+    print(f"late frees: {refused} pins refused, {len(returned)} returned and then invalidated")
+    sim.free(va)
+
+
 def test_memory_freed_between_get_pages_and_register(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
     """NVIDIA pins, drops its API lock, and takes it again to arm the callback: a free in between
     deletes the mapping without a callback and get_pages fails EINVAL with a NULL table.  PIN
