@@ -10,8 +10,9 @@ unload (vm-guest.sh unloads it; vm-run.sh fails on any kernel warning or taint).
 
 It runs twice: once in the orders a test expects, once in orders NVIDIA's driver also permits
 (a put_pages held before the driver's lock while frees and other pins run, freed page-table
-addresses handed straight back, and an MPS client's teardown dropping a process's
-registration, after which puts release nothing and frees call back for pins gpupin let go).
+addresses handed straight back, an MPS client's teardown dropping a process's
+registration, after which puts release nothing and frees call back for pins gpupin let go, and
+spells of late frees, whose callbacks land while PIN takes the table and publishes the pin).
 
 GPUPIN_FUZZ_CALLS sets the total (default 10,000; 100,000 with GPUPIN_LONG=1);
 GPUPIN_FUZZ_SEED replays one run: a failure prints the seed of the process that failed.
@@ -26,6 +27,7 @@ import os
 import random
 import select
 import traceback
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,6 +46,7 @@ pytestmark = [
 LONG = os.environ.get("GPUPIN_LONG") == "1"
 CALLS = int(os.environ.get("GPUPIN_FUZZ_CALLS", 100_000 if LONG else 10_000))
 PROCS = 4
+LATE_FREES = "/sys/module/nvp2p_sim/parameters/race_get_pages_late_us"
 
 E = errno
 OK = 0
@@ -160,6 +163,15 @@ class Walk:
         self.sim.forget_owner(va)
         self.calls += 1
 
+    def op_late_frees(self) -> None:
+        """Switch the simulator's late frees on or off (for every process): each non-persistent
+        get_pages' memory is then freed on another CPU as it returns, so the callback lands
+        anywhere in PIN or after it."""
+        if not self.adversarial:
+            return
+        Path(LATE_FREES).write_text("60" if self.maybe(0.5) else "0")
+        self.calls += 1
+
     def op_pin(self) -> None:
         flags = 0 if self.maybe() else self.u32()
         pad = 0 if self.maybe() else self.u32()
@@ -186,7 +198,12 @@ class Walk:
         self.check("pin", rc, -E.EINVAL if bad_fields or size == 0 else None)
         if rc == 0:
             assert c.handle not in self.pins and c.handle not in self.stale, "handle reused"
-            assert self.dev.read_word(c.slot) == c.handle
+            # Valid, unless a late free (op_late_frees) invalidated it already.
+            assert (
+                self.dev.read_word(c.slot) == c.handle
+                or raw(self.dev.fileno(), lib.GPUPIN_IOC_QUERY, "struct gpupin_query", handle=c.handle)[1].state
+                == lib.GPUPIN_STATE_INVALIDATED
+            )
             self.pins[int(c.handle)] = (base, int(size))
 
     def op_pin_dmabuf(self) -> None:
@@ -421,6 +438,7 @@ class Walk:
             (self.op_reopen, 1),
             (self.op_fork, 0.3),
             (self.op_forget, 0.5),
+            (self.op_late_frees, 0.3),
         ]
         funcs = [f for f, _ in ops]
         weights = [w for _, w in ops]
@@ -444,7 +462,7 @@ def worker(seed: int, budget: int, pci: str, adversarial: bool, out: Any) -> Non
 def test_stateful_fuzz_four_processes(gpupin_loaded: None, leakcheck: None, sim_params, orders: str) -> None:  # type: ignore[no-untyped-def]
     adversarial = orders == "permitted"
     if adversarial:
-        sim_params(reuse_freed_tables=1, put_latency_us=200)
+        sim_params(reuse_freed_tables=1, put_latency_us=200, race_get_pages_late_us=0)  # op_late_frees sets it
     load_peer()
     pci = first_pci_device()
     fixed = os.environ.get("GPUPIN_FUZZ_SEED")
