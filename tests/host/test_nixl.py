@@ -97,6 +97,27 @@ def test_bad_ranges_and_memory_are_refused_with_nothing_registered(
     mem.free(b)
 
 
+def test_a_bad_block_of_a_scatter_list_is_named_with_nothing_registered(
+    ep: tuple[NixlEndpoint, HostMemory], target: Target
+) -> None:
+    """Blocks into one exposure are checked column by column; the one that does not fit is
+    the one the error names, wherever it is in the list."""
+    e, mem = ep
+    a = mem.alloc(MiB)
+    rb = RemoteBufferOf(target, target.call("alloc", 4 * MiB), 4 * MiB)
+    good = [(a + i * 4096, 4096, rb, i * 65536) for i in range(8)]
+    for bad, why in (
+        ((a + 5 * 4096, 8192, rb, 4 * MiB - 4096), f"8192, offset={4 * MiB - 4096}"),
+        ((a + 5 * 4096, 0, rb, 0), "0, offset=0"),
+        ((a + 5 * 4096, 4096, rb, -4096), "4096, offset=-4096"),
+    ):
+        with pytest.raises(gpupin.InvalidArgument, match=f"{why}\\): .* inside the remote buffer of {4 * MiB} bytes"):
+            e.write_blocks([*good[:5], bad, *good[6:]])
+    assert e.driver.live == 0 and e.cache.stats().pins == 0
+    e.write_blocks(good)
+    mem.free(a)
+
+
 def test_a_remote_that_went_away_is_a_clear_error(ep: tuple[NixlEndpoint, HostMemory], target: Target) -> None:
     e, mem = ep
     src = mem.alloc(MiB)
