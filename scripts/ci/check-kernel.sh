@@ -66,7 +66,9 @@ else
 	echo "check: a driver without the persistent API is refused (its put_pages reads freed memory)"
 fi
 
-make -C "$KDIR" M="$ROOT" C=2 CHECK=sparse \
+# Kbuild prints the CHECK lines this looks for only when make is not silent: 'make -s check'
+# must not hide them (nor set V=1 from outside), so the sub-make gets no flags from ours.
+MAKEFLAGS= make -C "$KDIR" M="$ROOT" C=2 CHECK=sparse \
 	modules >"$LOG/sparse.txt" 2>&1 || fail=1
 if ! grep -q "CHECK.*kernel/pin.c" "$LOG/sparse.txt"; then
 	echo "check: sparse did not run (is it installed?)" >&2
