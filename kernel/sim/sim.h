@@ -143,6 +143,8 @@ void sim_reset_misuse(void);
 /* sim_dmabuf.c */
 long sim_ioctl_export(struct sim_ctx *ctx, struct nvp2p_sim_export __user *uarg);
 void sim_revoke_exports(struct sim_alloc *alloc);
+void sim_dmabuf_init(void);
+void sim_dmabuf_exit(void);
 struct sim_alloc *sim_ctx_find(struct sim_ctx *ctx, u64 va);
 
 /* sim_poison.c */

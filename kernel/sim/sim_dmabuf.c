@@ -27,6 +27,7 @@
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
 #include <linux/dma-buf.h>
+#include <linux/dma-fence.h>
 #include <linux/dma-mapping.h>
 #include <linux/dma-resv.h>
 #include <linux/err.h>
@@ -50,6 +51,124 @@ MODULE_PARM_DESC(fail_attach_nth, "Fail the Nth attach to an exported dma-buf fr
 static int sim_fail_dmabuf_map_nth;
 module_param_named(fail_dmabuf_map_nth, sim_fail_dmabuf_map_nth, int, 0644);
 MODULE_PARM_DESC(fail_dmabuf_map_nth, "Fail the Nth mapping of an exported dma-buf from now with -fail_errno, then reset to 0 (0 = off)");
+
+/*
+ * move_fences: the revoking exporter migrates the buffer to pin or map it,
+ * as amdgpu does (amdgpu_bo_pin -> ttm_bo_validate queues a blit): the op
+ * returns at once with the copy still running behind a fence of usage
+ * KERNEL in the buffer's reservation object.  The dma-buf core waits for
+ * those only for static importers (dma_buf_map_attachment); a dynamic one
+ * must wait itself before it uses the addresses.  Here the "copy" ends
+ * when a test writes move_fences_signal; move_fences_pending counts the
+ * fences not signalled yet; the module's unload signals any left.
+ */
+static bool sim_move_fences;
+module_param_named(move_fences, sim_move_fences, bool, 0644);
+MODULE_PARM_DESC(move_fences, "The revoking exporter starts a move behind a KERNEL fence at each pin and map, as amdgpu does; it ends when move_fences_signal is written (default off)");
+
+struct sim_move_fence {
+	struct dma_fence base;		/* first: dma_fence_free() frees the whole */
+	struct list_head node;		/* sim_move_fences_list, under sim_move_lock */
+};
+
+static DEFINE_SPINLOCK(sim_move_lock);	/* the list and the fences' own lock */
+static LIST_HEAD(sim_move_fences_list);
+static u64 sim_move_context;
+
+static const char *sim_move_fence_name(struct dma_fence *f)
+{
+	return KBUILD_MODNAME;
+}
+
+static const char *sim_move_timeline_name(struct dma_fence *f)
+{
+	return "move";
+}
+
+static const struct dma_fence_ops sim_move_fence_ops = {
+	.get_driver_name = sim_move_fence_name,
+	.get_timeline_name = sim_move_timeline_name,
+};
+
+/* A pending move of @dmabuf; its reservation lock held.  Best effort. */
+static void sim_start_move(struct dma_buf *dmabuf)
+{
+	struct dma_resv *resv = dmabuf->resv;
+	struct sim_move_fence *mf;
+	static u64 seqno;
+
+	dma_resv_assert_held(resv);
+	if (!READ_ONCE(sim_move_fences) || dma_resv_reserve_fences(resv, 1))
+		return;
+	mf = kzalloc(sizeof(*mf), GFP_KERNEL);
+	if (!mf)
+		return;
+	spin_lock(&sim_move_lock);
+	dma_fence_init(&mf->base, &sim_move_fence_ops, &sim_move_lock, sim_move_context, ++seqno);
+	dma_fence_get(&mf->base);	/* the list's */
+	list_add_tail(&mf->node, &sim_move_fences_list);
+	spin_unlock(&sim_move_lock);
+	dma_resv_add_fence(resv, &mf->base, DMA_RESV_USAGE_KERNEL);
+	dma_fence_put(&mf->base);	/* the reservation object holds its own */
+}
+
+/* End every pending move: signal its fence. */
+static void sim_end_moves(void)
+{
+	struct sim_move_fence *mf, *tmp;
+	LIST_HEAD(done);
+
+	spin_lock(&sim_move_lock);
+	list_splice_init(&sim_move_fences_list, &done);
+	list_for_each_entry(mf, &done, node)
+		dma_fence_signal_locked(&mf->base);
+	spin_unlock(&sim_move_lock);
+	list_for_each_entry_safe(mf, tmp, &done, node) {
+		list_del(&mf->node);
+		dma_fence_put(&mf->base);
+	}
+}
+
+void sim_dmabuf_init(void)
+{
+	sim_move_context = dma_fence_context_alloc(1);
+}
+
+/* Module unload: no buffer is left (each holds the module), nor may a move be. */
+void sim_dmabuf_exit(void)
+{
+	sim_end_moves();
+}
+
+static int sim_move_signal_set(const char *val, const struct kernel_param *kp)
+{
+	sim_end_moves();
+	return 0;
+}
+
+static int sim_move_pending_get(char *buf, const struct kernel_param *kp)
+{
+	struct sim_move_fence *mf;
+	unsigned int n = 0;
+
+	spin_lock(&sim_move_lock);
+	list_for_each_entry(mf, &sim_move_fences_list, node)
+		n++;
+	spin_unlock(&sim_move_lock);
+	return sysfs_emit(buf, "%u\n", n);
+}
+
+static const struct kernel_param_ops sim_move_signal_ops = {
+	.set = sim_move_signal_set,
+};
+module_param_cb(move_fences_signal, &sim_move_signal_ops, NULL, 0200);
+MODULE_PARM_DESC(move_fences_signal, "Write anything: every pending move of move_fences ends (its fence signals)");
+
+static const struct kernel_param_ops sim_move_pending_ops = {
+	.get = sim_move_pending_get,
+};
+module_param_cb(move_fences_pending, &sim_move_pending_ops, NULL, 0444);
+MODULE_PARM_DESC(move_fences_pending, "Moves of move_fences whose fence has not signalled yet");
 
 /*
  * Guards every alloc->exports list, and keeps a listed buffer from being
@@ -113,6 +232,7 @@ static int sim_dmabuf_pin(struct dma_buf_attachment *attach)
 	dma_resv_assert_held(attach->dmabuf->resv);
 	if (exp->revoked)
 		return -ENODEV;
+	sim_start_move(attach->dmabuf);
 	exp->pins++;
 	spin_lock(&sim_lock);
 	sim_stats.dmabuf_pins++;
@@ -242,6 +362,8 @@ static struct sg_table *sim_dmabuf_map(struct dma_buf_attachment *attach,
 	sim_dmabuf_rm_unlock(exp);
 	if (ret)
 		goto err_table;
+	if (exp->revocable)
+		sim_start_move(attach->dmabuf);
 	spin_lock(&sim_lock);
 	sim_stats.dmabuf_mappings++;
 	spin_unlock(&sim_lock);

@@ -34,6 +34,7 @@ static int __init nvp2p_sim_init(void)
 	int ret;
 
 	get_random_bytes(sim_gpu_uuid, sizeof(sim_gpu_uuid));
+	sim_dmabuf_init();
 	ret = sim_p2p_init();
 	if (ret)
 		return ret;
@@ -49,6 +50,7 @@ static int __init nvp2p_sim_init(void)
 static void __exit nvp2p_sim_exit(void)
 {
 	sim_chardev_exit();
+	sim_dmabuf_exit();
 	sim_p2p_exit();
 	sim_poison_exit();
 	/* Clients hold a module reference while they use our symbols. */
