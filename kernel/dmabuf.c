@@ -68,6 +68,24 @@ static const struct dma_buf_attach_ops gpupin_dmabuf_map_ops = {
 };
 
 /*
+ * Wait for the exporter's moves of @dmabuf to end; its reservation lock held.
+ * gpupin's attachments are dynamic, and the dma-buf core waits for a buffer's
+ * KERNEL fences only for static ones (dma_buf_map_attachment).  An exporter
+ * that migrates the buffer to pin or map it (amdgpu: amdgpu_bo_pin ->
+ * ttm_bo_validate) returns with the copy still running behind such a fence:
+ * until it signals, a device would read the old contents at the new
+ * addresses, and its writes could be overwritten.  NVIDIA's exporter has no
+ * fences.  Interruptible: a signal fails the call (-ERESTARTSYS).
+ */
+static int gpupin_dmabuf_wait_moves(struct dma_buf *dmabuf)
+{
+	long ret = dma_resv_wait_timeout(dmabuf->resv, DMA_RESV_USAGE_KERNEL, true,
+					 MAX_SCHEDULE_TIMEOUT);
+
+	return ret < 0 ? (int)ret : 0;
+}
+
+/*
  * Per-page bus addresses of [offset, offset + n pages) of a mapping, into
  * @out.  Every segment must be page aligned.
  */
@@ -195,7 +213,9 @@ static int gpupin_dmabuf_import(struct gpupin_file *f, struct gpupin_pin_obj *pi
 		goto out_unlock;
 	}
 	pin->att.sgt = sgt;
-	ret = gpupin_sgt_addrs(sgt, pin->aligned_va, pin->entries, pin->dmabuf_addrs);
+	ret = gpupin_dmabuf_wait_moves(dmabuf);
+	if (!ret)
+		ret = gpupin_sgt_addrs(sgt, pin->aligned_va, pin->entries, pin->dmabuf_addrs);
 	if (!ret)	/* -ENXIO: revoked while we imported it */
 		ret = gpupin_pin_mark_pinned(f, pin, NULL);
 out_unlock:
@@ -343,7 +363,9 @@ int gpupin_dmabuf_map(struct gpupin_pin_obj *pin, struct gpupin_map *map, u32 *i
 		ret = gpupin_provider_err(PTR_ERR(sgt));
 	} else {
 		map->att.sgt = sgt;
-		ret = gpupin_sgt_addrs(sgt, pin->aligned_va, pin->entries, map->dma);
+		ret = gpupin_dmabuf_wait_moves(dmabuf);
+		if (!ret)
+			ret = gpupin_sgt_addrs(sgt, pin->aligned_va, pin->entries, map->dma);
 		if (!ret)
 			ret = gpupin_map_add(pin, map, id);
 		if (ret)

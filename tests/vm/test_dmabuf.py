@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
+import time
+from typing import Any
 
 import pytest
 
@@ -17,6 +20,7 @@ from gpupin import Device, SimMemory, kmod, sim_stats
 from gpupin._native import ffi, lib
 from gpupin.cache import RegistrationCache
 from gpupin.netlink import Netlink
+from gpupin.sim import get_sim_param, set_sim_param
 from gpupin.testing.peer import Peer
 
 pytestmark = pytest.mark.vm
@@ -28,6 +32,44 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 
 def test_capability(device: Device) -> None:
     assert device.info().dmabuf
+
+
+@REVOKES
+def test_a_dmabuf_pin_and_map_wait_for_the_exporters_move(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
+    """An exporter that migrates the buffer to pin or map it (amdgpu) returns with the copy still
+    running behind a KERNEL fence, and the dma-buf core waits for those only for static
+    importers: gpupin's are dynamic.  PIN_DMABUF and DMA_MAP give the addresses only once the
+    move ended (the simulator's move_fences: a move ends when the test says so)."""
+    sim_params(move_fences=1)
+    pci = first_pci_device()
+    va = sim.alloc(GPU_PAGE)
+    fd = sim.export_dmabuf(va, revocable=True)
+    got: list[Any] = []
+
+    def pending() -> int:
+        return int(get_sim_param("move_fences_pending"))
+
+    def call_then_end_moves(call: Any, what: str) -> None:
+        before = len(got)
+        t = threading.Thread(target=lambda: got.append(call()))
+        t.start()
+        time.sleep(0.3)
+        assert len(got) == before, f"{what} returned while the exporter's move was running"
+        assert pending() >= 1, f"{what}: the exporter started no move"
+        set_sim_param("move_fences_signal", 1)
+        t.join(10)
+        assert len(got) == before + 1 and pending() == 0, f"{what} did not return once the move ended"
+
+    try:
+        call_then_end_moves(lambda: device.pin_dmabuf(fd, pci=pci), "PIN_DMABUF")
+        pin = got[0]
+        call_then_end_moves(lambda: device.dma_map(pin, pci), "DMA_MAP")
+        device.dma_unmap(got[1])
+        device.unpin(pin)
+    finally:
+        set_sim_param("move_fences_signal", 1)  # never leave a move running
+        os.close(fd)
+    sim.free(va)
 
 
 @REVOKES
