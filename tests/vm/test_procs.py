@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import gpupin
-from conftest import GPU_ALLOC, GPU_PAGE, MiB, in_child
+from conftest import GPU_ALLOC, GPU_PAGE, SLOW, MiB, in_child
 from gpupin import Device, MemoryProvider, SimMemory, sim_stats
 from gpupin.cache import RegistrationCache
 
@@ -383,7 +383,7 @@ def test_process_death_with_1000_pins(gpupin_loaded: None, leakcheck: None, how:
         proc.send_signal(signal.SIGKILL)
     else:
         proc.stdin.close()
-    proc.wait(timeout=120)
+    proc.wait(timeout=120 * SLOW)
     s = sim_stats()
     assert s.page_tables == 0 and s.bar_bytes == 0 and s.pinned_pages == 0 and s.alloc_bytes == 0
 

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from conftest import SLOW
 from gpupin import Device, kmod
 from gpupin.memory import MemoryProvider
 from gpupin.testing import NATIVE
@@ -63,7 +64,7 @@ def _selftest(*args: str) -> subprocess.CompletedProcess[str]:
     t0 = time.monotonic()
     try:
         return subprocess.run(
-            [sys.executable, "-m", "gpupin", "selftest", *args], capture_output=True, text=True, timeout=120
+            [sys.executable, "-m", "gpupin", "selftest", *args], capture_output=True, text=True, timeout=120 * SLOW
         )
     finally:
         print(f"gpupin selftest {' '.join(args)}: {time.monotonic() - t0:.1f} s")
