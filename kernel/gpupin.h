@@ -111,6 +111,9 @@ extern unsigned int gpupin_max_pins_per_file;
 extern bool gpupin_default_persistent;
 extern bool gpupin_debug;
 extern bool gpupin_p2p_check;
+#ifdef GPUPIN_NV_GET_PAGES_DOUBLE_FREE
+extern bool gpupin_nv_unsafe_get_pages;	/* main.c says why */
+#endif
 /* Fault injection (fault.c), in test builds only. */
 struct pci_dev;
 #ifdef GPUPIN_FAULT_INJECTION

@@ -36,6 +36,22 @@ bool gpupin_p2p_check;
 module_param_named(p2p_check, gpupin_p2p_check, bool, 0644);
 MODULE_PARM_DESC(p2p_check, "Refuse gpupin's own DMA mappings of BAR pages where the kernel's PCI peer-to-peer rules (CONFIG_PCI_P2PDMA) see no path; stricter than NVIDIA's own check (default off: logged only)");
 
+#ifdef GPUPIN_NV_GET_PAGES_DOUBLE_FREE
+/*
+ * Kbuild found this NVIDIA driver's nv_p2p_get_pages (nv-p2p.c) freeing its
+ * page arrays before it registers the free callback without clearing them,
+ * and freeing them again when the registration fails, as it does when the
+ * memory is freed in between (525.47 to 525.125, 535.43.02 to 535.43.23,
+ * 535.54 to 535.113, 545.23; cleared from 525.147.05, 535.43.24, 535.129.03,
+ * 545.29.02 and in every 550): a cuMemFree racing a PIN double-frees kernel
+ * memory inside NVIDIA's driver.  Only non-persistent pins register a
+ * callback, so they are refused unless the administrator accepts the risk.
+ */
+bool gpupin_nv_unsafe_get_pages;
+module_param_named(nv_unsafe_get_pages, gpupin_nv_unsafe_get_pages, bool, 0644);
+MODULE_PARM_DESC(nv_unsafe_get_pages, "This NVIDIA driver double-frees in nvidia_p2p_get_pages when the memory is freed during a pin (fixed in 525.147.05, 535.129.03, 545.29.02, 550): allow non-persistent pins all the same (default off: they fail with EOPNOTSUPP; persistent pins work)");
+#endif
+
 atomic64_t gpupin_pinned_bytes = ATOMIC64_INIT(0);
 struct gpupin_stats gpupin_stats;
 char gpupin_provider[GPUPIN_NAME_LEN] = "nvidia";
@@ -130,6 +146,10 @@ static int __init gpupin_init(void)
 	ret = gpupin_file_init();
 	if (ret)
 		goto err_nl;
+#ifdef GPUPIN_NV_GET_PAGES_DOUBLE_FREE
+	pr_warn("this NVIDIA driver double-frees in nvidia_p2p_get_pages when memory is freed during a pin: non-persistent pins are %s (update the driver to 535.129.03 or later)\n",
+		gpupin_nv_unsafe_get_pages ? "allowed (nv_unsafe_get_pages=1)" : "refused");
+#endif
 	pr_info("version %s ready, provider %s\n", GPUPIN_VERSION, gpupin_provider);
 	return 0;
 

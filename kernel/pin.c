@@ -980,6 +980,11 @@ static int gpupin_pin_create(struct gpupin_file *f, const struct gpupin_pin *req
 	persistent = (req->flags & GPUPIN_PIN_PERSISTENT) || READ_ONCE(gpupin_default_persistent);
 	if (persistent && !(gpupin_caps & GPUPIN_CAP_PERSISTENT))
 		return -EOPNOTSUPP;
+#ifdef GPUPIN_NV_GET_PAGES_DOUBLE_FREE
+	/* NVIDIA's get_pages with a callback can double-free here: main.c says why. */
+	if (!persistent && !READ_ONCE(gpupin_nv_unsafe_get_pages))
+		return -EOPNOTSUPP;
+#endif
 	pin = gpupin_pin_alloc(f, req->va, req->size, req->aligned_va, req->aligned_size,
 			       req->user_tag, GPU_BOUND_SHIFT);
 	if (!pin)

@@ -123,8 +123,10 @@ _HINTS = {
     errno.ENOTTY: "the module does not know this command: is it the version this package expects?",
     errno.EPROTO: "the provider returned a page table or mapping of an unsupported version",
     errno.EOPNOTSUPP: (
-        "the provider does not support this (persistent pins need R535.43+; a peer mapping or a"
-        " dma-buf import needs a PCI path that allows peer-to-peer; gpupin reads 64 KiB GPU pages only)"
+        "the provider does not support this (a peer mapping or a dma-buf import needs a PCI path that"
+        " allows peer-to-peer; gpupin reads 64 KiB GPU pages only; on an NVIDIA driver whose get_pages"
+        " can double-free, 525.47 to 535.113, gpupin refuses non-persistent pins: update the driver,"
+        " pin persistent, or see nv_unsafe_get_pages in the kernel log)"
     ),
 }
 

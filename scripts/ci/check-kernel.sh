@@ -68,6 +68,32 @@ fi
 
 # Kbuild prints the CHECK lines this looks for only when make is not silent: 'make -s check'
 # must not hide them (nor set V=1 from outside), so the sub-make gets no flags from ours.
+# A driver whose nv_p2p_get_pages double-frees when the memory goes during a pin (it frees
+# physical_addresses before registering the callback without clearing it): its source is
+# told apart, and gpupin builds with the nv_unsafe_get_pages switch, off; the fixed source
+# (physical_addresses = NULL; after that free) builds without it.
+for variant in double-free cleared; do
+	DF="$LOG/nv-$variant"
+	copy_module_sources "$DF/mod"
+	mkdir -p "$DF/src/nvidia"
+	cp "$ROOT/include/nvp2p/nv-p2p.h" "$DF/src/nvidia/"
+	printf 'static void f(void)\n{\n    os_free_mem(physical_addresses);\n' >"$DF/src/nvidia/nv-p2p.c"
+	[ "$variant" = double-free ] || printf '    physical_addresses = NULL;\n' >>"$DF/src/nvidia/nv-p2p.c"
+	printf '}\n' >>"$DF/src/nvidia/nv-p2p.c"
+	if ! make -C "$KDIR" M="$DF/mod" W=1 NVIDIA_SRC="$DF/src" NVIDIA_SYMVERS="$ROOT/Module.symvers" \
+		modules >"$LOG/w1-nv-$variant.txt" 2>&1; then
+		echo "check: the build for a driver with a $variant nv_p2p_get_pages failed" >&2
+		cat "$LOG/w1-nv-$variant.txt" >&2
+		fail=1
+	elif modinfo -p "$DF/mod/gpupin.ko" | grep -q '^nv_unsafe_get_pages:'; then
+		[ "$variant" = double-free ] || { echo "check: a fixed nv_p2p_get_pages was taken for the double free" >&2; fail=1; }
+	elif [ "$variant" = double-free ]; then
+		echo "check: a driver whose nv_p2p_get_pages double-frees was not told apart" >&2
+		fail=1
+	fi
+done
+[ "$fail" = 1 ] || echo "check: a driver whose get_pages double-frees refuses non-persistent pins by default"
+
 MAKEFLAGS= make -C "$KDIR" M="$ROOT" C=2 CHECK=sparse \
 	modules >"$LOG/sparse.txt" 2>&1 || fail=1
 if ! grep -q "CHECK.*kernel/pin.c" "$LOG/sparse.txt"; then
