@@ -936,3 +936,30 @@ def test_metadata_loaded_by_connect_is_renewed_once_the_target_dropped_a_registr
         assert p.ini.renewals == 1
     finally:
         p.close()
+
+
+def test_a_busy_initiator_takes_the_revocation_between_its_writes() -> None:
+    """An initiator that only posts (no progress thread, no progress() call) still hears the
+    target take its range back: its writes take notifications themselves, and the next one
+    after the revocation is refused with nothing sent, so the target's unexpose returns."""
+    import threading
+
+    p = Pair()
+    try:
+        dst, src = p.mt.alloc(MiB), p.mi.alloc(MiB)
+        rb = p.tgt.expose(dst, MiB)
+        p.ini.write(src, 4096, rb)
+        done = threading.Event()
+        th = threading.Thread(target=lambda: (p.tgt.unexpose(rb, timeout=20), done.set()))
+        th.start()
+        deadline = time.monotonic() + 20
+        writes = 0
+        with pytest.raises(StaleRemote, match="took it back|refused before any byte moved"):
+            while time.monotonic() < deadline:
+                p.ini.write(src, 4096, rb)
+                writes += 1
+        assert done.wait(20), f"unexpose did not return ({writes} writes went before the refusal)"
+        th.join()
+        p.mt.free(dst)
+    finally:
+        p.close()
