@@ -7,6 +7,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -136,3 +137,18 @@ def test_the_floor_loop_calls_the_providers_query_and_refuses_failures() -> None
     mem.free(ptrs[1])
     with pytest.raises(gpupin.GpupinError, match="failed 1 of 3 times"):
         bench.query_floor_loop(mem.c_buffer_id_query, mem.c_buffer_id_ctx, ptrs)(3)
+
+
+def test_a_timing_batch_lasts_long_enough_and_no_longer_than_capped() -> None:
+    from gpupin.tools.bench import batch_for
+
+    ran: list[int] = []
+
+    def slow(n: int) -> None:  # about 1 ms an operation
+        ran.append(n)
+        time.sleep(n * 0.001)
+
+    n = batch_for(slow, 2, seconds=0.02)
+    assert ran == [2] and 10 <= n <= 21  # ~20 operations of ~1 ms (sleeps only run long)
+    assert batch_for(lambda n: None, 5, most=50) == 50  # an instant one: the cap
+    assert batch_for(slow, 40, seconds=0.001) == 40  # already long enough: as asked

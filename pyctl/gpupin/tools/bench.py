@@ -116,6 +116,16 @@ def interleaved_ns(loops: dict[str, Callable[[int], None]], n: int, reps: int) -
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
+def batch_for(fn: Callable[[int], None], n: int, seconds: float = 0.005, most: int = 4000) -> int:
+    """``n``, or more where a batch of ``n`` would take less than ``seconds`` (at most ``most``):
+    a batch long enough that its first operation's costs (a cold cache line, a progress
+    thread's wakeup) are not a large part of it.  Times one batch of ``n`` to know."""
+    t = time.perf_counter_ns()
+    fn(n)
+    per = max(1, time.perf_counter_ns() - t) / n
+    return max(n, min(most, int(seconds * 1e9 / per) + 1))
+
+
 def _cached(regions: int, validate: str, size: int = 1 << 16) -> tuple[RegistrationCache, list[int]]:
     from ..testing.fake import FakeDevice, FakeMemory
 
@@ -671,7 +681,8 @@ def bench_nixl(
 
 
 EP_SIZES = (("4k", 4 << 10), ("64k", 64 << 10), ("1m", MiB), ("4m", 4 * MiB))
-# Transfers per timing batch at each size (a batch of each mode in turn, per round).
+# Transfers per timing batch at each size (a batch of each mode in turn, per round), at least;
+# more where a batch would last less than 5 ms (batch_for).
 EP_BATCH = {"4k": 400, "64k": 200, "1m": 40, "4m": 12}
 SCATTER_BLOCKS, SCATTER_BLOCK, SCATTER_REGION = 64, 64 << 10, 16 * MiB
 CHURN_SLOTS, CHURN_SLOT = 4, 256 << 10
@@ -716,7 +727,8 @@ def bench_nixl_endpoint(seed: int = 1, reps: int = 15, quick: bool = False) -> d
     """NixlEndpoint between two processes (this one initiates; a target process,
     gpupin.tools.nixl_bench_target, exposes), VRAM with a CUDA GPU, else DRAM:
     - a blocking ``write`` against raw NIXL on the same agents and registrations
-      (:func:`raw_write`) at 4 KiB to 4 MiB, batches of each in turn, medians;
+      (:func:`raw_write`) at 4 KiB to 4 MiB, batches of each in turn (each at least 5 ms
+      long but with --quick), medians;
     - 64 blocks of 64 KiB at scattered offsets of one exposed region, ``write_blocks``
       against raw NIXL with the same 64 descriptors in one transfer: GB/s;
     - ``write(..., confirm=True)`` at 4 KiB, for information (the target's check, a round trip);
@@ -789,6 +801,8 @@ def bench_nixl_endpoint(seed: int = 1, reps: int = 15, quick: bool = False) -> d
 
         for label, size in EP_SIZES:
             batch = max(2, EP_BATCH[label] // scale)
+            if not quick:  # a GPU moves 4 MiB in ~20 us: batches of at least 5 ms each
+                batch = batch_for(raw_loop(size), batch)
             progress(f"bench: nixl endpoint write {label}, endpoint and raw in turn ({reps} rounds of {batch})")
             t = interleaved_ns({"ep": ep_loop(size), "raw": raw_loop(size)}, batch, reps)
             out[f"nixl_ep_write_{label}_us"] = t["ep"] / 1e3
