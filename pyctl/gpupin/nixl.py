@@ -1249,10 +1249,16 @@ class NixlEndpoint(Closable):
             raise InvalidArgument(f"post({op!r}, []): no blocks")
         r0 = blocks[0][2]
         peer = r0.agent
+        # One block (a write or a read): taken apart once, no list built for it but NIXL's.
         # A scatter list into one exposure (the same RemoteBuffer in every block): its columns,
         # checked and turned into descriptors by builtins, not a Python loop per block.
-        one = len(blocks) > 1 and all(map(operator.is_, map(_REMOTE, blocks), itertools.repeat(r0)))
-        if one:
+        single = len(blocks) == 1
+        one = not single and all(map(operator.is_, map(_REMOTE, blocks), itertools.repeat(r0)))
+        if single:
+            l0, s0, _, o0 = blocks[0]
+            if s0 <= 0 or o0 < 0 or o0 + s0 > r0.size:
+                _check_blocks(op, blocks)  # raises, saying what is wrong
+        elif one:
             locs, sizes, offs = list(map(_LOCAL, blocks)), list(map(_SIZE, blocks)), list(map(_OFFSET, blocks))
             if min(sizes) <= 0 or min(offs) < 0 or max(map(operator.add, offs, sizes)) > r0.size:
                 _check_blocks(op, blocks)  # raises, naming the first bad block
@@ -1281,7 +1287,9 @@ class NixlEndpoint(Closable):
             try:
                 fast, miss = self.cache.fast_lookup, self.cache.miss
                 spans = None
-                if len(blocks) > 1:  # blocks of one allocation (a scatter list): one lookup for all
+                if single:
+                    spans = [(l0, s0)]
+                else:  # blocks of one allocation (a scatter list): one lookup for all
                     if one:
                         lo, hi = min(locs), max(map(operator.add, locs, sizes))
                     else:
@@ -1298,7 +1306,10 @@ class NixlEndpoint(Closable):
                     tok = fast(local, size)
                     toks.append(tok if tok >= 0 else miss(local, size, tok))
                 seq = next(self._seq)
-                if one:
+                if single:
+                    lspec = [(l0, s0, self.driver.devid)]
+                    rspec = [(r0.addr + o0, s0, r0.devid)]
+                elif one:
                     lspec = list(zip(locs, sizes, itertools.repeat(self.driver.devid)))
                     rspec = list(
                         zip(map(operator.add, itertools.repeat(r0.addr), offs), sizes, itertools.repeat(r0.devid))
