@@ -59,10 +59,10 @@ struct kmod_list *kmod_module_get_holders(const struct kmod_module *mod);
 #define KMOD_REMOVE_NOWAIT ...
 """
 
-# The package's own C (csrc/): ioctl helpers, the cache core, the CUDA and simulator
-# buffer-id queries, the CPython fast paths.  Its declarations for cffi are the marked block of the header.
+# The package's own C (csrc/): ioctl helpers, the cache core, the CUDA, simulator and host
+# memory buffer-id queries, the CPython fast paths.  Its declarations for cffi are the marked block of the header.
 CSRC = HERE / "csrc"
-C_SOURCES = ("sys.c", "gpc.c", "cuda.c", "sim.c", "python.c")
+C_SOURCES = ("sys.c", "gpc.c", "cuda.c", "sim.c", "host.c", "python.c")
 # -Werror: the package's C stays warning-free (make check also runs gcc -fanalyzer on it);
 # GPUPIN_NO_WERROR=1 builds anyway with a compiler newer than this code knows.
 C_FLAGS = ["-O2", "-Wall", "-Wextra"] + ([] if os.environ.get("GPUPIN_NO_WERROR") == "1" else ["-Werror"])
@@ -71,7 +71,7 @@ C_FLAGS = ["-O2", "-Wall", "-Wextra"] + ([] if os.environ.get("GPUPIN_NO_WERROR"
 def helpers_cdef() -> str:
     text = (CSRC / "gpupin_py.h").read_text()
     block = text.split("/* cffi cdef begin */", 1)[1].split("/* cffi cdef end */", 1)[0]
-    consts = re.findall(r"^#define (GPC_\w+)", text, re.M)
+    consts = re.findall(r"^#define (GPC?_\w+)", text, re.M)
     return block + "".join(f"#define {c} ...\n" for c in consts)
 
 

@@ -10,13 +10,14 @@ with the test support's ``FakeMemory``.
 
 from __future__ import annotations
 
+import array
 import bisect
 import itertools
 import mmap
 import threading
 from typing import Any
 
-from ._native import ffi
+from ._native import ffi, lib
 from .errors import InvalidArgument, NotGpuMemory
 from .memory import AllocationRange, ProviderBase
 
@@ -115,24 +116,49 @@ class FirstFit:
 class HostMemory(ProviderBase):
     """Real host memory handed out like device memory: first-fit allocations inside one
     anonymous mapping of ``size`` bytes, a new buffer id per allocation.  For NIXL's DRAM
-    transfers, where another process or agent reads and writes the bytes."""
+    transfers, where another process or agent reads and writes the bytes.
+
+    The buffer-id query is offered in C (``direct_buffer_id_query``): a table of the buffer
+    id per granule, written by ``alloc`` and ``free``, read by ``gp_host_query`` (csrc/host.c),
+    so a cache's validated hit runs no Python, as on CUDA memory.  ``granule`` must be a
+    power of two."""
 
     name = "host"
+    direct_buffer_id_query = True
 
     def __init__(self, size: int = 256 << 20, *, granule: int = 4096) -> None:
+        if granule <= 0 or granule & (granule - 1):
+            raise InvalidArgument(f"HostMemory(granule={granule}): a power of two, e.g. 4096")
         self._arena = mmap.mmap(-1, size, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._view: Any = ffi.from_buffer(self._arena)  # holds the arena's address for others to use
         self.BASE = int(ffi.cast("uintptr_t", self._view))
         self.arena_size = size
         self.granule = granule
         self._fit = FirstFit(self.BASE, granule=granule, end=self.BASE + size)
+        # The C query's table (host.c): one object, which the caches using it keep alive.
+        self._shift = granule.bit_length() - 1
+        ids = ffi.new("uint64_t[]", lib.GP_HOST_IDS + -(-size // granule))
+        ids[lib.GP_HOST_BASE], ids[lib.GP_HOST_SIZE], ids[lib.GP_HOST_SHIFT] = self.BASE, size, self._shift
+        self.c_buffer_id_ctx: Any = ids
+        self.c_buffer_id_query: Any = ffi.addressof(lib, "gp_host_query")
+        self._ids = memoryview(ffi.buffer(ids)).cast("Q")
+        self._ids_lock = threading.Lock()  # an allocation and its ids change together
+
+    def _mark(self, r: AllocationRange, buffer_id: int) -> None:
+        first = lib.GP_HOST_IDS + ((r.base - self.BASE) >> self._shift)
+        n = r.size >> self._shift
+        self._ids[first : first + n] = array.array("Q", [buffer_id]) * n
 
     def alloc(self, size: int, *, at: int | None = None) -> int:
-        return self._fit.alloc(size, at=at).base
+        with self._ids_lock:
+            r = self._fit.alloc(size, at=at)
+            self._mark(r, r.buffer_id)
+        return r.base
 
     def free(self, ptr: int) -> None:
         self.refuse_held_free(ptr)
-        self._fit.free(ptr)
+        with self._ids_lock:
+            self._mark(self._fit.free(ptr), 0)
 
     def range_of(self, ptr: int) -> AllocationRange:
         return self._fit.holding(ptr, "HostMemory")
@@ -159,6 +185,9 @@ class HostMemory(ProviderBase):
         self._arena[at : at + size] = bytes([byte]) * size
 
     def close(self) -> None:
+        ctx = getattr(self, "c_buffer_id_ctx", None)
+        if ctx is not None:
+            ctx[lib.GP_HOST_SIZE] = 0  # a cache's later query finds nothing: its entries are stale
         if getattr(self, "_view", None) is not None:
             ffi.release(self._view)
             self._view = None

@@ -2,7 +2,8 @@
 /*
  * The C side of the gpupin Python package (built into gpupin._gpupin_cffi by
  * cffi from pyctl/gpupin/_build.py): ioctl helpers, the registration cache's
- * core, the CUDA and simulator buffer-id queries and CPython fast paths.
+ * core, the CUDA, simulator and host memory buffer-id queries and CPython
+ * fast paths.
  *
  * The block between "cffi cdef begin" and "cffi cdef end" is also what
  * _build.py hands to cffi as its declarations: it must stay plain C that
@@ -19,6 +20,12 @@
 #define GPC_TOO_MANY_REFS (-4)
 #define GPC_NO_GENERATION (-5)	/* gpc_insert: every generation was given out (no wrap) */
 #define GPC_STALE_BASE 8	/* stale entry's token -> -(token + GPC_STALE_BASE) */
+
+/* gp_host_query's context: the words of HostMemory's id table (host.c) */
+#define GP_HOST_BASE 0
+#define GP_HOST_SIZE 1
+#define GP_HOST_SHIFT 2
+#define GP_HOST_IDS 3
 
 /* cffi cdef begin */
 int gpupin_call(int fd, unsigned long cmd, void *arg);
@@ -70,6 +77,7 @@ int gp_cuda_query(void *ctx, uint64_t ptr, uint64_t *out);
 uint64_t gp_cuda_buffer_id_or_0(uint64_t ptr);
 
 int gp_sim_query(void *ctx, uint64_t ptr, uint64_t *out);
+int gp_host_query(void *ctx, uint64_t ptr, uint64_t *out);
 int gp_cuda_attr_u64(uint64_t ptr, int attr, uint64_t *out);
 /* cffi cdef end */
 
