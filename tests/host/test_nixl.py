@@ -963,3 +963,33 @@ def test_a_busy_initiator_takes_the_revocation_between_its_writes() -> None:
         p.mt.free(dst)
     finally:
         p.close()
+
+
+def test_a_scatter_list_takes_one_registration_and_asks_the_provider_once() -> None:
+    """Blocks of one local allocation share one registration: the provider is asked where
+    the allocation lies only on the first post (a miss); later posts are one cache hit.
+    Blocks from two allocations take one registration each and still land."""
+    p = Pair()
+    try:
+        seg, local, other = p.mt.alloc(4 * MiB), p.mi.alloc(MiB), p.mi.alloc(MiB)
+        region = p.tgt.expose(seg, 4 * MiB)
+        asked: list[int] = []
+        range_of = p.mi.range_of
+        p.mi.range_of = lambda ptr: (asked.append(ptr), range_of(ptr))[1]  # type: ignore[method-assign]
+        blocks = [(local + i * 8192, 4096, region, i * 65536) for i in range(16)]
+        for n in range(3):
+            p.mi.write(local, bytes([n + 1]) * MiB)
+            p.ini.write_blocks(blocks)
+            assert p.mt.read(seg + 15 * 65536, 4096) == bytes([n + 1]) * 4096
+            if n == 0:
+                assert asked and set(asked) == {local}  # the miss: where the allocation lies
+                asked.clear()
+        assert not asked  # the hits: the cache's C query alone
+        st = p.ini.cache.stats()
+        assert (st.misses, st.hits, st.pins) == (1, 2, 1)
+        p.mi.write(other, b"\x77" * 4096)
+        p.ini.write_blocks([*blocks[:2], (other, 4096, region, 3 * MiB)])
+        assert p.mt.read(seg + 3 * MiB, 4096) == b"\x77" * 4096
+        assert p.ini.cache.stats().pins == 2  # the second allocation's own registration
+    finally:
+        p.close()
