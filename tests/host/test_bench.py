@@ -152,3 +152,12 @@ def test_a_timing_batch_lasts_long_enough_and_no_longer_than_capped() -> None:
     assert ran == [2] and 10 <= n <= 21  # ~20 operations of ~1 ms (sleeps only run long)
     assert batch_for(lambda n: None, 5, most=50) == 50  # an instant one: the cap
     assert batch_for(slow, 40, seconds=0.001) == 40  # already long enough: as asked
+
+
+def test_interleaved_loops_take_turns_in_both_orders() -> None:
+    from gpupin.tools.bench import interleaved_ns
+
+    ran: list[str] = []
+    got = interleaved_ns({"a": lambda n: ran.append("a"), "b": lambda n: ran.append("b")}, 10, 4)
+    assert ran[2:] == ["a", "b", "b", "a", "a", "b", "b", "a"]  # after one warm-up each
+    assert set(got) == {"a", "b"} and all(v > 0 for v in got.values())

@@ -104,12 +104,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def interleaved_ns(loops: dict[str, Callable[[int], None]], n: int, reps: int) -> dict[str, float]:
     """Median ns per operation of several loops (each ``fn(n)`` runs n operations), measured
     in turn, batch by batch, so that drifts of the machine (clock boost, other tenants) fall
-    on all of them alike."""
+    on all of them alike; every other round in the opposite order, so that none is always
+    the one that follows another (and finds the caches as that one left them)."""
     for fn in loops.values():
         fn(min(n, 1000))  # warm up
     samples: dict[str, list[float]] = {k: [] for k in loops}
-    for _ in range(reps):
-        for k, fn in loops.items():
+    order = list(loops.items())
+    for rep in range(reps):
+        for k, fn in order if rep % 2 == 0 else reversed(order):
             t = time.perf_counter_ns()
             fn(n)
             samples[k].append((time.perf_counter_ns() - t) / n)
