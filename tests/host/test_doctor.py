@@ -81,6 +81,14 @@ def test_modules(tmp_path: Path) -> None:
     assert checks["nvidia"].status == "pass"
     assert checks["nv_peer_mem"].status == "fail"
     assert checks["gpupin"].status == "warn"
+    # nvidia_peermem pins through nv-p2p too: gpupin's non-persistent pins can meet its puts.
+    assert checks["nv-p2p neighbours"].status == "warn" and "nvidia_peermem" in checks["nv-p2p neighbours"].detail
+    assert "default_persistent" in checks["nv-p2p neighbours"].fix
+    (tmp_path / "gpupin" / "parameters").mkdir(parents=True)
+    (tmp_path / "gpupin" / "parameters" / "default_persistent").write_text("Y\n")
+    checks = {c.name: c for c in doctor.check_modules(str(tmp_path))}
+    assert checks["nv-p2p neighbours"].status == "pass"
+    assert doctor.check_nv_p2p_neighbours(str(tmp_path / "nowhere")) is None  # none loaded: no line
 
 
 def test_gds_nvidia_fs_and_cufile_json(tmp_path: Path) -> None:

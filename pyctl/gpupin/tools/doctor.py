@@ -198,7 +198,42 @@ def check_modules(modules: str = "/sys/module") -> list[Check]:
             out.append(Check("pass", m, "loaded"))
         else:
             out.append(Check("info" if m == "nvp2p_sim" else "warn", m, "not loaded", fix))
+    neighbours = check_nv_p2p_neighbours(modules)
+    if neighbours is not None:
+        out.append(neighbours)
     return out
+
+
+# Modules that may pin GPU memory for a process through nv-p2p's non-persistent API too.
+NV_P2P_NEIGHBOURS = {
+    "nvidia_peermem": "RDMA verbs registrations of GPU memory",
+    "nvidia_fs": "GPUDirect Storage",
+    "gdrdrv": "GDRCopy",
+}
+
+
+def check_nv_p2p_neighbours(modules: str = "/sys/module") -> Check | None:
+    """NVIDIA finds a non-persistent put's mapping by the page table's address among the
+    process's, and frees a table right after its free callback: a gpupin unpin waiting for
+    NVIDIA's lock while a cuMemFree runs can release the pin another module made for the
+    same process at that reused address (and theirs ours).  gpupin orders its own gets and
+    puts, not theirs; persistent pins have no such put.  None when no such module is loaded."""
+    present = [m for m in NV_P2P_NEIGHBOURS if os.path.isdir(os.path.join(modules, m))]
+    if not present:
+        return None
+    who = ", ".join(f"{m} ({NV_P2P_NEIGHBOURS[m]})" for m in present)
+    param = read_text(os.path.join(modules, "gpupin", "parameters", "default_persistent"))
+    if param == "Y":
+        return Check("pass", "nv-p2p neighbours", f"{who} loaded; gpupin pins persistently (default_persistent=Y)")
+    return Check(
+        "warn",
+        "nv-p2p neighbours",
+        f"{who} loaded: in a process that also pins GPU memory through them, a gpupin unpin racing a "
+        "cuMemFree can release their pin (and theirs gpupin's): NVIDIA finds non-persistent pins by "
+        "their table's address, which it reuses at once",
+        "pin persistently in such processes: 'echo Y > /sys/module/gpupin/parameters/default_persistent' "
+        "(or modprobe gpupin default_persistent=1), or Device.pin(..., persistent=True)",
+    )
 
 
 def check_bar1() -> list[Check]:
