@@ -24,9 +24,12 @@
  *
  * Contract of the notifier: it runs in process context with the GPU driver's
  * locks held.  Stop DMA to the pages, do not sleep for long, do not call
- * any gpupin function, and take no lock that the driver holds while calling
- * gpupin_ref_put(), gpupin_access_begin() or gpupin_ref_dma_map().  It is called at most once per
- * reference, and not at all once gpupin_ref_put() has returned.
+ * any gpupin function, take no lock that the driver holds while calling
+ * gpupin_ref_get(), gpupin_ref_put(), gpupin_access_begin() or
+ * gpupin_ref_dma_map(), and wait for no thread that may be inside one of
+ * them (the callback holds the pin's reference list while notifiers run).
+ * It is called at most once per reference, and not at all once
+ * gpupin_ref_put() has returned.
  *
  * A reference keeps the pin and its gpupin file alive: the user's UNPIN or
  * close removes the handle, but the pages are released only when the last
