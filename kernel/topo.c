@@ -27,10 +27,10 @@
  * The answer is kept: the verdict cannot change while NVIDIA's module is
  * loaded (the override is read at load, the chipset at adapter start), and
  * gpupin depends on that module.  Only "allowed" and "refused" (-ENOTSUPP)
- * are answers.  When NVIDIA cannot be asked (no persistent API, MIG, vGPU,
- * confidential computing, a caller outside the pinning process, BAR1 full,
- * a memory freed meanwhile) nothing is kept and the caller mirrors what it
- * can see of the check (gpupin_topo_common_switch).
+ * are answers.  When NVIDIA cannot be asked (no persistent API, MIG before
+ * 570, vGPU, confidential computing, a caller outside the pinning process,
+ * BAR1 full, a memory freed meanwhile) nothing is kept and the caller
+ * mirrors what it can see of the check (gpupin_topo_common_switch).
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
