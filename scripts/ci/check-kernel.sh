@@ -71,24 +71,34 @@ fi
 # A driver whose nv_p2p_get_pages double-frees when the memory goes during a pin (it frees
 # physical_addresses before registering the callback without clearing it): its source is
 # told apart, and gpupin builds with the nv_unsafe_get_pages switch, off; the fixed source
-# (physical_addresses = NULL; after that free) builds without it.
-for variant in double-free cleared; do
+# (physical_addresses = NULL; after that free) builds without it.  A driver tree without
+# nv-p2p.c is taken for one that double-frees, unless GPUPIN_NV_P2P_CHECKED=1 says otherwise.
+for variant in double-free cleared missing missing-checked; do
 	DF="$LOG/nv-$variant"
 	copy_module_sources "$DF/mod"
 	mkdir -p "$DF/src/nvidia"
 	cp "$ROOT/include/nvp2p/nv-p2p.h" "$DF/src/nvidia/"
-	printf 'static void f(void)\n{\n    os_free_mem(physical_addresses);\n' >"$DF/src/nvidia/nv-p2p.c"
-	[ "$variant" = double-free ] || printf '    physical_addresses = NULL;\n' >>"$DF/src/nvidia/nv-p2p.c"
-	printf '}\n' >>"$DF/src/nvidia/nv-p2p.c"
+	checked=()
+	case $variant in
+	double-free | cleared)
+		printf 'static void f(void)\n{\n    os_free_mem(physical_addresses);\n' >"$DF/src/nvidia/nv-p2p.c"
+		[ "$variant" = double-free ] || printf '    physical_addresses = NULL;\n' >>"$DF/src/nvidia/nv-p2p.c"
+		printf '}\n' >>"$DF/src/nvidia/nv-p2p.c"
+		;;
+	missing-checked) checked=(GPUPIN_NV_P2P_CHECKED=1) ;;
+	esac
 	if ! make -C "$KDIR" M="$DF/mod" W=1 NVIDIA_SRC="$DF/src" NVIDIA_SYMVERS="$ROOT/Module.symvers" \
-		modules >"$LOG/w1-nv-$variant.txt" 2>&1; then
+		"${checked[@]}" modules >"$LOG/w1-nv-$variant.txt" 2>&1; then
 		echo "check: the build for a driver with a $variant nv_p2p_get_pages failed" >&2
 		cat "$LOG/w1-nv-$variant.txt" >&2
 		fail=1
 	elif modinfo -p "$DF/mod/gpupin.ko" | grep -q '^nv_unsafe_get_pages:'; then
-		[ "$variant" = double-free ] || { echo "check: a fixed nv_p2p_get_pages was taken for the double free" >&2; fail=1; }
-	elif [ "$variant" = double-free ]; then
-		echo "check: a driver whose nv_p2p_get_pages double-frees was not told apart" >&2
+		case $variant in
+		double-free | missing) ;;
+		*) echo "check: a $variant nv_p2p_get_pages was taken for the double free" >&2; fail=1 ;;
+		esac
+	elif [ "$variant" = double-free ] || [ "$variant" = missing ]; then
+		echo "check: a driver with a $variant nv_p2p_get_pages was not taken for the double free" >&2
 		fail=1
 	fi
 done
