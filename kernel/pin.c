@@ -391,8 +391,17 @@ void gpupin_cb_handler_abort(void)
 {
 	gpupin_cb_handler_exit();
 #ifdef CONFIG_MODULE_UNLOAD
-	while (module_refcount(THIS_MODULE) > 1)
+	/*
+	 * Also a netlink dump left half read holds the module (the family is
+	 * registered before the device fails): the load waits for its socket to
+	 * close, and says so every 10 s.
+	 */
+	for (unsigned int i = 1; module_refcount(THIS_MODULE) > 1; i++) {
 		msleep(20);
+		if (!(i % 500))
+			pr_warn("failed load: waiting for %d reference(s) to the module (a free callback running, or a netlink dump not read to its end)\n",
+				module_refcount(THIS_MODULE) - 1);
+	}
 #else
 	/*
 	 * No references are counted: wait for the callbacks gpupin counts
