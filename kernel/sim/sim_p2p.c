@@ -627,7 +627,7 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 {
 	struct sim_pin *pin, *dead = NULL;
 	struct sim_alloc *alloc;
-	bool race = false, unregistered = false;
+	bool race = false, unregistered = false, late = false;
 	unsigned int late_us;
 	LIST_HEAD(evicted);
 	u32 entries, version, i;
@@ -744,8 +744,7 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 		list_del_init(&pin->node);
 		pin->race_delay_us = get_random_u32() % late_us;
 		queue_work(sim_race_wq, &pin->race_work);
-	} else {
-		late_us = 0;
+		late = true;
 	}
 	spin_unlock(&sim_lock);
 	sim_api_unlock();
@@ -756,7 +755,7 @@ static int sim_get_pages(u64 va, u64 len, struct nvidia_p2p_page_table **page_ta
 		sim_pin_put(pin);
 		return -EINVAL;
 	}
-	if (late_us)
+	if (late)
 		fsleep(get_random_u32() % late_us);	/* preempted on the way out */
 	if (race) {
 		/* Return only once the callback ran: the worst case for the client. */
