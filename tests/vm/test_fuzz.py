@@ -172,6 +172,11 @@ class Walk:
         Path(LATE_FREES).write_text("60" if self.maybe(0.5) else "0")
         self.calls += 1
 
+    def invalidated(self, handle: int) -> bool:
+        """QUERY says the pin is invalidated: a free came (a late one, op_late_frees) since it was read."""
+        _, c = raw(self.dev.fileno(), lib.GPUPIN_IOC_QUERY, "struct gpupin_query", handle=handle)
+        return bool(c.state == lib.GPUPIN_STATE_INVALIDATED)
+
     def op_pin(self) -> None:
         flags = 0 if self.maybe() else self.u32()
         pad = 0 if self.maybe() else self.u32()
@@ -199,11 +204,7 @@ class Walk:
         if rc == 0:
             assert c.handle not in self.pins and c.handle not in self.stale, "handle reused"
             # Valid, unless a late free (op_late_frees) invalidated it already.
-            assert (
-                self.dev.read_word(c.slot) == c.handle
-                or raw(self.dev.fileno(), lib.GPUPIN_IOC_QUERY, "struct gpupin_query", handle=c.handle)[1].state
-                == lib.GPUPIN_STATE_INVALIDATED
-            )
+            assert self.dev.read_word(c.slot) == c.handle or self.invalidated(int(c.handle))
             self.pins[int(c.handle)] = (base, int(size))
 
     def op_pin_dmabuf(self) -> None:
@@ -249,11 +250,7 @@ class Walk:
             word = self.dev.read_word(c.slot)
             pinned = c.state == lib.GPUPIN_STATE_PINNED
             # The validity word follows the state (an invalidation may land in between: recheck).
-            assert (
-                word == (h if pinned else 0)
-                or raw(self.dev.fileno(), lib.GPUPIN_IOC_QUERY, "struct gpupin_query", handle=h)[1].state
-                == lib.GPUPIN_STATE_INVALIDATED
-            )
+            assert word == (h if pinned else 0) or self.invalidated(h)
 
     def op_get_pages(self) -> None:
         first, count = (0, 1) if self.maybe(0.6) else (self.u32(), self.u32())
