@@ -177,6 +177,10 @@ _DEFERRED: list[Callable[[], None]] = []
 _AGENT_LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
 _registry_lock = threading.Lock()  # guards _DEFERRED and _AGENT_LOCKS; held for no NIXL call
 _UNRELEASABLE: list[Any] = []  # transfer handles NIXL refused to release: never finalized before exit
+# Every transfer handle gpupin made and has not released, by id: reachable from here, a handle
+# is never garbage, so its finalizer (a NIXL call) never runs in the garbage collector, also
+# when the endpoint and its transfers are collected together (NixlEndpoint.close).
+_LIVE_XFERS: dict[int, Any] = {}
 
 
 def _gc_phase(phase: str, info: dict[str, Any]) -> None:
@@ -191,9 +195,14 @@ def collecting() -> bool:
     return bool(getattr(_gc_state, "collecting", False))
 
 
-def _defer(work: Callable[[], None]) -> None:
+def _defer(work: Callable[[], None], *, first: bool = False) -> None:
+    """Queue ``work`` for reap(); ``first``: ahead of what is queued (transfer handles go
+    before the registrations they use are deregistered and before their agent retires)."""
     with _registry_lock:
-        _DEFERRED.append(work)
+        if first:
+            _DEFERRED.insert(0, work)
+        else:
+            _DEFERRED.append(work)
 
 
 def reap() -> int:
@@ -355,6 +364,7 @@ class NixlDriver(LibraryDriver):
         with self.lock:
             try:
                 self.agent.release_xfer_handle(handle)
+                _LIVE_XFERS.pop(id(handle), None)
                 return True
             except Exception:  # noqa: BLE001 - NIXL's own classes; retried in _retry_stuck
                 self._stuck.append(handle)
@@ -362,6 +372,8 @@ class NixlDriver(LibraryDriver):
                 return False
 
     def _retry_stuck(self) -> None:
+        if self._agent is None:  # retired: _retire left what it could not release to the exit
+            return
         with self.lock:
             stuck, self._stuck = self._stuck, []
             for h in stuck:
@@ -1334,6 +1346,7 @@ class NixlEndpoint(Closable):
                     # DONE means the data arrived without one too: NIXL's UCX backend ends every
                     # transfer with an endpoint flush after its puts (sendXferRange, ucx_backend.cpp).
                     h = self.agent.initialize_xfer(op, ldesc, rdesc, peer, b"")
+                    _LIVE_XFERS[id(h)] = h
                     posting = True  # from here NIXL may have posted puts: the handle is kept
                     state = self.agent.transfer(h)
             except BaseException as exc:
@@ -1750,6 +1763,18 @@ class NixlEndpoint(Closable):
         raises InUse naming it.  An endpoint dropped without close() makes no NIXL call from
         the garbage collector: see reap()."""
         self._stop_progress()
+        if self._running and collecting():
+            # The transfers NIXL has not ended are garbage with this endpoint (it polls them,
+            # they name it); their handles are not (_LIVE_XFERS).  reap() releases them first
+            # of all: before the registrations they use are deregistered and the agent
+            # retires, whatever the collector finalized first.  Those NIXL refuses stay with
+            # the driver, whose retirement keeps them to the exit.
+            for t in self._running:
+                h, t._h = t._h, None
+                self.driver._stuck.append(h)
+            self._running.clear()
+            self._inflight.clear()
+            _defer(self.driver._retry_stuck, first=True)
         if self._running and not collecting():
             # Every transfer NIXL has not ended: past its wait's timeout, or posted and never
             # waited for.  Its leases and registrations stay until it ends.

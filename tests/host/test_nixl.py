@@ -993,3 +993,67 @@ def test_a_scatter_list_takes_one_registration_and_asks_the_provider_once() -> N
         assert p.ini.cache.stats().pins == 2  # the second allocation's own registration
     finally:
         p.close()
+
+
+def test_a_running_transfer_of_an_endpoint_left_to_the_collector_is_released_by_reap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An initiator dropped without close() while a transfer it posted (never waited for) still
+    runs: the endpoint and the transfer are garbage together (it polls the transfer, the
+    transfer names it).  NIXL's transfer handle is not released from the collector (its
+    finalizer would call NIXL in there): reap() releases it, before the agent goes."""
+    import gc
+    import threading
+
+    import nixl_cu13._api as nixl_api
+
+    released: list[bool] = []  # collecting() at each release of a handle NIXL had not released
+    real_del = nixl_api.nixl_xfer_handle.__del__
+    real_release = nixl_api.nixl_xfer_handle.release
+
+    def spy_del(self: Any) -> None:
+        if not self._released:
+            released.append(gpupin.nixl.collecting())
+        real_del(self)
+
+    def spy_release(self: Any) -> None:
+        if not self._released:
+            released.append(gpupin.nixl.collecting())
+        real_release(self)
+
+    monkeypatch.setattr(nixl_api.nixl_xfer_handle, "__del__", spy_del)
+    monkeypatch.setattr(nixl_api.nixl_xfer_handle, "release", spy_release)
+    mt, mi = HostMemory(4 << 20), HostMemory(4 << 20)
+    tgt = NixlEndpoint("t-running-drop", mt, mem_type="DRAM")
+    ini = NixlEndpoint("i-running-drop", mi, mem_type="DRAM")
+    try:
+        ini.connect(tgt.metadata())
+        tgt.connect(ini.metadata())
+        rb = tgt.expose(mt.alloc(MiB), MiB)
+        src = mi.alloc(MiB)
+        stop = threading.Event()
+        server = threading.Thread(target=tgt.serve, args=(30, stop.is_set))
+        server.start()
+        ini.write(src, 4096, rb)  # the lease, granted while the target serves
+        stop.set()
+        server.join()
+        with _slow_transfers(ini) as slow:
+            t = ini.post_write([(src, 4096, rb, 0)])
+            assert not t.done() and ini._running
+            slow[0] = False  # NIXL's own answer from here: the transfer ends when polled
+            del t
+            gc.disable()  # the cycle goes in the collect below, on this thread
+            ini.cycle = tgt  # type: ignore[attr-defined]
+            tgt.cycle = ini  # type: ignore[attr-defined]
+            del ini, tgt, rb, server
+        released.clear()
+        gc.collect()
+        assert True not in released, "a NIXL transfer handle was released from the garbage collector"
+        gpupin.nixl.reap()
+        assert released == [False], "reap() did not release the dropped endpoint's running transfer"
+    finally:
+        gc.enable()
+        gc.collect()
+        gpupin.nixl.reap()
+        mi.close()
+        mt.close()
