@@ -1283,6 +1283,8 @@ class NixlEndpoint(Closable):
         self._last_post = now
         if self._running:
             self._poll_inflight()
+        if now - self._last_pump > _PUMP_EVERY_S:  # revocations reach a busy initiator too
+            self._pump()
         leases = self._leases_for(peer, blocks[:1] if one else blocks, deadline)
         toks: list[int] = []
         h = None
@@ -1381,16 +1383,7 @@ class NixlEndpoint(Closable):
             self.transfers += 1
             if state != "PROC":
                 self._complete(t, "DONE" if state == "DONE" else "ERR")
-        # Revocations reach a busy initiator too: taken here, while the bytes move, at most
-        # _PUMP_EVERY_S apart.  Not before the post: a revocation is not a hazard to the posted
-        # transfer (the target keeps the memory until this endpoint's drop comes), only to
-        # later ones, and taking it here hides its cost behind the transfer.
-        if now - self._last_pump > _PUMP_EVERY_S:
-            try:
-                self._pump()
-            except NixlError:
-                pass  # the agent failed: t's wait says so for t, the next progress() for the rest
-        return t
+            return t
 
     def _leases_for(self, peer: str, blocks: list[tuple[int, int, RemoteBuffer, int]], deadline: float) -> list[_Lease]:
         """This endpoint's held leases on the blocks' exposures, asked for where missing."""

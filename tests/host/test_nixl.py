@@ -607,6 +607,32 @@ def test_a_free_behind_the_providers_back_is_detected_and_revoked() -> None:
         p.close()
 
 
+def test_an_idle_initiator_takes_a_waiting_revocation_before_it_posts() -> None:
+    """The same detection with no progress thread and no progress() call: the revocation waits
+    in NIXL's queue, and the initiator's next write, after a pause, takes it before posting:
+    refused, and the new owner's bytes stay as they were."""
+    p = Pair()
+    try:
+        dst = p.mt.alloc(MiB)
+        rb = p.tgt.expose(dst, MiB)
+        src = p.mi.alloc(MiB)
+        p.ini.write(src, 4096, rb)
+        p.mt._fit.free(dst)  # another allocator's free: the hold cannot see it
+        assert p.mt.alloc(MiB) == dst
+        p.mt.write(dst, bytes(4096))
+        deadline = time.monotonic() + 10
+        while p.tgt.stale_exposures == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert p.tgt.stale_exposures == 1
+        time.sleep(0.2)  # the revocation reaches the initiator's queue; nobody reads it yet
+        p.mi.write(src, b"\x33" * 4096)
+        with pytest.raises(StaleRemote):
+            p.ini.write(src, 4096, rb)
+        assert p.mt.read(dst, 4096) == bytes(4096), "the write landed in the new owner's memory"
+    finally:
+        p.close()
+
+
 def test_a_smaller_buffer_at_the_same_base_gets_the_bytes() -> None:
     """NIXL keeps a dropped registration's descriptor beside a new one at the same base and may
     route a write through it (on an H100: a write reported done, 0 bytes in the new buffer).
