@@ -1664,7 +1664,10 @@ class NixlEndpoint(Closable):
         t.state = state
         if state != "DONE":
             self.driver.peer_failed()
-        self.driver.release_xfer(t._h)
+        # The Transfer may outlive its endpoint (the application keeps it): it must not keep
+        # NIXL's handle, which keeps the agent, to be destroyed wherever the Transfer goes.
+        h, t._h = t._h, None
+        self.driver.release_xfer(h)
         for tok in t._toks:
             self.cache.release_token(tok)
         t._toks = []

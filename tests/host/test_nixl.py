@@ -1083,3 +1083,37 @@ def test_a_running_transfer_of_an_endpoint_left_to_the_collector_is_released_by_
         gpupin.nixl.reap()
         mi.close()
         mt.close()
+
+
+def test_a_transfer_kept_after_close_does_not_keep_the_agent() -> None:
+    """NIXL's transfer handle refers to its agent: a Transfer the application keeps must not
+    keep it once the transfer is over, else the agent goes wherever the Transfer goes (inside
+    the garbage collector, for one in a reference cycle) instead of at close()."""
+    import threading
+
+    mt, mi = HostMemory(4 << 20), HostMemory(4 << 20)
+    tgt = NixlEndpoint("t-kept", mt, mem_type="DRAM")
+    ini = NixlEndpoint("i-kept", mi, mem_type="DRAM")
+    events: list[bool] = []  # collecting() when the agent's binding was destroyed
+    try:
+        ini.connect(tgt.metadata())
+        tgt.connect(ini.metadata())
+        stop = threading.Event()
+        server = threading.Thread(target=tgt.serve, args=(30, stop.is_set))
+        server.start()
+        try:
+            rb = tgt.expose(mt.alloc(MiB), MiB)
+            t = ini.post_write([(mi.alloc(MiB), 4096, rb, 0)])
+            t.wait(10)
+        finally:
+            stop.set()
+            server.join()
+        binding = weakref.ref(ini.agent.agent, lambda _: events.append(gpupin.nixl.collecting()))
+        ini.close()
+        assert events == [False], "the agent outlived close(): something still holds it"
+        assert t.state == "DONE"
+    finally:
+        tgt.close()
+        mi.close()
+        mt.close()
+    assert binding() is None
