@@ -177,6 +177,10 @@ _DEFERRED: list[Callable[[], None]] = []
 _AGENT_LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
 _registry_lock = threading.Lock()  # guards _DEFERRED and _AGENT_LOCKS; held for no NIXL call
 _UNRELEASABLE: list[Any] = []  # transfer handles NIXL refused to release: never finalized before exit
+# (provider, free hold) of exposures an endpoint left to the garbage collector while peers held
+# leases on them: no revocation can be sent from there and a peer may still write, so the
+# provider keeps refusing to free that memory until the process exits.
+_KEPT_HOLDS: list[tuple[Any, int]] = []
 # Every transfer handle gpupin made and has not released, by id: reachable from here, a handle
 # is never garbage, so its finalizer (a NIXL call) never runs in the garbage collector, also
 # when the endpoint and its transfers are collected together (NixlEndpoint.close).
@@ -1788,10 +1792,17 @@ class NixlEndpoint(Closable):
             for ex in list(self._exposures.values()):
                 self.unexpose(self._bare(ex), timeout=timeout)
         holds = []
+        leased = 0
         for ex in list(self._exposures.values()):  # from the collector: no peer can be asked
-            # Peers may still write until the agent (and its registrations) is gone: the free
-            # holds stay until then, let go by reap() after the agent's retirement.
-            holds.append(ex.hold)
+            if not ex.settled() and ex.hold is not None:
+                # A peer holds a lease, and nothing stops its writes: not the agent's end (an
+                # agent passed in lives on; a same-host peer writes through the kernel, cma),
+                # not a revocation (none can be sent from here).  The memory stays held.
+                _KEPT_HOLDS.append((self.memory, ex.hold))
+                leased += 1
+            else:
+                # No lease on it: the free hold is let go by reap(), after the agent's retirement.
+                holds.append(ex.hold)
             ex.revoked, ex.holders, ex.hold, ex.done = True, {}, None, True
             del self._exposures[ex.xid]
             try:
@@ -1806,6 +1817,17 @@ class NixlEndpoint(Closable):
                 _ENDPOINT_OF.pop(self.driver.agent, None)
             except (TypeError, NixlError):  # a test double, or the agent already retired
                 pass
+        if leased:
+            name = self.name
+            _defer(
+                lambda: warnings.warn(
+                    f"gpupin.nixl: endpoint {name!r} was dropped without close() while peers held leases on "
+                    f"{leased} exposed range(s): their memory stays held (its free is refused) until the "
+                    "process exits, since a peer may still write there; close() endpoints",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            )
         self.driver.close()
         release = getattr(self.memory, "release_free_hold", None)
         kept = [h for h in holds if h is not None]

@@ -1117,3 +1117,45 @@ def test_a_transfer_kept_after_close_does_not_keep_the_agent() -> None:
         mi.close()
         mt.close()
     assert binding() is None
+
+
+def test_memory_leased_to_a_peer_stays_held_when_its_endpoint_is_left_to_the_collector() -> None:
+    """A target dropped without close(), over an agent the application keeps, while an
+    initiator holds a lease on its exposed buffer: from the collector no revocation can be
+    sent and the agent lives on, so the initiator could still write there. The provider keeps
+    refusing the free (a warning says why) instead of letting a new owner have the memory."""
+    import gc
+    import threading
+
+    mt, mi = HostMemory(4 << 20), HostMemory(4 << 20)
+    api = gpupin.nixl.load_nixl()
+    agent = api.nixl_agent("t-leased-gc", api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    tgt = NixlEndpoint("t-leased-gc", mt, mem_type="DRAM", agent=agent)
+    ini = NixlEndpoint("i-leased-gc", mi, mem_type="DRAM")
+    try:
+        ini.connect(tgt.metadata())
+        tgt.connect(ini.metadata())
+        dst, src = mt.alloc(MiB), mi.alloc(MiB)
+        rb = tgt.expose(dst, MiB)
+        stop = threading.Event()
+        server = threading.Thread(target=tgt.serve, args=(30, stop.is_set))
+        server.start()
+        try:
+            ini.write(src, 4096, rb)  # the initiator holds a lease from here
+        finally:
+            stop.set()
+            server.join()
+        tgt.cycle = tgt  # type: ignore[attr-defined] - only the collector frees it
+        del tgt, server
+        with pytest.warns(RuntimeWarning, match="peers held leases on 1 exposed range"):
+            gc.collect()
+            gpupin.nixl.reap()
+        with pytest.raises(gpupin.InUse, match="unexpose"):
+            mt.free(dst)
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # its target is gone: no word on its drop
+            ini.close(timeout=0.5)
+        gpupin.nixl.reap()
+        del agent
+        mi.close()
