@@ -456,6 +456,21 @@ def _slow_transfers(ep: NixlEndpoint) -> Iterator[list[bool]]:
         del agent.transfer, agent.check_xfer_state
 
 
+@contextlib.contextmanager
+def _served(tgt: NixlEndpoint) -> Iterator[None]:
+    """``tgt`` answers from a thread (serve()) while the block runs: leases are granted."""
+    import threading
+
+    stop = threading.Event()
+    server = threading.Thread(target=tgt.serve, args=(30, stop.is_set))
+    server.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        server.join()
+
+
 def test_a_transfer_past_its_timeout_keeps_its_buffer_registered_until_it_ends() -> None:
     """NIXL still says PROC when write() gives up: the handle is not released (that would cancel
     UCX's requests, not bytes on their way) and the local registration stays held, so the cache
@@ -580,6 +595,23 @@ def test_an_epoch_names_one_use_of_a_block() -> None:
         p.close()
 
 
+def _freed_behind_the_providers_back(p: Pair) -> tuple[int, RemoteBuffer, int]:
+    """A 1 MiB target buffer exposed and leased by a write, then freed behind the provider's
+    hold and allocated again at its address; returns (that address, its old descriptor, the
+    initiator's source) once the target's watch saw it change."""
+    dst = p.mt.alloc(MiB)
+    rb = p.tgt.expose(dst, MiB)
+    src = p.mi.alloc(MiB)
+    p.ini.write(src, 4096, rb)
+    p.mt._fit.free(dst)  # another allocator's free: the hold cannot see it
+    assert p.mt.alloc(MiB) == dst
+    deadline = time.monotonic() + 10
+    while p.tgt.stale_exposures == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert p.tgt.stale_exposures == 1
+    return dst, rb, src
+
+
 @pytest.mark.filterwarnings("ignore:gpupin.nixl.*changed while exposed:RuntimeWarning")
 def test_a_free_behind_the_providers_back_is_detected_and_revoked() -> None:
     """What gpupin cannot prevent (a free it does not see) it detects: the target's watch
@@ -587,16 +619,7 @@ def test_a_free_behind_the_providers_back_is_detected_and_revoked() -> None:
     transfer into it is refused."""
     p = Pair(auto_progress=True)
     try:
-        dst = p.mt.alloc(MiB)
-        rb = p.tgt.expose(dst, MiB)
-        src = p.mi.alloc(MiB)
-        p.ini.write(src, 4096, rb)
-        p.mt._fit.free(dst)  # another allocator's free: the hold cannot see it
-        assert p.mt.alloc(MiB) == dst
-        deadline = time.monotonic() + 10
-        while p.tgt.stale_exposures == 0 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert p.tgt.stale_exposures == 1
+        dst, rb, src = _freed_behind_the_providers_back(p)
         deadline = time.monotonic() + 10
         while p.ini._leases and time.monotonic() < deadline:  # the revocation reaches the initiator
             time.sleep(0.005)
@@ -613,17 +636,8 @@ def test_an_idle_initiator_takes_a_waiting_revocation_before_it_posts() -> None:
     refused, and the new owner's bytes stay as they were."""
     p = Pair()
     try:
-        dst = p.mt.alloc(MiB)
-        rb = p.tgt.expose(dst, MiB)
-        src = p.mi.alloc(MiB)
-        p.ini.write(src, 4096, rb)
-        p.mt._fit.free(dst)  # another allocator's free: the hold cannot see it
-        assert p.mt.alloc(MiB) == dst
-        p.mt.write(dst, bytes(4096))
-        deadline = time.monotonic() + 10
-        while p.tgt.stale_exposures == 0 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert p.tgt.stale_exposures == 1
+        dst, rb, src = _freed_behind_the_providers_back(p)
+        p.mt.write(dst, bytes(4096))  # the new owner's bytes
         time.sleep(0.2)  # the revocation reaches the initiator's queue; nobody reads it yet
         p.mi.write(src, b"\x33" * 4096)
         with pytest.raises(StaleRemote):
@@ -1029,7 +1043,6 @@ def test_a_running_transfer_of_an_endpoint_left_to_the_collector_is_released_by_
     transfer names it).  NIXL's transfer handle is not released from the collector (its
     finalizer would call NIXL in there): reap() releases it, before the agent goes."""
     import gc
-    import threading
 
     import nixl_cu13._api as nixl_api
 
@@ -1057,12 +1070,8 @@ def test_a_running_transfer_of_an_endpoint_left_to_the_collector_is_released_by_
         tgt.connect(ini.metadata())
         rb = tgt.expose(mt.alloc(MiB), MiB)
         src = mi.alloc(MiB)
-        stop = threading.Event()
-        server = threading.Thread(target=tgt.serve, args=(30, stop.is_set))
-        server.start()
-        ini.write(src, 4096, rb)  # the lease, granted while the target serves
-        stop.set()
-        server.join()
+        with _served(tgt):
+            ini.write(src, 4096, rb)  # the lease, granted while the target serves
         with _slow_transfers(ini) as slow:
             t = ini.post_write([(src, 4096, rb, 0)])
             assert not t.done() and ini._running
@@ -1071,7 +1080,7 @@ def test_a_running_transfer_of_an_endpoint_left_to_the_collector_is_released_by_
             gc.disable()  # the cycle goes in the collect below, on this thread
             ini.cycle = tgt  # type: ignore[attr-defined]
             tgt.cycle = ini  # type: ignore[attr-defined]
-            del ini, tgt, rb, server
+            del ini, tgt, rb
         released.clear()
         gc.collect()
         assert True not in released, "a NIXL transfer handle was released from the garbage collector"
@@ -1089,7 +1098,6 @@ def test_a_transfer_kept_after_close_does_not_keep_the_agent() -> None:
     """NIXL's transfer handle refers to its agent: a Transfer the application keeps must not
     keep it once the transfer is over, else the agent goes wherever the Transfer goes (inside
     the garbage collector, for one in a reference cycle) instead of at close()."""
-    import threading
 
     mt, mi = HostMemory(4 << 20), HostMemory(4 << 20)
     tgt = NixlEndpoint("t-kept", mt, mem_type="DRAM")
@@ -1098,16 +1106,10 @@ def test_a_transfer_kept_after_close_does_not_keep_the_agent() -> None:
     try:
         ini.connect(tgt.metadata())
         tgt.connect(ini.metadata())
-        stop = threading.Event()
-        server = threading.Thread(target=tgt.serve, args=(30, stop.is_set))
-        server.start()
-        try:
+        with _served(tgt):
             rb = tgt.expose(mt.alloc(MiB), MiB)
             t = ini.post_write([(mi.alloc(MiB), 4096, rb, 0)])
             t.wait(10)
-        finally:
-            stop.set()
-            server.join()
         binding = weakref.ref(ini.agent.agent, lambda _: events.append(gpupin.nixl.collecting()))
         ini.close()
         assert events == [False], "the agent outlived close(): something still holds it"
@@ -1125,7 +1127,6 @@ def test_memory_leased_to_a_peer_stays_held_when_its_endpoint_is_left_to_the_col
     sent and the agent lives on, so the initiator could still write there. The provider keeps
     refusing the free (a warning says why) instead of letting a new owner have the memory."""
     import gc
-    import threading
 
     mt, mi = HostMemory(4 << 20), HostMemory(4 << 20)
     api = gpupin.nixl.load_nixl()
@@ -1137,16 +1138,10 @@ def test_memory_leased_to_a_peer_stays_held_when_its_endpoint_is_left_to_the_col
         tgt.connect(ini.metadata())
         dst, src = mt.alloc(MiB), mi.alloc(MiB)
         rb = tgt.expose(dst, MiB)
-        stop = threading.Event()
-        server = threading.Thread(target=tgt.serve, args=(30, stop.is_set))
-        server.start()
-        try:
+        with _served(tgt):
             ini.write(src, 4096, rb)  # the initiator holds a lease from here
-        finally:
-            stop.set()
-            server.join()
         tgt.cycle = tgt  # type: ignore[attr-defined] - only the collector frees it
-        del tgt, server
+        del tgt
         with pytest.warns(RuntimeWarning, match="peers held leases on 1 exposed range"):
             gc.collect()
             gpupin.nixl.reap()
