@@ -804,15 +804,17 @@ def bench_nixl_endpoint(seed: int = 1, reps: int = 15, quick: bool = False) -> d
         # Both ways for a second first: the GPU's and the CPUs' clocks leave their idle states,
         # UCX caches the peer's memory handles (the first size measured saw that before).
         warm_until = time.monotonic() + (0.1 if quick else 1.0)
+        warm_ep, warm_raw = ep_loop(4 << 10), raw_loop(4 << 10)
         while time.monotonic() < warm_until:
-            ep_loop(4 << 10)(50)
-            raw_loop(4 << 10)(50)
+            warm_ep(50)
+            warm_raw(50)
         for label, size in EP_SIZES:
+            ep, raw = ep_loop(size), raw_loop(size)
             batch = max(2, EP_BATCH[label] // scale)
             if not quick:  # a GPU moves 4 MiB in ~20 us: batches of at least 5 ms each
-                batch = batch_for(raw_loop(size), batch)
+                batch = batch_for(raw, batch)
             progress(f"bench: nixl endpoint write {label}, endpoint and raw in turn ({reps} rounds of {batch})")
-            t = interleaved_ns({"ep": ep_loop(size), "raw": raw_loop(size)}, batch, reps)
+            t = interleaved_ns({"ep": ep, "raw": raw}, batch, reps)
             out[f"nixl_ep_write_{label}_us"] = t["ep"] / 1e3
             out[f"nixl_raw_write_{label}_us"] = t["raw"] / 1e3
             out[f"nixl_ep_over_raw_{label}"] = t["ep"] / t["raw"]
