@@ -116,6 +116,26 @@ def _parse(m: bytes) -> tuple[bytes, tuple[int, ...], list[tuple[int, ...]]] | N
     return kind, head, entries
 
 
+_MD_AGENT = b"nixlSerDes|Agent"  # how NIXL's metadata begins (nixlAgent::getLocalMD, serdes.cpp)
+
+
+def _agent_name(metadata: bytes) -> str | None:
+    """The agent a NIXL metadata blob names, or None for a layout not known here.  nixlSerDes
+    writes a tag, the value's length (a native size_t), the value and ``|``; getLocalMD's
+    first value is the agent's name (NIXL 0.x to 1.5)."""
+    at = len(_MD_AGENT)
+    if not metadata.startswith(_MD_AGENT) or len(metadata) < at + 8:
+        return None
+    (size,) = struct.unpack_from("=Q", metadata, at)
+    end = at + 8 + size
+    if not 0 < size <= 4096 or metadata[end : end + 1] != b"|":
+        return None
+    try:
+        return metadata[at + 8 : end].decode()
+    except UnicodeDecodeError:
+        return None
+
+
 class NixlError(GpupinError):
     """NIXL refused a call or a transfer failed; ``status`` is NIXL's error name when it gave one."""
 
@@ -574,6 +594,7 @@ class _Lease:
     verdict: int = OK
     dereg: int = 0  # the target's dropped registrations when it granted the lease
     inflight: int = 0  # transfers posted under it and not over
+    lost: int = 0  # of those, ones whose state NIXL cannot tell (its view of the peer was erased)
     checks: int = 0  # check messages sent under it (wait(confirm=True))
     broken: str = ""  # a target's ACK found a transfer stale: detection, after the fact
 
@@ -583,7 +604,7 @@ class Transfer:
     ``wait()`` blocks (``await t.wait_async()`` in asyncio).  Its local registrations and
     its leases are held until NIXL says it is over, also past a timeout."""
 
-    __slots__ = ("_ep", "_h", "_toks", "_leases", "seq", "op", "_blocks", "confirm", "state", "verdict")
+    __slots__ = ("_ep", "_h", "_toks", "_leases", "seq", "op", "_blocks", "confirm", "state", "verdict", "lost")
 
     def __init__(
         self,
@@ -600,6 +621,7 @@ class Transfer:
         self.seq, self.op, self._blocks, self.confirm = seq, op, blocks, confirm
         self.state = "PROC"  # PROC, DONE, ERR
         self.verdict: tuple[int, int] | None = None  # the target's (status, xid), once its ACK came
+        self.lost = False  # PROC, and NIXL cannot say more until the peer is loaded again
 
     @property
     def what(self) -> str:
@@ -626,6 +648,8 @@ class Transfer:
             now = time.monotonic()
             if now > deadline:
                 ep._orphan(self)
+                if self.lost:
+                    raise NixlError(f"{self.what}: {_LOST}", "timeout")
                 raise NixlError(
                     f"{self.what}: not done after {timeout} s (is the peer alive?). NIXL may still be moving its "
                     "bytes: each local buffer stays registered (and each lease held) until "
@@ -651,6 +675,8 @@ class Transfer:
         while not self.done():
             if time.monotonic() > deadline:
                 self._ep._orphan(self)
+                if self.lost:
+                    raise NixlError(f"{self.what}: {_LOST}", "timeout")
                 raise NixlError(f"{self.what}: not done after {timeout} s; settle() before freeing", "timeout")
             await asyncio.sleep(poll)
         if self.state != "DONE":
@@ -658,6 +684,12 @@ class Transfer:
 
 
 _LOCAL, _SIZE, _REMOTE, _OFFSET = (operator.itemgetter(i) for i in range(4))  # a block's columns
+_LOST = (
+    "NIXL lost its view of the peer while the transfer ran (NOT_FOUND: a refused metadata load or a "
+    "disconnect erased it), so whether UCX still moves its bytes is unknown: its local buffers stay "
+    "registered and its leases held. connect() the peer again (NIXL then reports the transfer's end), "
+    "or forget_peer() once the peer can transfer no more"
+)
 
 
 def _check_blocks(op: str, blocks: list[tuple[int, int, RemoteBuffer, int]]) -> None:
@@ -756,6 +788,7 @@ class NixlEndpoint(Closable):
         self._views: dict[str, tuple[int, dict[int, None]]] = {}  # peer -> (dereg, metadata keys loaded)
         self._other: list[tuple[str, bytes]] = []
         self._inflight: list[Transfer] = []  # past their wait()'s timeout, not over
+        self._lost: set[Transfer] = set()  # not over, NIXL's view of their peer erased (Transfer.lost)
         self._running: set[Transfer] = set()  # every posted transfer NIXL has not ended (polled here)
         self._drops: list[tuple[str, bytes]] = []  # lease drops whose sending failed: sent again
         self._unacked: set[tuple[str, int]] = set()  # (closing initiator) (peer, xid) drops not yet acknowledged
@@ -766,6 +799,7 @@ class NixlEndpoint(Closable):
         self.stale_answers = 0  # (initiator) bad verdicts received
         self.malformed_notifications = 0  # with gpupin's prefix but not its layout (progress() returns them)
         self.stale_exposures = 0  # (target) exposures whose allocation changed under a lease (detected)
+        self.lost_transfers = 0  # (initiator) transfers whose state NIXL could not tell (Transfer.lost)
         self.watch_interval = 0.005  # (target) how often progress() checks leased exposures' buffer ids
         self._last_pump = self._next_watch = 0.0
         self._last_post = 0.0  # (initiator) when a transfer was last posted
@@ -789,54 +823,94 @@ class NixlEndpoint(Closable):
         with self.driver.lock:
             return bytes(self.agent.get_agent_metadata())
 
-    def connect(self, metadata: bytes) -> str:
+    def connect(self, metadata: bytes, timeout: float = 30.0) -> str:
         """Load a peer agent's metadata (again after it registered more); returns its name.
-        A target answers only peers it connected."""
-        with self.driver.lock:
-            try:
-                name = self.agent.add_remote_agent(metadata)
-            except Exception as exc:  # noqa: BLE001
-                raise _nixl_error("add_remote_agent", exc) from None
-        peer = name.decode() if isinstance(name, bytes) else str(name)
-        with self._lock:
-            self._connected.add(peer)
-        return peer
+        A target answers only peers it connected.
+
+        A load NIXL refuses erases its whole view of the peer (loadRemoteSections in
+        nixl_agent.cpp), and a transfer still running with the peer is then reported NOT_FOUND
+        while UCX may still move its bytes.  So a peer's metadata is loaded only while no
+        transfer of this endpoint with it runs: this waits up to ``timeout`` s for them to end
+        (InUse after that: ``settle()`` first).  Metadata whose agent name cannot be read waits
+        for every transfer of this endpoint."""
+        peer = _agent_name(metadata)
+        return self._while_idle(peer, lambda: self._add(metadata, peer), time.monotonic() + timeout, "connect()")
 
     def forget_peer(self, peer: str) -> None:
         """Drop everything known of ``peer``: its leases on this target's exposures (call it
         only once that peer can transfer no more, e.g. its process is dead: unexpose then
         completes without its word), this initiator's leases with it, and NIXL's view of it.
         InUse while a transfer of this endpoint with the peer runs (NIXL would report it over
-        while UCX may still move its bytes): ``settle()`` first."""
+        while UCX may still move its bytes): ``settle()`` first.  Transfers NIXL lost track of
+        (their wait() says so) are let go here, with their buffers and leases."""
         with self._lock:
             if self._busy_with(peer):
                 raise InUse(
                     f"forget_peer({peer!r}): a transfer with {peer} still runs; settle() first (its buffers "
                     "stay registered and its leases held until NIXL says it ended)"
                 )
+            for t in [t for t in self._lost if t._leases[0].peer == peer]:
+                self._complete(t, "ERR")  # lost with the peer: the caller says it transfers no more
             for ex in list(self._exposures.values()):
                 ex.holders.pop(peer, None)
                 self._finish_if_settled(ex)
-            self._forget_view(peer, quiet=True)
+            self._forget_view(peer)
 
-    def _busy_with(self, peer: str) -> bool:
-        """Whether a transfer with ``peer`` runs (one of its leases counts one)."""
-        return any(lease.inflight for (p, _), lease in self._leases.items() if p == peer)
+    def _busy_with(self, peer: str | None) -> bool:
+        """Whether a transfer with ``peer`` (None: with any peer) runs (its leases count it).
+        A lost one does not count: loading the peer again is what lets NIXL report its end."""
+        return any(lease.inflight > lease.lost for (p, _), lease in self._leases.items() if peer is None or p == peer)
 
-    def _forget_view(self, peer: str, *, quiet: bool) -> None:
+    def _while_idle(self, peer: str | None, work: Callable[[], str], deadline: float, what: str) -> str:
+        """``work()`` under _lock once no transfer with ``peer`` (None: any) runs.  post() holds
+        _lock while it posts, so none starts before ``work`` returns.  The lock is let go between
+        polls: the threads whose transfers are waited for take it to end them."""
+        while True:
+            with self._lock:
+                if not self._busy_with(peer):
+                    return work()
+            if time.monotonic() > deadline:
+                raise InUse(
+                    f"{what}: a transfer with {peer or 'a peer'} still runs, and NIXL's view of a peer may change "
+                    "only while none does (a refused load erases it under the transfer): settle() first"
+                )
+            self._poll_inflight()
+            time.sleep(_NAP_MIN_S)
+
+    def _add(self, metadata: bytes, peer: str | None) -> str:
+        """(under _lock, no transfer with ``peer`` running) add_remote_agent.  A refused load
+        erased NIXL's view of the peer (its sections and connection): it is loaded whole next
+        time (first contact)."""
+        with self.driver.lock:
+            try:
+                name = self.agent.add_remote_agent(metadata)
+            except Exception as exc:  # noqa: BLE001
+                if peer is not None:
+                    self._views.pop(peer, None)
+                    self._connected.discard(peer)
+                raise _nixl_error("add_remote_agent", exc) from None
+        got = name.decode() if isinstance(name, bytes) else str(name)
+        self._connected.add(got)
+        for t in [t for t in self._lost if t._leases[0].peer == got]:  # NIXL can say their state again
+            self._found(t)
+        return got
+
+    def _forget_view(self, peer: str) -> None:
         """(under _lock) Forget this initiator's leases with ``peer``, the drops owed to it and
-        NIXL's view of it (remove_remote_agent: an error is raised, or ignored when ``quiet``)."""
+        NIXL's view of it."""
         for key in [k for k in self._leases if k[0] == peer]:
             del self._leases[key]
         self._drops = [d for d in self._drops if d[0] != peer]
-        self._views.pop(peer, None)
+        self._remove_view(peer)
         self._connected.discard(peer)
+
+    def _remove_view(self, peer: str) -> None:
+        """(under _lock, no transfer with ``peer`` running) NIXL's view of ``peer`` goes.
+        remove_remote_agent returns nothing: invalidateRemoteMD fails only for a name NIXL does
+        not know (nothing to forget) or its own (refused at construction)."""
         with self.driver.lock:
-            try:
-                self.agent.remove_remote_agent(peer)
-            except Exception as exc:  # noqa: BLE001 - NIXL's own classes
-                if not quiet:
-                    raise _nixl_error(f"remove_remote_agent({peer!r})", exc) from None
+            self.agent.remove_remote_agent(peer)
+        self._views.pop(peer, None)
 
     # -- target side -----------------------------------------------------------
     def expose(self, ptr: int, size: int, *, epoch: int = 0) -> RemoteBuffer:
@@ -1363,6 +1437,8 @@ class NixlEndpoint(Closable):
                     self._running.add(t)
                     self._inflight.append(t)
                     self.driver.peer_failed()
+                    if type(exc).__name__ == "nixlRemoteDisconnectError":
+                        self._view_erased(peer)
                     self._check(t)  # over already (NIXL refused it whole): let go of it now
                     if isinstance(exc, Exception):
                         raise _nixl_error(_what(op, blocks), exc) from None
@@ -1394,7 +1470,13 @@ class NixlEndpoint(Closable):
         if len(blocks) == 1:  # the common case: one lease, held and sound
             r = blocks[0][2]
             lease = self._leases.get((peer, r.xid))
-            if lease is not None and lease.state == "held" and not lease.broken and lease.epoch == r.epoch:
+            if (
+                lease is not None
+                and lease.state == "held"
+                and not lease.broken
+                and lease.epoch == r.epoch
+                and peer in self._views
+            ):
                 return [lease]  # post() checks it again under the lock
         remotes = {r.xid: r for _, _, r, _ in blocks}
         inc = blocks[0][2].incarnation
@@ -1424,8 +1506,16 @@ class NixlEndpoint(Closable):
                     )
             ask = [r for r in remotes.values() if (peer, r.xid) not in self._leases]
             first_contact = peer not in self._connected and peer not in self._views
-        if first_contact:  # nothing of the peer loaded yet: no descriptor of it to go stale
-            self._load(peer, ask[0] if ask else next(iter(remotes.values())))
+            # Leases held while NIXL's view of the peer is gone (a refused load, a lost transfer):
+            # no transfer goes out until the peer's current metadata is loaded again (not an
+            # old descriptor's: it may name registrations the target has dropped since).
+            regained = peer not in self._views and any(self._lease_state(peer, x) == "held" for x in remotes)
+        if regained:
+            r = next(iter(remotes.values()))
+            self._reload(peer, r.metadata, deadline)  # its connection, to ask for the current metadata
+            self._refresh(peer, deadline)
+        elif first_contact:  # nothing of the peer loaded: no descriptor of it to go stale
+            self._load(peer, ask[0] if ask else next(iter(remotes.values())), deadline)
         if ask:
             with self._lock:
                 req = next(self._seq)
@@ -1492,7 +1582,7 @@ class NixlEndpoint(Closable):
         with self._lock:
             if self._busy_with(peer):
                 raise NixlError(f"{peer} restarted and a transfer with its old incarnation still runs: settle() first")
-            self._forget_view(peer, quiet=True)  # not loaded: nothing to forget
+            self._forget_view(peer)
 
     def _lease_state(self, peer: str, xid: int) -> str:
         lease = self._leases.get((peer, xid))
@@ -1513,15 +1603,20 @@ class NixlEndpoint(Closable):
             if not stale_view and view is not None and hash(r.metadata) in view[1]:
                 return
         if r.dereg >= lease.dereg and not stale_view:
-            self._load(peer, r)  # current: only registrations added since the view
+            self._load(peer, r, deadline)  # current: only registrations added since the view
             return
+        self._refresh(peer, deadline, also=r)
+
+    def _refresh(self, peer: str, deadline: float, also: RemoteBuffer | None = None) -> None:
+        """Replace NIXL's view of ``peer`` with its current metadata, asked for (a round trip):
+        every registration it holds now (each exposure's), none it dropped.  ``also``: a
+        descriptor whose own metadata then counts as loaded, if it holds nothing dropped."""
         dereg, md = self._current_metadata(peer, deadline)
-        self._renew(peer)
         self.renewals += 1
-        self._reload(peer, md)
+        self._reload(peer, md, deadline, renew=True)
         keys = {hash(md): None}
-        if r.dereg >= dereg:  # its own metadata holds nothing dropped either
-            keys[hash(r.metadata)] = None
+        if also is not None and also.dereg >= dereg:  # its own metadata holds nothing dropped either
+            keys[hash(also.metadata)] = None
         with self._lock:
             self._views[peer] = (dereg, keys)
 
@@ -1552,7 +1647,7 @@ class NixlEndpoint(Closable):
                 if lease.state == "asking":
                     self._leases.pop((lease.peer, lease.xid), None)
 
-    def _load(self, peer: str, remote: RemoteBuffer) -> None:
+    def _load(self, peer: str, remote: RemoteBuffer, deadline: float) -> None:
         """Load ``remote``'s metadata where this endpoint's view of ``peer`` lacks it.  When
         the target dropped a registration since the view was loaded, NIXL would keep that
         registration's descriptor beside the new ones (and may route a transfer through it:
@@ -1564,9 +1659,8 @@ class NixlEndpoint(Closable):
                 return
             stale_view = view is not None and remote.dereg > view[0]
         if stale_view:
-            self._renew(peer)
             self.renewals += 1
-        self._reload(peer, remote.metadata)
+        self._reload(peer, remote.metadata, deadline, renew=stale_view)
         with self._lock:
             dereg, loaded = self._views.get(peer, (0, {}))
             loaded[mdkey] = None
@@ -1574,98 +1668,89 @@ class NixlEndpoint(Closable):
                 del loaded[next(iter(loaded))]  # the oldest: loading it again costs a reload, no more
             self._views[peer] = (max(dereg, remote.dereg), loaded)
 
-    def _renew(self, peer: str) -> None:
-        """Forget NIXL's view of ``peer`` (remove_remote_agent), once no transfer with it runs."""
-        deadline = time.monotonic() + 30.0
-        while True:
-            # Under the lock that post() holds while it posts: no transfer starts in between
-            # (a peer removed under a running transfer makes NIXL call it over while UCX still
-            # moves its bytes).
-            with self._lock:
-                if not self._busy_with(peer):
-                    # Its leases stay: the exposures live on, and the view is loaded again.
-                    with self.driver.lock:
-                        try:
-                            self.agent.remove_remote_agent(peer)
-                        except Exception as exc:  # noqa: BLE001 - NIXL's own classes
-                            raise _nixl_error(f"remove_remote_agent({peer!r})", exc) from None
-                    self._views.pop(peer, None)
-                    return
-            if time.monotonic() > deadline:
-                raise NixlError(f"{peer} dropped registrations and transfers with it still run: settle() first")
-            self._poll_inflight()
-            time.sleep(0.0005)
-
-    def _reload(self, peer: str, metadata: bytes) -> None:
-        """Load ``peer``'s metadata as of an expose().
+    def _reload(self, peer: str, metadata: bytes, deadline: float, *, renew: bool = False) -> None:
+        """Load ``peer``'s metadata as of an expose(), first forgetting NIXL's view of it when
+        ``renew``: once no transfer with it runs, and with none posted in between (post() waits
+        for _lock), so no post finds the peer missing.
 
         NIXL refuses to load metadata of an agent name it knows from another incarnation (a
         restarted peer: NIXL_ERR_NOT_ALLOWED for the UCX connection info, seen here) and, on an
         H200 over VRAM, a registration at an address it knew from an earlier registration of the
         peer.  Then the peer is forgotten (remove_remote_agent) and its metadata loaded afresh,
-        once; unless a transfer with it still runs (settle() first).  What NIXL still refuses
-        after that is raised, and tried again at the next transfer.
+        once.  What NIXL still refuses after that is raised, and tried again at the next transfer.
         """
-        try:
-            self._connect_idle(peer, metadata)
-            return
-        except NixlError as exc:
-            if exc.status not in ("nixlNotAllowedError", "nixlInvalidParamError"):
-                raise
-            first = exc
-        with self._lock:
-            if self._busy_with(peer):
-                raise NixlError(
-                    f"NIXL will not load {peer}'s new metadata ({first.status}) and a transfer with {peer} still "
-                    "runs: settle() first, then try again",
-                    first.status,
-                )
-            # A new incarnation: the old one's leases and view mean nothing to it.
-            self._forget_view(peer, quiet=False)
-            try:
-                self.connect(metadata)
-                return
-            except NixlError as exc:
-                second = exc
-        raise NixlError(
-            f"NIXL will not load {peer}'s metadata ({first.status}), nor after forgetting the peer "
-            f"({second.status}); on VRAM NIXL 1.5.1 then loads no more of that peer: reach it from a new "
-            "NixlEndpoint (a new agent)",
-            second.status,
-        ) from None
 
-    def _connect_idle(self, peer: str, metadata: bytes) -> None:
-        """connect() to a peer NIXL knows only while no transfer with it runs.  A load NIXL
-        refuses erases its whole view of the peer (loadRemoteSections in nixl_agent.cpp), and a
-        transfer still running with it is then reported NOT_FOUND: gpupin would count it over
-        while UCX may still move its bytes.  Under the lock post() holds while it posts."""
-        deadline = time.monotonic() + 30.0
-        while True:
-            with self._lock:
-                if not self._busy_with(peer):
-                    self.connect(metadata)
-                    return
-            if time.monotonic() > deadline:
-                raise NixlError(f"{peer}'s new metadata waits for transfers with it that never end: settle() first")
-            self._poll_inflight()
-            time.sleep(_NAP_MIN_S)
+        def load() -> str:
+            if renew:
+                self._remove_view(peer)
+            try:
+                return self._add(metadata, peer)
+            except NixlError as exc:
+                if exc.status not in ("nixlNotAllowedError", "nixlInvalidParamError"):
+                    raise
+                first = exc
+            self._forget_view(peer)  # a new incarnation: the old one's leases and view mean nothing to it
+            try:
+                return self._add(metadata, peer)
+            except NixlError as exc:
+                raise NixlError(
+                    f"NIXL will not load {peer}'s metadata ({first.status}), nor after forgetting the peer "
+                    f"({exc.status}); on VRAM NIXL 1.5.1 then loads no more of that peer: reach it from a new "
+                    "NixlEndpoint (a new agent)",
+                    exc.status,
+                ) from None
+
+        self._while_idle(peer, load, deadline, f"loading {peer}'s new metadata")
 
     def _check(self, t: Transfer) -> None:
         with self._lock:
-            if t.state != "PROC":
+            if t.state != "PROC" or t.lost:
                 return
             with self.driver.lock:
                 try:
                     state = self.agent.check_xfer_state(t._h)
-                except Exception:  # noqa: BLE001 - NIXL's own classes: the transfer is over, failed
-                    state = "ERR"
-            if state != "PROC":
+                except Exception as exc:  # noqa: BLE001 - NIXL's own classes
+                    # NOT_FOUND: NIXL erased its view of the peer and cannot say (getXferStatus
+                    # asks the backend no more; the handle stays IN_PROG).  Else over, failed.
+                    state = "LOST" if type(exc).__name__ == "nixlNotFoundError" else "ERR"
+                    if type(exc).__name__ == "nixlRemoteDisconnectError":
+                        self._view_erased(t._leases[0].peer)
+            if state == "LOST":
+                self._lose(t)
+            elif state != "PROC":
                 self._complete(t, "DONE" if state == "DONE" else "ERR")
+
+    def _lose(self, t: Transfer) -> None:
+        """(under _lock) NIXL cannot tell ``t``'s state: it stays running (buffers registered,
+        leases counting it) until the peer is loaded again or forgotten.  Our view of the peer
+        is gone too: the next transfer with it loads the peer afresh."""
+        t.lost = True
+        self._lost.add(t)
+        for lease in t._leases:
+            lease.lost += 1
+        self._view_erased(t._leases[0].peer)
+        self.lost_transfers += 1
+
+    def _view_erased(self, peer: str) -> None:
+        """(under _lock) NIXL erased its view of ``peer`` (a disconnect seen by a transfer:
+        invalidateRemoteData in nixl_agent.cpp; or NOT_FOUND): the next transfer with it loads
+        the peer's current metadata first."""
+        self._views.pop(peer, None)
+        self._connected.discard(peer)
+
+    def _found(self, t: Transfer) -> None:
+        """(under _lock) ``t`` is no longer lost: polled again, or over."""
+        t.lost = False
+        self._lost.discard(t)
+        for lease in t._leases:
+            lease.lost -= 1
 
     def _complete(self, t: Transfer, state: str) -> None:
         """NIXL says ``t`` is over: its handle and local registrations go, its leases count it
         (a lease revoked meanwhile is dropped once idle)."""
         t.state = state
+        if t.lost:
+            self._found(t)
         if state != "DONE":
             self.driver.peer_failed()
         # The Transfer may outlive its endpoint (the application keeps it): it must not keep
@@ -1784,9 +1869,11 @@ class NixlEndpoint(Closable):
                 time.sleep(0.001)
             if self._running:
                 t = next(iter(self._running))
+                lost = f", {len(self._lost)} of them lost ({_LOST})" if self._lost else ""
                 raise InUse(
                     f"NixlEndpoint {self.name!r}: {len(self._running)} transfer(s) NIXL has not ended ({t.what}); "
-                    "their buffers stay registered and their leases held: settle() (or wait() them) and close() again"
+                    f"their buffers stay registered and their leases held: settle() (or wait() them) and close() "
+                    f"again{lost}"
                 )
         if not collecting():
             for ex in list(self._exposures.values()):

@@ -838,8 +838,8 @@ def test_no_metadata_of_a_peer_is_loaded_while_a_transfer_with_it_runs() -> None
             with pytest.raises(gpupin.InUse, match="a transfer with t-pair still runs"):
                 p.ini.forget_peer("t-pair")
             loads: list[bytes] = []
-            real = p.ini.connect
-            p.ini.connect = lambda md: (loads.append(md), real(md))[1]  # type: ignore[method-assign]
+            real = p.ini._add
+            p.ini._add = lambda md, peer: (loads.append(md), real(md, peer))[1]  # type: ignore[method-assign]
             other = p.tgt.expose(p.mt.alloc(2 * MiB), 2 * MiB)  # new metadata to load
             second = threading.Thread(target=lambda: p.ini.write(src, 4096, other))
             second.start()
@@ -848,7 +848,7 @@ def test_no_metadata_of_a_peer_is_loaded_while_a_transfer_with_it_runs() -> None
             slow[0] = False
             second.join(10)
             assert not second.is_alive() and loads and t.done()
-            del p.ini.connect
+            del p.ini._add
     finally:
         p.close()
 
@@ -1154,3 +1154,94 @@ def test_memory_leased_to_a_peer_stays_held_when_its_endpoint_is_left_to_the_col
         gpupin.nixl.reap()
         del agent
         mi.close()
+
+
+def test_connect_waits_while_a_transfer_with_that_peer_runs() -> None:
+    """connect() is public and says "again after it registered more": called while a transfer
+    with that peer runs, a load NIXL refuses would erase its view of the peer under the transfer
+    (reported NOT_FOUND while UCX may still move its bytes).  It waits for the transfer (InUse
+    past its timeout); metadata of a peer it does not transfer with loads at once."""
+    p = Pair()
+    try:
+        with _served(p.tgt), _slow_transfers(p.ini) as slow:
+            rb = p.tgt.expose(p.mt.alloc(MiB), MiB)
+            t = p.ini.post_write([(p.mi.alloc(MiB), 4096, rb, 0)])
+            loads: list[bytes] = []
+            real = p.ini._add
+            p.ini._add = lambda md, peer: (loads.append(md), real(md, peer))[1]  # type: ignore[method-assign]
+            with pytest.raises(gpupin.InUse, match="a transfer with t-pair still runs"):
+                p.ini.connect(p.tgt.metadata(), timeout=0.2)
+            assert not loads and not t.done()
+            other = NixlEndpoint("t-other", HostMemory(1 << 20), mem_type="DRAM")
+            try:
+                assert p.ini.connect(other.metadata(), timeout=0.2) == "t-other" and len(loads) == 1
+            finally:
+                other.close()
+            slow[0] = False
+            assert p.ini.connect(p.tgt.metadata(), timeout=5) == "t-pair" and t.done()
+            del p.ini._add
+    finally:
+        p.close()
+
+
+@contextlib.contextmanager
+def _not_found(ep: NixlEndpoint) -> Iterator[list[bool]]:
+    """Inside _slow_transfers: make ``ep``'s agent answer a transfer's state with NIXL's own
+    NOT_FOUND (its view of the peer erased under the transfer: getXferStatus in
+    nixl_agent.cpp) while the flag it gives is set."""
+    import nixl_cu13._bindings as bind
+
+    agent = ep.agent
+    on = [True]
+    before = agent.check_xfer_state  # _slow_transfers' double
+
+    def check(h: Any) -> str:
+        if on[0]:
+            raise bind.nixlNotFoundError("NIXL_ERR_NOT_FOUND")
+        return str(before(h))
+
+    agent.check_xfer_state = check
+    try:
+        yield on
+    finally:
+        agent.check_xfer_state = before
+
+
+def test_a_transfer_nixl_lost_track_of_stays_held_until_the_peer_is_loaded_again() -> None:
+    """NOT_FOUND for a running transfer (NIXL erased its view of the peer: a refused load, a
+    disconnect) says nothing of UCX's puts: it counted as over, the lease went and the target's
+    unexpose() returned while bytes could still land.  Now it stays running, its buffer
+    registered and its lease counting it, until the peer is loaded again (then NIXL tells) or
+    forgotten."""
+    p = Pair(auto_progress=True)  # the initiator takes the revocation while it waits
+    try:
+        with _served(p.tgt):
+            dst, src = p.mt.alloc(MiB), p.mi.alloc(MiB)
+            rb = p.tgt.expose(dst, MiB)
+            with _slow_transfers(p.ini) as slow:
+                t = p.ini.post_write([(src, 4096, rb, 0)])
+                with _not_found(p.ini), pytest.raises(NixlError, match="NIXL lost its view of the peer") as ei:
+                    t.wait(timeout=0.2)  # polled no more: NIXL would only say NOT_FOUND again
+                assert ei.value.status == "timeout" and t.lost and p.ini.lost_transfers == 1
+                assert p.ini.pending_transfers() == 1 and p.ini.cache.held() == 1
+                with pytest.raises(gpupin.InUse):
+                    p.tgt.unexpose(rb, timeout=0.3)  # the lease still counts the transfer
+                with pytest.raises(gpupin.InUse, match="lost"):
+                    p.ini.close(timeout=0.2)
+                slow[0] = False
+                p.ini.connect(p.tgt.metadata())  # loaded again: NIXL can tell the transfer's state
+                assert not t.lost and p.ini.settle(5) == 0 and t.state == "DONE"
+            assert p.ini.cache.held() == 0
+            p.tgt.unexpose(rb, timeout=5)
+            # Forgotten instead: the caller says the peer transfers no more.
+            rb = p.tgt.expose(dst, MiB)
+            with _slow_transfers(p.ini):
+                t = p.ini.post_write([(src, 4096, rb, 0)])
+                with _not_found(p.ini):
+                    assert not t.done() and t.lost
+                p.ini.forget_peer("t-pair")
+                assert t.state == "ERR" and p.ini.pending_transfers() == 0 and p.ini.cache.held() == 0
+            p.tgt.forget_peer("i-pair")
+            p.tgt.unexpose(rb, timeout=5)
+    finally:
+        p.close()
