@@ -604,7 +604,20 @@ class Transfer:
     ``wait()`` blocks (``await t.wait_async()`` in asyncio).  Its local registrations and
     its leases are held until NIXL says it is over, also past a timeout."""
 
-    __slots__ = ("_ep", "_h", "_toks", "_leases", "seq", "op", "_blocks", "confirm", "state", "verdict", "lost")
+    __slots__ = (
+        "_ep",
+        "_h",
+        "_toks",
+        "_leases",
+        "seq",
+        "op",
+        "_blocks",
+        "confirm",
+        "state",
+        "verdict",
+        "lost",
+        "__weakref__",
+    )
 
     def __init__(
         self,
@@ -783,8 +796,9 @@ class NixlEndpoint(Closable):
         self._connected: set[str] = set()  # peers whose metadata this endpoint loaded (answered)
         self._leases: dict[tuple[str, int], _Lease] = {}  # (peer, xid) -> lease (initiator)
         self._holds: dict[int, list[_Lease]] = {}  # hold request -> leases asked for
-        self._verdicts: dict[tuple[str, int], tuple[int, int]] = {}  # (peer, seq) -> (status, xid)
-        self._waiting: set[tuple[str, int]] = set()  # (peer, seq) whose verdict a wait(confirm) wants
+        # (peer, seq) -> a posted confirm=True transfer whose verdict has not come: weak, so one
+        # the application drops unwaited (or whose answer never comes) leaves nothing behind.
+        self._waiting: weakref.WeakValueDictionary[tuple[str, int], Transfer] = weakref.WeakValueDictionary()
         self._views: dict[str, tuple[int, dict[int, None]]] = {}  # peer -> (dereg, metadata keys loaded)
         self._other: list[tuple[str, bytes]] = []
         self._inflight: list[Transfer] = []  # past their wait()'s timeout, not over
@@ -1123,8 +1137,9 @@ class NixlEndpoint(Closable):
                 broken = self._leases.get((peer, xid))
                 if broken is not None and not broken.broken:
                     broken.broken = _VERDICT.get(status, f"verdict {status}")
-            if (peer, seq) in self._waiting:
-                self._verdicts[(peer, seq)] = (status, xid)
+            waiter = self._waiting.pop((peer, seq), None)
+            if waiter is not None:
+                waiter.verdict = (status, xid)
         elif kind == _REVOKE:
             revoked = self._leases.get((peer, head[0]))
             if revoked is None:
@@ -1303,8 +1318,7 @@ class NixlEndpoint(Closable):
         finally:
             if confirm:
                 with self._lock:
-                    self._waiting.discard((t._leases[0].peer, t.seq))
-                    self._verdicts.pop((t._leases[0].peer, t.seq), None)
+                    self._waiting.pop((t._leases[0].peer, t.seq), None)
 
     def post_write(self, blocks: list[tuple[int, int, RemoteBuffer, int]], *, timeout: float = 30.0) -> Transfer:
         """Start a WRITE of (local, size, remote, offset) blocks to one peer; returns at once."""
@@ -1455,9 +1469,9 @@ class NixlEndpoint(Closable):
                 raise
             for lease in leases:
                 lease.inflight += 1
-            if confirm:
-                self._waiting.add((peer, seq))
             t = Transfer(self, h, toks, leases, seq, op, blocks, confirm)
+            if confirm:
+                self._waiting[(peer, seq)] = t
             if tracked:
                 self._running.add(t)
             self.transfers += 1
@@ -1769,6 +1783,10 @@ class NixlEndpoint(Closable):
             if self._send(peer, _pack(_XFER, (t.seq, len(t._leases)), [(x.xid, x.epoch) for x in t._leases])):
                 for lease in t._leases:
                     lease.checks += 1
+            else:
+                self._waiting.pop((peer, t.seq), None)  # no answer will come: wait(confirm) times out
+        elif t.confirm:
+            self._waiting.pop((t._leases[0].peer, t.seq), None)
         for lease in t._leases:
             lease.inflight -= 1
             self._drop_if_idle(lease)
@@ -1792,14 +1810,12 @@ class NixlEndpoint(Closable):
             if t.state == "PROC" and t not in self._inflight:
                 self._inflight.append(t)
                 self._running.add(t)
-            self._waiting.discard((t._leases[0].peer, t.seq))
+            self._waiting.pop((t._leases[0].peer, t.seq), None)
 
     def _await_verdict(self, t: Transfer, deadline: float) -> None:
-        key = (t._leases[0].peer, t.seq)
         start = time.perf_counter()
         while True:
-            with self._lock:
-                got = self._verdicts.pop(key, None)
+            got = t.verdict  # set by the thread that takes the target's answer
             if got is not None:
                 break
             if time.monotonic() > deadline:
@@ -1810,7 +1826,6 @@ class NixlEndpoint(Closable):
             self._pump()
             time.sleep(_NAP_MIN_S)
         self.confirm_s += time.perf_counter() - start
-        t.verdict = got
         status, xid = got
         if status != OK:
             raise StaleRemote(

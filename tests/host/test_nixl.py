@@ -242,7 +242,7 @@ def test_answers_are_matched_to_the_endpoint_and_peer_that_asked() -> None:
         assert p.tgt.stale_transfers == 1 and p.ini.stale_answers == 1 and other.stale_answers == 0
         with pytest.raises(StaleRemote, match="found stale on arrival"):
             p.ini.write(src, 4096, ra)  # the lease is broken: refused before sending
-        assert not p.ini._verdicts and not other._verdicts and not p.ini._waiting  # nothing left behind
+        assert not p.ini._waiting and not other._waiting  # nothing left behind
         other.close()
     finally:
         p.close()
@@ -1243,5 +1243,33 @@ def test_a_transfer_nixl_lost_track_of_stays_held_until_the_peer_is_loaded_again
                 assert t.state == "ERR" and p.ini.pending_transfers() == 0 and p.ini.cache.held() == 0
             p.tgt.forget_peer("i-pair")
             p.tgt.unexpose(rb, timeout=5)
+    finally:
+        p.close()
+
+
+def test_confirmations_nobody_waits_for_leave_nothing_behind() -> None:
+    """post(confirm=True) waited without confirm, or dropped unwaited: each answer was kept for a
+    wait(confirm=True) that never came, without bound.  Now an answer goes onto its transfer, and
+    a transfer dropped before its answer came leaves nothing behind."""
+    import gc
+
+    from gpupin.nixl import OK
+
+    p = Pair()
+    try:
+        src = p.mi.alloc(MiB)
+        rb = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        ts = [p.ini.post("WRITE", [(src, 4096, rb, 0)], confirm=True) for _ in range(50)]
+        for t in ts:
+            t.wait()
+        deadline = time.monotonic() + 10
+        while p.ini._waiting and time.monotonic() < deadline:
+            p.ini.progress()
+        assert not p.ini._waiting and all(t.verdict is not None and t.verdict[0] == OK for t in ts)
+        for _ in range(50):  # dropped at once: most answers come after their transfer went
+            p.ini.post("WRITE", [(src, 4096, rb, 0)], confirm=True).wait()
+        gc.collect()
+        assert not p.ini._waiting
+        p.ini.write(src, 4096, rb, confirm=True)  # answers come to those waiting still
     finally:
         p.close()
