@@ -730,6 +730,7 @@ _ASKED, _PENDING = ("asking",), ("asking", "granted")  # lease states a transfer
 _LINGER_S = 0.05  # a closing endpoint progresses its agent this long for its last messages to leave
 _OTHER_MAX = 65536  # application messages kept for progress(); older ones go (counted)
 _PUMP_EVERY_S = 0.001  # a post takes notifications itself at most this often
+_DROP_TRIES = 64  # sendings of a lease drop before giving up (2 ms apart at first, then 1 s: about a minute)
 _SPIN_S = 100e-6  # a transfer's wait polls without sleeping this long (a small one is done by then)
 _NAP_MIN_S, _NAP_MAX_S = 20e-6, 1e-3
 
@@ -804,7 +805,8 @@ class NixlEndpoint(Closable):
         self._inflight: list[Transfer] = []  # past their wait()'s timeout, not over
         self._lost: set[Transfer] = set()  # not over, NIXL's view of their peer erased (Transfer.lost)
         self._running: set[Transfer] = set()  # every posted transfer NIXL has not ended (polled here)
-        self._drops: list[tuple[str, bytes]] = []  # lease drops whose sending failed: sent again
+        # Lease drops whose sending failed: (peer, message, when to try again, tries so far).
+        self._drops: list[tuple[str, bytes, float, int]] = []
         self._unacked: set[tuple[str, int]] = set()  # (closing initiator) (peer, xid) drops not yet acknowledged
         self._md_asked: dict[int, tuple[str, int, bytes] | None] = {}  # request -> (peer, dereg, metadata)
         self.dropped_notifications = 0  # application messages let go: progress() was not called
@@ -1053,9 +1055,8 @@ class NixlEndpoint(Closable):
                     del self._other[: len(self._other) - _OTHER_MAX]
                 if self._last_pump >= self._next_watch:
                     self._watch()
-                drops, self._drops = self._drops, []
-                for peer, msg in drops:
-                    self._send_drop(peer, msg)
+                if self._drops:
+                    self._retry_drops()
             if self._running:
                 self._poll_inflight()
         finally:
@@ -1120,6 +1121,8 @@ class NixlEndpoint(Closable):
         elif kind == _GRANT:
             asked = self._holds.get(head[0])
             if asked is None:  # late (given up on): the target holds leases nobody uses
+                if not self._knows(peer):
+                    return
                 for xid, status, _ in entries:
                     if status == OK:
                         self._send_drop(peer, _pack(_DROP, (xid, 0, 0)))
@@ -1143,12 +1146,21 @@ class NixlEndpoint(Closable):
         elif kind == _REVOKE:
             revoked = self._leases.get((peer, head[0]))
             if revoked is None:
-                self._send_drop(peer, _pack(_DROP, (head[0], 0, 0)))
+                if self._knows(peer):  # a lease it forgot (given up on while asked): the target waits
+                    self._send_drop(peer, _pack(_DROP, (head[0], 0, 0)))
             else:
                 revoked.state = "revoked"
                 if head[1] != OK and not revoked.broken:
                     revoked.broken = _VERDICT.get(head[1], f"verdict {head[1]}")
                 self._drop_if_idle(revoked)
+
+    def _knows(self, peer: str) -> bool:
+        """Whether this endpoint ever loaded ``peer`` or asked it for a lease: a revocation or a
+        grant from another name is foreign (or for an endpoint gone), and not answered."""
+        if peer in self._connected or peer in self._views or peer in self._incarnations:
+            return True
+        self._unanswered(f"a lease message from {peer}, which this endpoint never connected")
+        return False
 
     def _malformed(self, peer: str, m: bytes) -> None:
         self.malformed_notifications += 1
@@ -1799,11 +1811,31 @@ class NixlEndpoint(Closable):
             self._leases.pop((lease.peer, lease.xid), None)
             self._send_drop(lease.peer, _pack(_DROP, (lease.xid, lease.checks, 0)))
 
-    def _send_drop(self, peer: str, msg: bytes) -> None:
-        """A lease drop: the target waits for it, so one that could not be sent is sent again
-        at the next pump (until ``forget_peer``)."""
-        if not self._send(peer, msg):
-            self._drops.append((peer, msg))
+    def _send_drop(self, peer: str, msg: bytes, tries: int = 0) -> None:
+        """A lease drop: the target waits for it, so one that could not be sent is sent again,
+        at growing intervals, ``_DROP_TRIES`` times in all (until ``forget_peer``)."""
+        if self._send(peer, msg):
+            return
+        tries += 1
+        if tries < _DROP_TRIES:
+            self._drops.append((peer, msg, time.monotonic() + min(_NAP_MAX_S * 2**tries, 1.0), tries))
+        else:
+            warnings.warn(
+                f"gpupin.nixl: endpoint {self.name!r} gave up sending a lease drop to {peer} after {tries} tries: "
+                f"an unexpose() there waits for this endpoint until it times out; call forget_peer({self.name!r}) "
+                "there",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def _retry_drops(self) -> None:
+        """(under _lock) Send again the lease drops whose time has come."""
+        now = time.monotonic()
+        due = [d for d in self._drops if d[2] <= now]
+        if due:
+            self._drops = [d for d in self._drops if d[2] > now]
+            for peer, msg, _, tries in due:
+                self._send_drop(peer, msg, tries)
 
     def _orphan(self, t: Transfer) -> None:
         with self._lock:

@@ -1273,3 +1273,34 @@ def test_confirmations_nobody_waits_for_leave_nothing_behind() -> None:
         p.ini.write(src, 4096, rb, confirm=True)  # answers come to those waiting still
     finally:
         p.close()
+
+
+def test_lease_messages_from_strangers_go_unanswered_and_drops_are_not_retried_forever(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A revocation or a late grant from a name the endpoint never connected queued a lease drop
+    that NIXL could never deliver, sent again at every pump (and each failure marked the peer
+    failed) for the endpoint's life.  Now it is counted unanswered; and a drop to a connected
+    peer whose sending keeps failing is tried a bounded number of times, then a warning."""
+    from gpupin import nixl
+
+    p = Pair()
+    try:
+        with p.ini._lock:
+            p.ini._on_message("stranger", nixl._pack(nixl._REVOKE, (12345, nixl.OK)))
+            p.ini._on_message("stranger", nixl._pack(nixl._GRANT, (777, 1), [(12345, nixl.OK, 0)]))
+        assert not p.ini._drops and p.ini.unanswered == 2
+        monkeypatch.setattr(nixl, "_DROP_TRIES", 3)
+        sends: list[bytes] = []
+        monkeypatch.setattr(p.ini, "_send", lambda peer, msg: sends.append(msg) and False)
+        with p.ini._lock:
+            p.ini._send_drop("t-pair", nixl._pack(nixl._DROP, (12345, 0, 0)))
+        with pytest.warns(RuntimeWarning, match="gave up sending a lease drop to t-pair after 3 tries"):
+            deadline = time.monotonic() + 5
+            while p.ini._drops and time.monotonic() < deadline:
+                p.ini.progress()
+                time.sleep(0.001)
+        assert not p.ini._drops and len(sends) == 3
+    finally:
+        monkeypatch.undo()
+        p.close()
