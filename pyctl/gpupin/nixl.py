@@ -51,7 +51,7 @@ from typing import Any
 
 from ._closable import Closable
 from ._dlopen import flush_c_stdio, load
-from .cache import LibraryDriver, LibraryRegistration, RegistrationCache
+from .cache import LibraryDriver, LibraryRegistration, Registration, RegistrationCache
 from .errors import DriverNotLoaded, GpupinError, InUse, InvalidArgument, UnknownHandle
 from .memory import MemoryProvider
 
@@ -231,8 +231,10 @@ def _defer(work: Callable[[], None], *, first: bool = False) -> None:
 
 def reap() -> int:
     """Run the NIXL work finalizers left for later (deregistrations, agents to retire) on this
-    thread, now; the number of items run.  gpupin does this itself before each NIXL call and at
-    exit; call it to have it done at a time of your choosing.  Does nothing inside a finalizer."""
+    thread, now; the number of items run.  gpupin does this itself when an endpoint or driver is
+    made, at each post, expose, cache acquire and notification pump (never under an endpoint's
+    or a cache's lock), and at exit; call it to have it done at a time of your choosing.  Does
+    nothing inside a finalizer."""
     done = 0
     while _DEFERRED and not collecting():  # the common case, nothing deferred: no lock taken
         with _registry_lock:
@@ -408,7 +410,8 @@ class NixlDriver(LibraryDriver):
         if size <= 0:
             raise InvalidArgument(f"register_memory({va:#x}, {size}): size must be > 0")
         what = f"register_memory({va:#x}, {size}, {self.mem_type})"
-        reap()
+        # No reap() here: a miss pins under the cache's lock and the endpoint's, and a deferred
+        # agent retirement spins that agent for up to SETTLE_S.  Its callers reap first.
         with self.lock:
             t = time.perf_counter()
             try:
@@ -511,6 +514,10 @@ class NixlCache(RegistrationCache):
             sync_memops=driver.mem_type == "VRAM",  # RDMA reads the GPU's writes in order
         )
         self.driver = driver
+
+    def acquire(self, ptr: int, size: int) -> Registration:
+        reap()  # before any lock is taken (NixlDriver.pin reaps not)
+        return super().acquire(ptr, size)
 
 
 @dataclass(frozen=True)
@@ -938,6 +945,7 @@ class NixlEndpoint(Closable):
         the same epoch returns its descriptor again; with another epoch it is InUse."""
         if not 0 <= epoch < 1 << 64:
             raise InvalidArgument(f"expose(epoch={epoch}): an epoch is an integer in [0, 2^64)")
+        reap()  # before this endpoint's lock: the cache's acquire() finds nothing left to do under it
         with self._lock:
             xid = self._by_range.get((ptr, size))
             if xid is not None:
@@ -1359,6 +1367,8 @@ class NixlEndpoint(Closable):
         """post(); ``tracked=False`` for a transfer its caller waits for at once (write/read):
         not polled by other threads meanwhile (the progress thread would take the endpoint's
         locks from the waiter at every poll), and tracked once its wait gives up (_orphan)."""
+        if _DEFERRED:
+            reap()  # before this endpoint's locks and the cache's (a miss pins under them)
         if op not in ("WRITE", "READ"):
             raise InvalidArgument(f"post({op!r}): 'WRITE' or 'READ'")
         if not blocks:

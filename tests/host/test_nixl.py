@@ -1304,3 +1304,26 @@ def test_lease_messages_from_strangers_go_unanswered_and_drops_are_not_retried_f
     finally:
         monkeypatch.undo()
         p.close()
+
+
+def test_deferred_cleanup_never_runs_under_an_endpoints_locks() -> None:
+    """Work a collected endpoint left (an agent to retire spins it for up to 0.3 s) ran inside
+    NixlDriver.pin, which a cache miss calls under the endpoint's lock and the cache's: every
+    other thread of that endpoint (its posts, its progress thread, its lease answers) stalled
+    behind it.  Now it runs before those locks are taken."""
+    from gpupin import nixl
+
+    p = Pair()
+    try:
+        rb = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        p.ini.write(p.mi.alloc(MiB), 4096, rb)  # the lease is held: the next post goes straight on
+        seen: list[tuple[bool, bool]] = []
+        nixl._defer(lambda: seen.append((p.ini._lock._is_owned(), p.ini.cache._lock._is_owned())))  # type: ignore[attr-defined]
+        p.ini.write(p.mi.alloc(MiB), 4096, rb)  # a new allocation: a cache miss, pinned
+        assert seen == [(False, False)]
+        seen.clear()
+        nixl._defer(lambda: seen.append((p.tgt._lock._is_owned(), p.tgt.cache._lock._is_owned())))  # type: ignore[attr-defined]
+        p.tgt.expose(p.mt.alloc(MiB), MiB)
+        assert seen == [(False, False)]
+    finally:
+        p.close()
