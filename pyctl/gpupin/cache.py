@@ -499,6 +499,12 @@ class RegistrationCache:
         """Finish a ``fast_lookup`` that returned ``code`` < 0: validate, pin, return a token."""
         return self._slow(ptr, size, code)
 
+    def unfinished(self) -> None:
+        """A ``fast_lookup`` that missed and whose caller does not ``miss()`` it (it looks up
+        the range's parts instead): not an acquire of its own in ``stats()``."""
+        with self._lock:
+            self._relookups += 1
+
     def lookup(self, ptr: int, size: int) -> int:
         """A referenced token for [ptr, ptr + size), pinning on a miss; pair with ``release_token``.
 

@@ -1424,7 +1424,7 @@ class NixlEndpoint(Closable):
                         lo, hi = min(b[0] for b in blocks), max(b[0] + b[1] for b in blocks)
                     # A registration held already that covers them all (the steady state):
                     # one C call.  Else the provider says whether one allocation does (blocks
-                    # of several allocations: that lookup counts as one more miss in stats()).
+                    # of several allocations: that lookup is not counted in stats()).
                     tok = fast(lo, hi - lo)
                     if tok < 0:
                         try:
@@ -1434,6 +1434,8 @@ class NixlEndpoint(Closable):
                             inside = False  # each block on its own below says what is wrong
                         if inside:
                             tok = miss(lo, hi - lo, tok)
+                        else:
+                            self.cache.unfinished()  # each block is looked up on its own below
                     if tok >= 0:
                         toks.append(tok)
                         spans = []
