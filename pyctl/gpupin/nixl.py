@@ -623,6 +623,7 @@ class Transfer:
         "state",
         "verdict",
         "lost",
+        "partial",
         "__weakref__",
     )
 
@@ -642,6 +643,7 @@ class Transfer:
         self.state = "PROC"  # PROC, DONE, ERR
         self.verdict: tuple[int, int] | None = None  # the target's (status, xid), once its ACK came
         self.lost = False  # PROC, and NIXL cannot say more until the peer is loaded again
+        self.partial = False  # lost for good: NIXL failed it after posting part (until forget_peer)
 
     @property
     def what(self) -> str:
@@ -914,7 +916,7 @@ class NixlEndpoint(Closable):
                 raise _nixl_error("add_remote_agent", exc) from None
         got = name.decode() if isinstance(name, bytes) else str(name)
         self._connected.add(got)
-        for t in [t for t in self._lost if t._leases[0].peer == got]:  # NIXL can say their state again
+        for t in [t for t in self._lost if t._leases[0].peer == got and not t.partial]:  # NIXL can tell again
             self._found(t)
         return got
 
@@ -1475,8 +1477,21 @@ class NixlEndpoint(Closable):
                     self._running.add(t)
                     self._inflight.append(t)
                     self.driver.peer_failed()
-                    if type(exc).__name__ == "nixlRemoteDisconnectError":
+                    disconnected = type(exc).__name__ == "nixlRemoteDisconnectError"
+                    if disconnected:  # NIXL erased the peer (the endpoint failed: its puts with it)
                         self._view_erased(peer)
+                    if len(lspec) > 1 and not disconnected and isinstance(exc, Exception):
+                        # NIXL's UCX backend stops at the put that failed; those before it are
+                        # under way with no flush after them (sendXferRange, ucx_backend.cpp),
+                        # and nothing NIXL offers says when they end.
+                        t.partial = True
+                        self._lose(t)
+                        raise NixlError(
+                            f"{_what(op, blocks)} failed after NIXL posted part of it ({type(exc).__name__} "
+                            f"{exc}): the blocks posted before the failure may still move, so every local buffer "
+                            f"of it stays registered and its leases held until forget_peer({peer!r})",
+                            type(exc).__name__,
+                        ) from None
                     self._check(t)  # over already (NIXL refused it whole): let go of it now
                     if isinstance(exc, Exception):
                         raise _nixl_error(_what(op, blocks), exc) from None

@@ -1332,3 +1332,49 @@ def test_deferred_cleanup_never_runs_under_an_endpoints_locks() -> None:
         assert seen == [(False, False)]
     finally:
         p.close()
+
+
+def test_a_transfer_failed_after_posting_part_of_it_stays_held_until_the_peer_is_forgotten() -> None:
+    """NIXL's UCX backend stops a scatter list at the put that failed, and the puts before it are
+    under way with nothing to wait for them: the error counted the transfer over, its lease
+    went and its buffers were let go while those puts could still land.  Now it stays held until
+    forget_peer(); a single block that fails had nothing under way and is let go at once."""
+    import nixl_cu13._bindings as bind
+
+    p = Pair(auto_progress=True)
+    try:
+        with _served(p.tgt):
+            dst, src = p.mt.alloc(MiB), p.mi.alloc(MiB)
+            rb = p.tgt.expose(dst, MiB)
+            p.ini.write(src, 4096, rb)  # the lease is held
+            agent = p.ini.agent
+            real = type(agent).transfer
+            ref = weakref.ref(agent)
+
+            def fails_after_posting(h: Any, *a: Any) -> str:
+                real(ref(), h, *a)  # posted for real (in this process: landed at once)
+                raise bind.nixlBackendError("NIXL_ERR_BACKEND")
+
+            agent.transfer = fails_after_posting
+            try:
+                with pytest.raises(NixlError, match="failed after NIXL posted part of it"):
+                    p.ini.write_blocks([(src, 4096, rb, 0), (src + 8192, 4096, rb, 8192)])
+                assert p.ini.lost_transfers == 1 and p.ini.pending_transfers() == 1 and p.ini.cache.held() == 1
+                with pytest.raises(NixlError, match="with t-pair failed"):
+                    p.ini.write(src, 4096, rb)  # one block: nothing under way, let go once NIXL says so
+                deadline = time.monotonic() + 5
+                while p.ini.pending_transfers() > 1 and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                assert p.ini.pending_transfers() == 1
+            finally:
+                del agent.transfer
+            with pytest.raises(gpupin.InUse):
+                p.tgt.unexpose(rb, timeout=0.3)  # the held transfer's lease still counts it
+            p.ini.connect(p.tgt.metadata())  # loading the peer again does not let it go
+            assert p.ini.pending_transfers() == 1
+            p.ini.forget_peer("t-pair")
+            assert p.ini.pending_transfers() == 0 and p.ini.cache.held() == 0
+            p.tgt.forget_peer("i-pair")
+            p.tgt.unexpose(rb, timeout=5)
+    finally:
+        p.close()
