@@ -689,23 +689,35 @@ class Transfer:
                 raise InvalidArgument(f"{self.what}: wait(confirm=True) needs post(..., confirm=True)")
             ep._await_verdict(self, deadline)
 
-    async def wait_async(self, timeout: float = 30.0, *, poll: float = 0.0002) -> None:
+    async def wait_async(self, timeout: float = 30.0, *, confirm: bool = False, poll: float = 0.0002) -> None:
         """``wait`` for asyncio: polls every ``poll`` s, yielding to the loop in between."""
         import asyncio
 
+        ep = self._ep
         deadline = time.monotonic() + timeout
         while not self.done():
             if time.monotonic() > deadline:
-                self._ep._orphan(self)
+                ep._orphan(self)
                 if self.lost:
                     raise NixlError(f"{self.what}: {_LOST}", "timeout")
                 raise NixlError(f"{self.what}: not done after {timeout} s; settle() before freeing", "timeout")
             await asyncio.sleep(poll)
         if self.state != "DONE":
+            ep.driver.peer_failed()
             raise NixlError(f"{self.what} failed (the peer went away, or its registration did)", "ERR")
+        if confirm:
+            if not self.confirm:
+                raise InvalidArgument(f"{self.what}: wait_async(confirm=True) needs post(..., confirm=True)")
+            while self.verdict is None:
+                if time.monotonic() > deadline:
+                    raise NixlError(f"{self.what}: {_NO_ANSWER}")
+                ep._pump()
+                await asyncio.sleep(poll)
+            ep._judge(self)
 
 
 _LOCAL, _SIZE, _REMOTE, _OFFSET = (operator.itemgetter(i) for i in range(4))  # a block's columns
+_NO_ANSWER = "no answer from the target (it must call progress() or serve(), and have loaded this endpoint's metadata)"
 _LOST = (
     "NIXL lost its view of the peer while the transfer ran (NOT_FOUND: a refused metadata load or a "
     "disconnect erased it), so whether UCX still moves its bytes is unknown: its local buffers stay "
@@ -1878,14 +1890,17 @@ class NixlEndpoint(Closable):
             if got is not None:
                 break
             if time.monotonic() > deadline:
-                raise NixlError(
-                    f"{t.what}: no answer from the target (it must call progress() or serve(), and have "
-                    "loaded this endpoint's metadata)"
-                )
+                raise NixlError(f"{t.what}: {_NO_ANSWER}")
             self._pump()
             time.sleep(_NAP_MIN_S)
         self.confirm_s += time.perf_counter() - start
-        status, xid = got
+        self._judge(t)
+
+    def _judge(self, t: Transfer) -> None:
+        """StaleRemote if the target's answer on ``t`` (come) says its exposure changed."""
+        if t.verdict is None:
+            raise NixlError(f"{t.what}: {_NO_ANSWER}")
+        status, xid = t.verdict
         if status != OK:
             raise StaleRemote(
                 f"{t.what}: the target found exposure {xid} changed when the data arrived "

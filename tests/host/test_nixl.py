@@ -693,6 +693,11 @@ def test_many_blocks_in_one_transfer_posted_without_waiting() -> None:
         t2 = p.ini.post_read([(local + 7 * MiB, 4096, region, 0)])
         asyncio.run(t2.wait_async(10))
         assert p.mi.read(local + 7 * MiB, 4096) == bytes([64]) * 4096
+        t3 = p.ini.post("WRITE", [(local, 4096, region, 0)], confirm=True)
+        asyncio.run(t3.wait_async(10, confirm=True))  # the target's check, awaited
+        assert t3.verdict is not None and t3.verdict[0] == 0
+        with pytest.raises(gpupin.InvalidArgument, match="needs post"):
+            asyncio.run(p.ini.post_write(blocks[:1]).wait_async(10, confirm=True))
         assert p.ini.leases_asked == 1  # one lease for the region, asked for once
         other = p.tgt.expose(p.mt.alloc(MiB), MiB)
         other_peer = dataclasses.replace(other, agent="someone-else")
