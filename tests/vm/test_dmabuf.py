@@ -20,8 +20,8 @@ from gpupin import Device, SimMemory, kmod, sim_stats
 from gpupin._native import ffi, lib
 from gpupin.cache import RegistrationCache
 from gpupin.netlink import Netlink
+from gpupin.peer import Peer
 from gpupin.sim import get_sim_param, set_sim_param
-from gpupin.testing.peer import Peer
 
 pytestmark = pytest.mark.vm
 SIM_EXPORT = pytest.mark.simonly(reason="pins dma-bufs of the simulator's (static) exporter")

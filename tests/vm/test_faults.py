@@ -18,7 +18,7 @@ import pytest
 from conftest import GPU_PAGE, SLOW, first_pci_device
 from gpupin import Device, EventsLost, GpupinError, SimMemory, sim_stats
 from gpupin.netlink import Netlink
-from gpupin.testing.peer import Peer
+from gpupin.peer import Peer
 
 pytestmark = [
     pytest.mark.vm,

@@ -18,8 +18,8 @@ import pytest
 import gpupin
 from conftest import GPU_ALLOC, GPU_PAGE, MiB, first_pci_device
 from gpupin import Device, MemoryProvider, SimMemory, kmod, netlink, sim_stats
+from gpupin.peer import Peer
 from gpupin.testing import ensure_loaded
-from gpupin.testing.peer import Peer
 
 pytestmark = pytest.mark.vm
 EXPORTER = pytest.mark.simonly(reason="pins dma-bufs of the simulator's exporter and counts its attachments")

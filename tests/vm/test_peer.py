@@ -27,8 +27,8 @@ from conftest import EINVAL, GPU_PAGE, SLOW, MiB, first_pci_device, pattern, raw
 from gpupin import Device, SimMemory, kmod, sim_stats
 from gpupin._native import lib
 from gpupin.memory import MemoryProvider
+from gpupin.peer import Peer
 from gpupin.testing import NATIVE, ensure_loaded, load_peer
-from gpupin.testing.peer import Peer
 
 # Not simonly as a whole: the sim fixture skips natively, the memory tests run in both modes.
 pytestmark = [pytest.mark.vm]

@@ -21,8 +21,8 @@ import gpupin
 from conftest import GPU_ALLOC, GPU_PAGE
 from gpupin import Device, MemoryProvider, SimMemory, sim_stats
 from gpupin.netlink import Netlink
+from gpupin.peer import Peer
 from gpupin.testing import NATIVE
-from gpupin.testing.peer import Peer
 
 pytestmark = pytest.mark.vm
 LONG = os.environ.get("GPUPIN_LONG") == "1"

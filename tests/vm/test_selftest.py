@@ -23,8 +23,8 @@ import pytest
 from conftest import SLOW
 from gpupin import Device, kmod
 from gpupin.memory import MemoryProvider
+from gpupin.peer import Peer, load_peer
 from gpupin.testing import NATIVE
-from gpupin.testing.peer import Peer, load_peer
 from gpupin.tools import selftest
 
 pytestmark = pytest.mark.vm

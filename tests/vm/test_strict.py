@@ -23,7 +23,7 @@ import gpupin
 from conftest import GPU_PAGE, SLOW, MiB, in_child, libc, raw
 from gpupin import Device, SimMemory, sim_stats
 from gpupin._native import ffi, lib
-from gpupin.testing.peer import Peer
+from gpupin.peer import Peer
 
 pytestmark = [
     pytest.mark.vm,

@@ -16,8 +16,8 @@ import pytest
 import gpupin
 from conftest import GPU_PAGE, _pci_devices, first_pci_device
 from gpupin import Device, SimMemory, sim_stats
+from gpupin.peer import Peer
 from gpupin.testing import load_peer
-from gpupin.testing.peer import Peer
 
 pytestmark = [pytest.mark.vm, pytest.mark.simonly(reason="the simulator's deny_peers plays NVIDIA's verdict")]
 

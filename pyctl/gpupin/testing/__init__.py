@@ -6,14 +6,14 @@
   ``NATIVE``).  Its code is in ``plugin.py``.
 - ``fake``: FakeDevice, FakeMemory and FakeCuFile, in-process stand-ins for gpupin.ko,
   device memory and cuFile.
-- ``peer``: the example peer driver (gpupin_peer.ko) from Python.
 - ``vgem``: dma-bufs from the kernel's vgem driver, a second exporter.
 - ``stress``: a thread stress of one RegistrationCache over any provider (the host and VM
   suites run it over FakeMemory and SimMemory).
 
-fake, peer, vgem and stress need no pytest (``gpupin bench`` runs over the fakes, ``gpupin selftest``
-drives the peer), so the plugin's names are read in only where pytest is installed.  The tools
-(gpupin.tools) may import test support, which sits below them; the library never does.
+fake, vgem and stress need no pytest (``gpupin bench`` runs over the fakes), so the plugin's names
+are read in only where pytest is installed.  The tools (gpupin.tools) may import test support, which
+sits below them; the library never does.  The example peer driver's Python side, which the self-test
+and the demo drive, is the library's ``gpupin.peer``.
 """
 
 try:

@@ -43,8 +43,8 @@ import pytest
 from ..device import Device
 from ..errors import ModuleError
 from ..memory import MemoryProvider
+from ..peer import Peer, load_peer
 from ..sim import SimMemory, module_param, sim_stats
-from .peer import Peer, load_peer
 
 __all__ = [
     "NATIVE",

@@ -35,7 +35,7 @@ def pci_device() -> str | None:
 
 
 def _peer_and_dmabuf(dev: Device, mem: SimMemory) -> None:
-    from ..testing.peer import Peer, load_peer
+    from ..peer import Peer, load_peer
 
     load_peer()
     va = mem.alloc(256 * KiB)

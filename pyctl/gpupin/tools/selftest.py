@@ -38,7 +38,7 @@ from ._sysfs import read_text
 
 if TYPE_CHECKING:
     from ..cuda import CudaMemory
-    from ..testing.peer import Peer
+    from ..peer import Peer
 
 KiB, MiB = 1 << 10, 1 << 20
 GPU_PAGE = 64 * KiB
@@ -682,7 +682,7 @@ def _open_target(
     if mapped and mapped != pci:
         t.peer_why = f"gpupin_peer is loaded for {mapped}, not {pci}: unload it, or pass --pci {mapped}"
         return t
-    from ..testing.peer import Peer
+    from ..peer import Peer
 
     t.peer = stack.enter_context(Peer())
     return t

@@ -11,10 +11,10 @@ import errno
 import os
 from dataclasses import dataclass
 
-from .._closable import Closable, open_node
-from .._native import ffi, lib
-from ..device import Device, Pin
-from ..errors import DriverNotLoaded, InvalidArgument, PinInvalidated, TransferAborted, from_errno
+from ._closable import Closable, open_node
+from ._native import ffi, lib
+from .device import Device, Pin
+from .errors import DriverNotLoaded, InvalidArgument, PinInvalidated, TransferAborted, from_errno
 
 PEER_PATH = "/dev/gpupin_peer"
 
@@ -24,7 +24,7 @@ def load_peer(pci: str | None = None) -> None:
 
     ``pci`` is a PCI address (``DDDD:BB:DD.F``, e.g. a NIC's); without it, the last PCI
     device.  A peer already loaded for another device is reloaded for ``pci``."""
-    from .. import kmod
+    from . import kmod
 
     sysfs = "/sys/bus/pci/devices"
     if pci is not None and not os.path.isdir(f"{sysfs}/{pci}"):
