@@ -373,14 +373,26 @@ long gpupin_ioctl_dma_map(struct gpupin_file *f, struct gpupin_dma_map __user *u
 	return ret;
 }
 
+static int gpupin_fill_dma_addrs(struct gpupin_pin_obj *pin, u64 *addrs, u32 first, u32 count,
+				 void *ctx)
+{
+	const u32 *mapping_id = ctx;
+	struct gpupin_map *map;
+	u32 i;
+
+	spin_lock(&pin->lock);
+	map = gpupin_map_find_locked(pin, *mapping_id);
+	if (map) {
+		for (i = 0; i < count; i++)
+			addrs[i] = map->dma[first + i];
+	}
+	spin_unlock(&pin->lock);
+	return map ? 0 : -ENOENT;
+}
+
 long gpupin_ioctl_dma_addrs(struct gpupin_file *f, struct gpupin_dma_addrs __user *uarg)
 {
 	struct gpupin_dma_addrs arg;
-	struct gpupin_pin_obj *pin;
-	struct gpupin_map *map;
-	u64 *addrs;
-	u32 i, entries;
-	int ret;
 
 	/* Bus addresses are as sensitive as physical ones (gpupin_may_read_addrs). */
 	if (!gpupin_may_read_addrs(f))
@@ -390,37 +402,8 @@ long gpupin_ioctl_dma_addrs(struct gpupin_file *f, struct gpupin_dma_addrs __use
 	if (arg.flags || arg.reserved[0] || arg.reserved[1] || !arg.count ||
 	    arg.count > GPUPIN_MAX_ADDRS_PER_CALL)
 		return -EINVAL;
-	pin = gpupin_pin_lookup(f, arg.handle);
-	if (!pin)
-		return -ENOENT;
-	entries = pin->entries;
-	ret = -EINVAL;
-	if (arg.first >= entries || arg.count > entries - arg.first)
-		goto out_put;
-	ret = -ENOMEM;
-	addrs = gpupin_kvmalloc_array(arg.count, sizeof(*addrs), GFP_KERNEL);
-	if (!addrs)
-		goto out_put;
-	ret = gpupin_pin_use(pin);
-	if (ret)
-		goto out_free;
-	spin_lock(&pin->lock);
-	map = gpupin_map_find_locked(pin, arg.mapping_id);
-	if (map) {
-		for (i = 0; i < arg.count; i++)
-			addrs[i] = map->dma[arg.first + i];
-	}
-	spin_unlock(&pin->lock);
-	gpupin_pin_unuse(pin);
-	ret = -ENOENT;
-	if (map)
-		ret = copy_to_user(u64_to_user_ptr(arg.addrs), addrs,
-				   array_size(arg.count, sizeof(*addrs))) ? -EFAULT : 0;
-out_free:
-	kvfree(addrs);
-out_put:
-	gpupin_pin_put(pin);
-	return ret;
+	return gpupin_copy_addr_window(f, arg.handle, arg.first, arg.count, arg.addrs,
+				       gpupin_fill_dma_addrs, &arg.mapping_id);
 }
 
 long gpupin_ioctl_dma_unmap(struct gpupin_file *f, struct gpupin_dma_unmap __user *uarg)

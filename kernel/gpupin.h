@@ -357,6 +357,11 @@ long gpupin_ioctl_pin(struct gpupin_file *f, struct gpupin_pin __user *uarg);
 long gpupin_ioctl_unpin(struct gpupin_file *f, struct gpupin_unpin __user *uarg);
 long gpupin_ioctl_query(struct gpupin_file *f, struct gpupin_query __user *uarg);
 long gpupin_ioctl_get_pages(struct gpupin_file *f, struct gpupin_get_pages __user *uarg);
+/* Fills a GET_PAGES/DMA_ADDRS window of @pin (in use); 0 or a negative errno. */
+typedef int (*gpupin_window_fill_t)(struct gpupin_pin_obj *pin, u64 *addrs, u32 first, u32 count,
+				    void *ctx);
+long gpupin_copy_addr_window(struct gpupin_file *f, u64 handle, u32 first, u32 count,
+			     u64 uaddrs, gpupin_window_fill_t fill, void *ctx);
 struct gpupin_pin_obj *gpupin_pin_lookup(struct gpupin_file *f, u64 handle);
 struct gpupin_pin_obj *gpupin_pin_lookup_owned(struct gpupin_file *f, u64 handle, int *err);
 void gpupin_pin_uuid(const struct gpupin_pin_obj *pin, u8 uuid[16]);

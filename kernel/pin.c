@@ -1121,13 +1121,58 @@ long gpupin_ioctl_query(struct gpupin_file *f, struct gpupin_query __user *uarg)
 	return copy_to_user(uarg, &arg, sizeof(arg)) ? -EFAULT : 0;
 }
 
+/*
+ * The address window of GET_PAGES and DMA_ADDRS: entries [first, first + count)
+ * of the pin @handle, filled by @fill while the pin is in use (so never while
+ * its callback waits: the callback must never wait for a fault) and copied to
+ * @uaddrs afterwards.  The caller has checked the permission and the fields.
+ */
+long gpupin_copy_addr_window(struct gpupin_file *f, u64 handle, u32 first, u32 count,
+			     u64 uaddrs, gpupin_window_fill_t fill, void *ctx)
+{
+	struct gpupin_pin_obj *pin;
+	u64 *addrs;
+	int ret;
+
+	pin = gpupin_pin_lookup(f, handle);
+	if (!pin)
+		return -ENOENT;
+	ret = -EINVAL;
+	if (first >= pin->entries || count > pin->entries - first)
+		goto out_put;
+	ret = -ENOMEM;
+	addrs = gpupin_kvmalloc_array(count, sizeof(*addrs), GFP_KERNEL);
+	if (!addrs)
+		goto out_put;
+	ret = gpupin_pin_use(pin);
+	if (!ret) {
+		ret = fill(pin, addrs, first, count, ctx);
+		gpupin_pin_unuse(pin);
+	}
+	if (!ret && copy_to_user(u64_to_user_ptr(uaddrs), addrs, array_size(count, sizeof(*addrs))))
+		ret = -EFAULT;
+	kvfree(addrs);
+out_put:
+	gpupin_pin_put(pin);
+	return ret;
+}
+
+static int gpupin_fill_pages(struct gpupin_pin_obj *pin, u64 *addrs, u32 first, u32 count,
+			     void *ctx)
+{
+	u32 i;
+
+	/* A dma-buf pin has addresses only for the device it was imported for. */
+	if (pin->dmabuf && !pin->dmabuf_addrs)
+		return -EOPNOTSUPP;
+	for (i = 0; i < count; i++)
+		addrs[i] = gpupin_pin_page_addr(pin, first + i);
+	return 0;
+}
+
 long gpupin_ioctl_get_pages(struct gpupin_file *f, struct gpupin_get_pages __user *uarg)
 {
 	struct gpupin_get_pages arg;
-	struct gpupin_pin_obj *pin;
-	u64 *addrs;
-	u32 i;
-	int ret;
 
 	/* Physical addresses: for the opener alone, and only an administrator. */
 	if (!gpupin_may_read_addrs(f))
@@ -1137,33 +1182,6 @@ long gpupin_ioctl_get_pages(struct gpupin_file *f, struct gpupin_get_pages __use
 	if (arg.flags || arg.pad || arg.reserved[0] || arg.reserved[1] || !arg.count ||
 	    arg.count > GPUPIN_MAX_ADDRS_PER_CALL)
 		return -EINVAL;
-	pin = gpupin_pin_lookup(f, arg.handle);
-	if (!pin)
-		return -ENOENT;
-	ret = -EINVAL;
-	if (arg.first >= pin->entries || arg.count > pin->entries - arg.first)
-		goto out_put;
-	ret = -ENOMEM;
-	addrs = gpupin_kvmalloc_array(arg.count, sizeof(*addrs), GFP_KERNEL);
-	if (!addrs)
-		goto out_put;
-	/* Copy under "use" only: the callback must never wait for a fault. */
-	ret = gpupin_pin_use(pin);
-	/* A dma-buf pin has addresses only for the device it was imported for. */
-	if (!ret && pin->dmabuf && !pin->dmabuf_addrs) {
-		gpupin_pin_unuse(pin);
-		ret = -EOPNOTSUPP;
-	}
-	if (!ret) {
-		for (i = 0; i < arg.count; i++)
-			addrs[i] = gpupin_pin_page_addr(pin, arg.first + i);
-		gpupin_pin_unuse(pin);
-		if (copy_to_user(u64_to_user_ptr(arg.addrs), addrs,
-				 array_size(arg.count, sizeof(*addrs))))
-			ret = -EFAULT;
-	}
-	kvfree(addrs);
-out_put:
-	gpupin_pin_put(pin);
-	return ret;
+	return gpupin_copy_addr_window(f, arg.handle, arg.first, arg.count, arg.addrs,
+				       gpupin_fill_pages, NULL);
 }
