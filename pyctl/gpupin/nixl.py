@@ -29,6 +29,7 @@ NIXL is imported when a driver is made (``load_nixl``), never at ``import gpupin
 from __future__ import annotations
 
 import atexit
+import collections
 import gc
 import importlib
 import itertools
@@ -193,9 +194,14 @@ def nixl_version() -> str | None:
 SETTLE_S = 0.3
 
 _gc_state = threading.local()
-_DEFERRED: list[Callable[[], None]] = []
+# A deque, taken by no lock: a finalizer may run on any thread at any allocation, also one made
+# while that thread holds a lock, so nothing a finalizer reaches may take a lock (it would wait
+# on its own thread).  append, appendleft and popleft are atomic.
+_DEFERRED: collections.deque[Callable[[], None]] = collections.deque()
 _AGENT_LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
-_registry_lock = threading.Lock()  # guards _DEFERRED and _AGENT_LOCKS; held for no NIXL call
+# Guards _AGENT_LOCKS, _ENDPOINT_OF and _PROGRESS_THREADS; held for no NIXL call, and never taken
+# from a finalizer (see _DEFERRED).
+_registry_lock = threading.Lock()
 _UNRELEASABLE: list[Any] = []  # transfer handles NIXL refused to release: never finalized before exit
 # (provider, free hold) of exposures an endpoint left to the garbage collector while peers held
 # leases on them: no revocation can be sent from there and a peer may still write, so the
@@ -222,11 +228,10 @@ def collecting() -> bool:
 def _defer(work: Callable[[], None], *, first: bool = False) -> None:
     """Queue ``work`` for reap(); ``first``: ahead of what is queued (transfer handles go
     before the registrations they use are deregistered and before their agent retires)."""
-    with _registry_lock:
-        if first:
-            _DEFERRED.insert(0, work)
-        else:
-            _DEFERRED.append(work)
+    if first:
+        _DEFERRED.appendleft(work)
+    else:
+        _DEFERRED.append(work)
 
 
 def reap() -> int:
@@ -236,11 +241,11 @@ def reap() -> int:
     or a cache's lock), and at exit; call it to have it done at a time of your choosing.  Does
     nothing inside a finalizer."""
     done = 0
-    while _DEFERRED and not collecting():  # the common case, nothing deferred: no lock taken
-        with _registry_lock:
-            if not _DEFERRED:
-                break
-            work = _DEFERRED.pop(0)
+    while _DEFERRED and not collecting():  # the common case, nothing deferred: one test
+        try:
+            work = _DEFERRED.popleft()
+        except IndexError:  # another thread took the last one
+            break
         try:
             work()
         except Exception as exc:  # noqa: BLE001 - one failure must not keep the rest waiting
@@ -284,6 +289,14 @@ def _claim_agent(agent: Any, name: str) -> None:
                 )
             _ENDPOINT_OF[agent] = name
         except TypeError:  # an agent that takes no weak reference (a test double): unchecked
+            pass
+
+
+def _unclaim_agent(agent: Any) -> None:
+    with _registry_lock:
+        try:
+            _ENDPOINT_OF.pop(agent, None)
+        except TypeError:  # a test double
             pass
 
 
@@ -1988,11 +2001,14 @@ class NixlEndpoint(Closable):
         self._by_range.clear()
         if not collecting():
             self._drop_leases(timeout)
-        with _registry_lock:
-            try:
-                _ENDPOINT_OF.pop(self.driver.agent, None)
-            except (TypeError, NixlError):  # a test double, or the agent already retired
-                pass
+        try:
+            agent = self.driver.agent
+        except NixlError:  # retired already
+            agent = None
+        if agent is not None and collecting():  # no lock from a finalizer: let go of the claim later
+            _defer(lambda: _unclaim_agent(agent))
+        elif agent is not None:
+            _unclaim_agent(agent)
         if leased:
             name = self.name
             _defer(

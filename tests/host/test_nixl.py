@@ -1383,3 +1383,50 @@ def test_a_transfer_failed_after_posting_part_of_it_stays_held_until_the_peer_is
             p.tgt.unexpose(rb, timeout=5)
     finally:
         p.close()
+
+
+_COLLECT_UNDER_THE_REGISTRY_LOCK = r"""
+import faulthandler, gc, sys, weakref
+faulthandler.dump_traceback_later(60, exit=True)  # a deadlock: the stacks, and a failure
+import gpupin.nixl as gn
+from gpupin.hostmem import HostMemory
+
+class Collecting(weakref.WeakKeyDictionary):
+    # What an automatic collection at one of these allocations does, made certain.
+    def __setitem__(self, k, v):
+        gc.collect()
+        super().__setitem__(k, v)
+    def pop(self, k, *d):
+        gc.collect()
+        return super().pop(k, *d)
+
+gc.disable()  # the garbage waits for the collections above
+gn._AGENT_LOCKS = Collecting(gn._AGENT_LOCKS)
+gn._ENDPOINT_OF = Collecting(gn._ENDPOINT_OF)
+gn._PROGRESS_THREADS = Collecting(gn._PROGRESS_THREADS)
+m = HostMemory(16 << 20)
+for n in range(4):
+    old = gn.NixlEndpoint(f"old{n}", m, mem_type="DRAM")  # left in a cycle: finalized in there
+    old.expose(m.alloc(4096), 4096)
+    old.cycle = old
+    del old
+    new = gn.NixlEndpoint(f"new{n}", m, mem_type="DRAM", auto_progress=n % 2 == 1)
+    new.close()
+gn.reap()
+print("no deadlock")
+"""
+
+
+def test_a_collection_under_the_registry_lock_finalizes_without_deadlock() -> None:
+    """An allocation made under the module's registry lock (a weak dictionary's entry, made when
+    an endpoint is made, claims its agent, starts its progress thread or closes) can start a
+    collection on that thread, whose finalizers (endpoints left in cycles) took the same lock:
+    the thread waited on itself for ever.  No finalizer takes a lock now."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(Path(gpupin.__file__).parents[1]), "NIXL_LOG_LEVEL": "ERROR"}
+    r = subprocess.run(
+        [sys.executable, "-c", _COLLECT_UNDER_THE_REGISTRY_LOCK], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0 and "no deadlock" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
