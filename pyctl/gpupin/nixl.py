@@ -1949,7 +1949,16 @@ class NixlEndpoint(Closable):
         that outlived its call is waited for up to ``timeout`` s (``settle``), then close()
         raises InUse naming it.  An endpoint dropped without close() makes no NIXL call from
         the garbage collector: see reap()."""
+        progressed = self._progress_stop is not None and not self._progress_stop.is_set()
         self._stop_progress()
+        try:
+            self._close(timeout)
+        except InUse:
+            if progressed and not collecting():  # refused, changing nothing: peers are still answered
+                self._start_progress()
+            raise
+
+    def _close(self, timeout: float) -> None:
         if self._running and collecting():
             # The transfers NIXL has not ended are garbage with this endpoint (it polls them,
             # they name it); their handles are not (_LIVE_XFERS).  reap() releases them first

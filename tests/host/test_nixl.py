@@ -1430,3 +1430,25 @@ def test_a_collection_under_the_registry_lock_finalizes_without_deadlock() -> No
         [sys.executable, "-c", _COLLECT_UNDER_THE_REGISTRY_LOCK], env=env, capture_output=True, text=True, timeout=120
     )
     assert r.returncode == 0 and "no deadlock" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_a_refused_close_keeps_answering_peers() -> None:
+    """close() stopped the progress thread and then refused (InUse: a transfer still runs): the
+    endpoint lived on without it, a target's revocation went unanswered and its unexpose()
+    timed out.  A refused close() changes nothing now."""
+    p = Pair(auto_progress=True)
+    try:
+        x = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        y = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        src = p.mi.alloc(MiB)
+        p.ini.write(src, 4096, y)  # a lease on y, idle
+        with _slow_transfers(p.ini) as slow:
+            p.ini.post_write([(src, 4096, x, 0)])
+            with pytest.raises(gpupin.InUse, match="NIXL has not ended"):
+                p.ini.close(timeout=0.2)
+            assert p.ini._progress_thread.is_alive()
+            p.tgt.unexpose(y, timeout=5)  # the initiator's thread answers the revocation
+            slow[0] = False
+        assert p.ini.settle(5) == 0
+    finally:
+        p.close()
