@@ -59,14 +59,14 @@ from .memory import MemoryProvider
 MEM_TYPES = ("VRAM", "DRAM")
 INSTALL = "pip install --no-deps nixl-cu13 numpy"
 
-# The protocol on NIXL notifications, version 2: one prefix, a kind byte, a fixed layout per kind
+# The protocol on NIXL notifications, version 3: one prefix, a kind byte, a fixed layout per kind
 # (HOLD, GRANT and XFER carry a count, then that many entries).  See NixlEndpoint.
-_PREFIX = b"gpupin-nixl/2:"
+_PREFIX = b"gpupin-nixl/3:"
 _HOLD, _GRANT, _XFER, _ACK, _REVOKE, _DROP = b"H", b"G", b"X", b"A", b"R", b"D"
 _MDASK, _MD = b"M", b"m"  # a target's current metadata, asked for and sent (its bytes follow the head)
 _DROPPED = b"d"  # a target has a closing initiator's drop (DROP's third field asks for it)
 _HEAD = {
-    _HOLD: "<QH", _GRANT: "<QH", _XFER: "<QH", _ACK: "<QBQ", _REVOKE: "<QB", _DROP: "<QQB", _MDASK: "<Q",
+    _HOLD: "<QH", _GRANT: "<QH", _XFER: "<QH", _ACK: "<QBQ", _REVOKE: "<QB", _DROP: "<QQBQ", _MDASK: "<Q",
     _MD: "<QQ", _DROPPED: "<Q",
 }  # fmt: skip
 _ENTRY = {_HOLD: "<QQ", _GRANT: "<QBQ", _XFER: "<QQ"}  # (xid, epoch), (xid, status, dereg), (xid, epoch)
@@ -596,6 +596,9 @@ class _Exposure:
     reg: Any
     hold: int | None
     holders: dict[str, list[int]] = field(default_factory=dict)
+    # peer -> the hold request its lease was granted on: a DROP names it, so that the drop of
+    # a grant the peer gave up on (answered late) never ends a lease it holds from a later one.
+    grants: dict[str, int] = field(default_factory=dict)
     revoked: bool = False
     done: bool = False
 
@@ -613,6 +616,7 @@ class _Lease:
     state: str = "asking"  # asking, granted (loading), held, revoked (REVOKE came; no new transfer), refused
     verdict: int = OK
     dereg: int = 0  # the target's dropped registrations when it granted the lease
+    grant: int = 0  # the hold request that asked for it (its DROP names it)
     inflight: int = 0  # transfers posted under it and not over
     lost: int = 0  # of those, ones whose state NIXL cannot tell (its view of the peer was erased)
     checks: int = 0  # check messages sent under it (wait(confirm=True))
@@ -903,6 +907,7 @@ class NixlEndpoint(Closable):
                 self._complete(t, "ERR")  # lost with the peer: the caller says it transfers no more
             for ex in list(self._exposures.values()):
                 ex.holders.pop(peer, None)
+                ex.grants.pop(peer, None)
                 self._finish_if_settled(ex)
             self._forget_view(peer)
 
@@ -1146,7 +1151,9 @@ class NixlEndpoint(Closable):
             self._on_xfer(peer, head[0], entries)
         elif kind == _DROP:
             ex = self._exposures.get(head[0])
-            if ex is not None and peer in ex.holders:
+            # The drop of the lease the peer holds (its grant named; 0: a peer that knows of
+            # no lease answering a revocation), not of a grant it gave up on while it asked again.
+            if ex is not None and peer in ex.holders and head[3] in (ex.grants.get(peer), 0 if ex.revoked else None):
                 ex.holders[peer][1] = head[1]
                 self._finish_if_settled(ex)
             if head[2] and peer in self._connected:  # a closing initiator waits for this
@@ -1160,7 +1167,7 @@ class NixlEndpoint(Closable):
                     return
                 for xid, status, _ in entries:
                     if status == OK:
-                        self._send_drop(peer, _pack(_DROP, (xid, 0, 0)))
+                        self._send_drop(peer, _pack(_DROP, (xid, 0, 0, head[0])))
             elif asked[0].peer == peer:  # else not ours
                 del self._holds[head[0]]
                 verdicts = {x: (st, d) for x, st, d in entries}
@@ -1182,7 +1189,7 @@ class NixlEndpoint(Closable):
             revoked = self._leases.get((peer, head[0]))
             if revoked is None:
                 if self._knows(peer):  # a lease it forgot (given up on while asked): the target waits
-                    self._send_drop(peer, _pack(_DROP, (head[0], 0, 0)))
+                    self._send_drop(peer, _pack(_DROP, (head[0], 0, 0, 0)))
             else:
                 revoked.state = "revoked"
                 if head[1] != OK and not revoked.broken:
@@ -1257,6 +1264,7 @@ class NixlEndpoint(Closable):
                 # A new lease of a peer that dropped one (a new endpoint on its agent): waited
                 # for again; the checks its old lease still has on the way count against that.
                 ex.holders[peer] = [got - dropped, -1] if dropped >= 0 else [got, dropped]
+                ex.grants[peer] = req
             out.append((xid, status, self.driver.deregistrations))
         self._send(peer, _pack(_GRANT, (req, len(out)), out))
 
@@ -1600,6 +1608,7 @@ class NixlEndpoint(Closable):
                 asked = []
                 for r in ask:
                     lease = self._leases.setdefault((peer, r.xid), _Lease(peer, r.xid, r.epoch))
+                    lease.grant = req
                     asked.append(lease)
                 self._holds[req] = asked
                 self.leases_asked += len(asked)
@@ -1647,7 +1656,7 @@ class NixlEndpoint(Closable):
                 with self._lock:
                     if self._leases.get((peer, r.xid)) is lease:  # waiting threads see it gone
                         del self._leases[(peer, r.xid)]
-                        self._send_drop(peer, _pack(_DROP, (r.xid, 0, 0)))
+                        self._send_drop(peer, _pack(_DROP, (r.xid, 0, 0, lease.grant)))
                 raise
             with self._lock:
                 if lease.state == "granted":
@@ -1861,7 +1870,7 @@ class NixlEndpoint(Closable):
     def _drop_if_idle(self, lease: _Lease) -> None:
         if lease.state == "revoked" and lease.inflight == 0:
             self._leases.pop((lease.peer, lease.xid), None)
-            self._send_drop(lease.peer, _pack(_DROP, (lease.xid, lease.checks, 0)))
+            self._send_drop(lease.peer, _pack(_DROP, (lease.xid, lease.checks, 0, lease.grant)))
 
     def _send_drop(self, peer: str, msg: bytes, tries: int = 0) -> None:
         """A lease drop: the target waits for it, so one that could not be sent is sent again,
@@ -2058,7 +2067,7 @@ class NixlEndpoint(Closable):
             ]
             for lease in leases:
                 del self._leases[(lease.peer, lease.xid)]
-                if self._send(lease.peer, _pack(_DROP, (lease.xid, lease.checks, 1))):
+                if self._send(lease.peer, _pack(_DROP, (lease.xid, lease.checks, 1, lease.grant))):
                     self._unacked.add((lease.peer, lease.xid))
                 else:
                     failed += 1

@@ -378,10 +378,10 @@ def test_a_malformed_notification_loses_nothing() -> None:
     try:
         bad = [
             b"gpupin-nixl-ack/1:short",  # an older gpupin's
-            b"gpupin-nixl/2:H" + bytes(3),  # too short for its head
-            b"gpupin-nixl/2:G" + struct.pack("<QH", 1, 5),  # five entries announced, none there
-            b"gpupin-nixl/2:X" + struct.pack("<QH", 1, 60000) + bytes(16),  # over the entry limit
-            b"gpupin-nixl/2:Z" + bytes(8),  # no such kind
+            b"gpupin-nixl/3:H" + bytes(3),  # too short for its head
+            b"gpupin-nixl/3:G" + struct.pack("<QH", 1, 5),  # five entries announced, none there
+            b"gpupin-nixl/3:X" + struct.pack("<QH", 1, 60000) + bytes(16),  # over the entry limit
+            b"gpupin-nixl/3:Z" + bytes(8),  # no such kind
         ]
         with p.tgt.driver.lock:
             p.tgt.agent.send_notif("i-pair", b"app-1")
@@ -414,7 +414,7 @@ def test_a_message_whose_handling_fails_loses_nothing_else() -> None:
 
     try:
         with p.ini.driver.lock:
-            p.ini.agent.send_notif("t-pair", b"gpupin-nixl/2:M" + struct.pack("<Q", 7))  # a metadata request
+            p.ini.agent.send_notif("t-pair", b"gpupin-nixl/3:M" + struct.pack("<Q", 7))  # a metadata request
             p.ini.agent.send_notif("t-pair", b"app-after")
         p.tgt.agent.get_agent_metadata = refuse
         got: list[tuple[str, bytes]] = []
@@ -1304,7 +1304,7 @@ def test_lease_messages_from_strangers_go_unanswered_and_drops_are_not_retried_f
         sends: list[bytes] = []
         monkeypatch.setattr(p.ini, "_send", lambda peer, msg: sends.append(msg) and False)
         with p.ini._lock:
-            p.ini._send_drop("t-pair", nixl._pack(nixl._DROP, (12345, 0, 0)))
+            p.ini._send_drop("t-pair", nixl._pack(nixl._DROP, (12345, 0, 0, 0)))
         with pytest.warns(RuntimeWarning, match="gave up sending a lease drop to t-pair after 3 tries"):
             deadline = time.monotonic() + 5
             while p.ini._drops and time.monotonic() < deadline:
@@ -1450,5 +1450,35 @@ def test_a_refused_close_keeps_answering_peers() -> None:
             p.tgt.unexpose(y, timeout=5)  # the initiator's thread answers the revocation
             slow[0] = False
         assert p.ini.settle(5) == 0
+    finally:
+        p.close()
+
+
+def test_a_late_grant_given_back_does_not_end_the_lease_asked_for_again() -> None:
+    """A lease request times out; the application asks again; the first grant then arrives and
+    is given back.  The target took that drop for the drop of the lease the second request
+    holds: unexpose() returned at once without revoking it, and the next write through the held
+    lease landed in the memory's new owner, reported done.  A drop names its grant now."""
+    p = Pair()
+    p.stop.set()
+    p.pump.join()  # the target does not answer: the first request times out
+    try:
+        dst, src = p.mt.alloc(MiB), p.mi.alloc(MiB)
+        rb = p.tgt.expose(dst, MiB)
+        with pytest.raises(NixlError, match="no answer"):
+            p.ini.write(src, 4096, rb, timeout=0.2)
+        with _served(p.tgt):
+            p.ini.write(src, 4096, rb, timeout=10)  # asked again, granted, held
+            for _ in range(100):  # the first grant comes too, and is given back
+                p.ini.progress()
+                time.sleep(0.002)
+            holder = p.tgt._exposures[rb.xid].holders["i-pair"]
+            assert holder[1] == -1, "the target took the late grant's drop for the held lease's"
+            with pytest.raises(gpupin.InUse, match="still hold a lease"):
+                p.tgt.unexpose(rb, timeout=0.3)  # the holder is revoked, and has not answered
+            p.ini.progress()  # it answers the revocation
+            p.tgt.unexpose(rb, timeout=5)
+            with pytest.raises(StaleRemote, match="refused before any byte moved"):
+                p.ini.write(src, 4096, rb)  # nothing lands in the freed memory
     finally:
         p.close()
