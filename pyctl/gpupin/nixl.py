@@ -854,6 +854,7 @@ class NixlEndpoint(Closable):
         self.malformed_notifications = 0  # with gpupin's prefix but not its layout (progress() returns them)
         self.stale_exposures = 0  # (target) exposures whose allocation changed under a lease (detected)
         self.lost_transfers = 0  # (initiator) transfers whose state NIXL could not tell (Transfer.lost)
+        self.view_reloads_asked = 0  # (initiator) views of a peer connect() made untrusted
         self.watch_interval = 0.005  # (target) how often progress() checks leased exposures' buffer ids
         self._last_pump = self._next_watch = 0.0
         self._last_post = 0.0  # (initiator) when a transfer was last posted
@@ -888,7 +889,18 @@ class NixlEndpoint(Closable):
         (InUse after that: ``settle()`` first).  Metadata whose agent name cannot be read waits
         for every transfer of this endpoint."""
         peer = _agent_name(metadata)
-        return self._while_idle(peer, lambda: self._add(metadata, peer), time.monotonic() + timeout, "connect()")
+        return self._while_idle(peer, lambda: self._connect(metadata, peer), time.monotonic() + timeout, "connect()")
+
+    def _connect(self, metadata: bytes, peer: str | None) -> str:
+        """(under _lock, no transfer with the peer running) The application's load: metadata of
+        unknown age, which may name registrations the peer has dropped since (NIXL adds every
+        descriptor it lacks, beside the live ones).  The endpoint trusts its view of the peer no
+        more: the next transfer with it loads the peer's current metadata first."""
+        got = self._add(metadata, peer)
+        if got in self._views:
+            self._views.pop(got)
+            self.view_reloads_asked += 1
+        return got
 
     def forget_peer(self, peer: str) -> None:
         """Drop everything known of ``peer``: its leases on this target's exposures (call it

@@ -1482,3 +1482,31 @@ def test_a_late_grant_given_back_does_not_end_the_lease_asked_for_again() -> Non
                 p.ini.write(src, 4096, rb)  # nothing lands in the freed memory
     finally:
         p.close()
+
+
+def test_connect_with_old_metadata_never_brings_a_dropped_registration_back() -> None:
+    """connect() with metadata older than the endpoint's view (the blob of start-up, an old
+    descriptor's) put a registration the target had dropped back into NIXL's view, beside the
+    live one at its base, and the endpoint went on posting through that view.  Now the next
+    transfer with that peer loads the peer's current metadata first."""
+    p = Pair(auto_progress=True)
+    try:
+        a, src = p.mt.alloc(MiB), p.mi.alloc(MiB)
+        ra = p.tgt.expose(a, MiB)
+        p.ini.write(src, 4096, ra)
+        p.tgt.unexpose(ra)
+        p.mt.free(a)
+        b = p.mt.alloc(MiB // 2)
+        assert b == a
+        rb = p.tgt.expose(b, MiB // 2)
+        p.ini.write(src, 4096, rb)  # the view is renewed: the 1 MiB registration is gone from it
+        beyond = dataclasses.replace(rb, addr=a + 600 * 1024, size=4096)
+        assert deregistered_through_nixl(p.ini, src, 4096, beyond)
+        p.ini.connect(ra.metadata)  # the application loads an old blob again
+        assert not deregistered_through_nixl(p.ini, src, 4096, beyond)  # NIXL holds it again
+        renewals = p.ini.renewals
+        p.ini.write(src, 4096, rb)
+        assert p.ini.renewals == renewals + 1 and p.ini.view_reloads_asked == 1
+        assert deregistered_through_nixl(p.ini, src, 4096, beyond)
+    finally:
+        p.close()
