@@ -606,6 +606,10 @@ class _Exposure:
         return all(dropped >= 0 and got >= dropped for got, dropped in self.holders.values())
 
 
+class _AskAgain(Exception):
+    """(_leases_for) A lease another thread asked for went before its answer: ask for it anew."""
+
+
 @dataclass
 class _Lease:
     """(initiator) The right to transfer into one exposure of one peer, granted by its target."""
@@ -1565,6 +1569,15 @@ class NixlEndpoint(Closable):
 
     def _leases_for(self, peer: str, blocks: list[tuple[int, int, RemoteBuffer, int]], deadline: float) -> list[_Lease]:
         """This endpoint's held leases on the blocks' exposures, asked for where missing."""
+        while True:
+            try:
+                return self._leases_once(peer, blocks, deadline)
+            except _AskAgain:  # another thread's request for one of them gave up: ask ourselves
+                continue
+
+    def _leases_once(
+        self, peer: str, blocks: list[tuple[int, int, RemoteBuffer, int]], deadline: float
+    ) -> list[_Lease]:
         if len(blocks) == 1:  # the common case: one lease, held and sound
             r = blocks[0][2]
             lease = self._leases.get((peer, r.xid))
@@ -1614,10 +1627,31 @@ class NixlEndpoint(Closable):
             self._refresh(peer, deadline)
         elif first_contact:  # nothing of the peer loaded: no descriptor of it to go stale
             self._load(peer, ask[0] if ask else next(iter(remotes.values())), deadline)
+        asked: list[_Lease] = []
+        req = 0
+        try:
+            return self._wait_and_load(peer, remotes, ask, asked, deadline)
+        except BaseException:
+            # Leases of this request not yet held go: asked ones are given back when their
+            # grant comes (late), granted ones now; none is left "granted" for ever (later
+            # transfers into it would wait for a load nobody does).
+            with self._lock:
+                self._holds.pop(asked[0].grant if asked else req, None)
+                for lease in asked:
+                    if self._leases.get((peer, lease.xid)) is lease and lease.state != "held":
+                        del self._leases[(peer, lease.xid)]
+                        if lease.state == "granted":
+                            self._send_drop(peer, _pack(_DROP, (lease.xid, 0, 0, lease.grant)))
+            raise
+
+    def _wait_and_load(
+        self, peer: str, remotes: dict[int, RemoteBuffer], ask: list[RemoteBuffer], asked: list[_Lease], deadline: float
+    ) -> list[_Lease]:
+        """(_leases_for) Ask for the leases in ``ask`` (filling ``asked``), wait for them and for
+        those other threads asked for, load each granted one's registration."""
         if ask:
             with self._lock:
                 req = next(self._seq)
-                asked = []
                 for r in ask:
                     lease = self._leases.setdefault((peer, r.xid), _Lease(peer, r.xid, r.epoch))
                     lease.grant = req
@@ -1626,7 +1660,6 @@ class NixlEndpoint(Closable):
                 self.leases_asked += len(asked)
                 msg = _pack(_HOLD, (req, len(asked)), [(lease.xid, lease.epoch) for lease in asked])
             if not self._send(peer, msg):
-                self._unask(req)
                 raise NixlError(f"cannot ask {peer} for a lease: load its metadata (connect) and let it load ours")
         # Wait for every lease still asked for: by this thread, or by another one right now
         # (whose registration that thread loads before the lease is held).
@@ -1637,8 +1670,6 @@ class NixlEndpoint(Closable):
             if not waiting:
                 break
             if time.monotonic() > deadline:
-                if ask:
-                    self._unask(req)
                 raise NixlError(
                     f"no answer from {peer} to a lease request (it must call progress() or serve(), and have "
                     "loaded this endpoint's metadata)"
@@ -1648,9 +1679,11 @@ class NixlEndpoint(Closable):
         with self._lock:
             leases = []
             for x, r in remotes.items():
-                lease = self._leases.get((peer, x))
-                if lease is None or lease.state == "refused":  # refused, or forgotten meanwhile
-                    verdict = lease.verdict if lease is not None else GONE
+                got = self._leases.get((peer, x))
+                if got is None and x not in mine:  # another thread's request gave up: not a verdict
+                    raise _AskAgain
+                if got is None or got.state == "refused":  # refused, or forgotten meanwhile
+                    verdict = got.verdict if got is not None else GONE
                     for y in remotes:
                         other = self._leases.get((peer, y))
                         if other is not None and other.state == "refused":
@@ -1659,17 +1692,10 @@ class NixlEndpoint(Closable):
                         f"NIXL transfer into {peer}'s buffer at {r.addr:#x} (buffer id {r.buffer_id}): refused before "
                         f"any byte moved: {_VERDICT.get(verdict, verdict)}; ask the target to expose the buffer again"
                     )
-                leases.append(lease)
+                leases.append(got)
         for r in ask:  # granted: now its registration is loaded, with no dropped one
             lease = self._leases[(peer, r.xid)]
-            try:
-                self._load_granted(peer, r, lease, deadline)
-            except BaseException:
-                with self._lock:
-                    if self._leases.get((peer, r.xid)) is lease:  # waiting threads see it gone
-                        del self._leases[(peer, r.xid)]
-                        self._send_drop(peer, _pack(_DROP, (r.xid, 0, 0, lease.grant)))
-                raise
+            self._load_granted(peer, r, lease, deadline)  # failing: the caller gives the rest back
             with self._lock:
                 if lease.state == "granted":
                     lease.state = "held"
@@ -1739,12 +1765,6 @@ class NixlEndpoint(Closable):
         finally:
             with self._lock:
                 self._md_asked.pop(req, None)
-
-    def _unask(self, req: int) -> None:
-        with self._lock:
-            for lease in self._holds.pop(req, []):
-                if lease.state == "asking":
-                    self._leases.pop((lease.peer, lease.xid), None)
 
     def _load(self, peer: str, remote: RemoteBuffer, deadline: float) -> None:
         """Load ``remote``'s metadata where this endpoint's view of ``peer`` lacks it.  When

@@ -204,7 +204,17 @@ class Pair:
         self.pump = threading.Thread(target=lambda: self.tgt.serve(120, self.stop.is_set))
         self.pump.start()
 
+    def serve_again(self) -> None:
+        """The target answers from its thread again (after a test stopped it)."""
+        import threading
+
+        if not self.pump.is_alive():
+            self.stop.clear()
+            self.pump = threading.Thread(target=lambda: self.tgt.serve(120, self.stop.is_set))
+            self.pump.start()
+
     def close(self) -> None:
+        self.serve_again()
         try:
             self.ini.close()  # while the target serves: it acknowledges the lease drops
         finally:
@@ -1508,5 +1518,57 @@ def test_connect_with_old_metadata_never_brings_a_dropped_registration_back() ->
         p.ini.write(src, 4096, rb)
         assert p.ini.renewals == renewals + 1 and p.ini.view_reloads_asked == 1
         assert deregistered_through_nixl(p.ini, src, 4096, beyond)
+    finally:
+        p.close()
+
+
+def test_a_refused_lease_leaves_the_others_of_its_request_usable() -> None:
+    """One transfer into two exposures, one of them refused: the lease granted for the other
+    stayed "granted" for ever (its registration never loaded), and every later transfer into
+    that exposure waited for it until its timeout.  The request's other leases are given back."""
+    p = Pair()
+    try:
+        good = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        gone = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        p.tgt.unexpose(gone)
+        src = p.mi.alloc(MiB)
+        with pytest.raises(StaleRemote, match="refused before any byte moved"):
+            p.ini.write_blocks([(src, 4096, good, 0), (src + 4096, 4096, gone, 0)], timeout=5)
+        p.ini.write(src, 4096, good, timeout=5)
+    finally:
+        p.close()
+
+
+def test_a_thread_waiting_on_another_threads_lease_request_asks_itself_when_that_one_gives_up() -> None:
+    """Thread B waits for the lease thread A asked for; A's request times out first: B got
+    StaleRemote ("the target no longer exposes it") though the target never answered and B's own
+    timeout was far off.  B asks for the lease itself now."""
+    import threading
+
+    p = Pair()
+    p.stop.set()
+    p.pump.join()  # no answers for now
+    try:
+        rb = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        s1, s2 = p.mi.alloc(MiB), p.mi.alloc(MiB)
+        out: dict[str, BaseException | None] = {}
+
+        def write(key: str, src: int, timeout: float) -> None:
+            try:
+                p.ini.write(src, 4096, rb, timeout=timeout)
+                out[key] = None
+            except BaseException as exc:  # noqa: BLE001 - looked at below
+                out[key] = exc
+
+        a = threading.Thread(target=write, args=("A", s1, 0.3))
+        a.start()
+        time.sleep(0.05)
+        b = threading.Thread(target=write, args=("B", s2, 20))
+        b.start()
+        a.join()
+        assert isinstance(out["A"], NixlError) and "no answer" in str(out["A"])
+        with _served(p.tgt):
+            b.join(20)
+        assert not b.is_alive() and out["B"] is None, out["B"]
     finally:
         p.close()
