@@ -844,6 +844,7 @@ class NixlEndpoint(Closable):
         self._waiting: weakref.WeakValueDictionary[tuple[str, int], Transfer] = weakref.WeakValueDictionary()
         self._views: dict[str, tuple[int, dict[int, None]]] = {}  # peer -> (dereg, metadata keys loaded)
         self._other: list[tuple[str, bytes]] = []
+        self._notes: list[str] = []  # warnings to raise once the state change at hand is done (_note)
         self._inflight: list[Transfer] = []  # past their wait()'s timeout, not over
         self._lost: set[Transfer] = set()  # not over, NIXL's view of their peer erased (Transfer.lost)
         self._running: set[Transfer] = set()  # every posted transfer NIXL has not ended (polled here)
@@ -1117,6 +1118,8 @@ class NixlEndpoint(Closable):
                 self._poll_inflight()
         finally:
             self._plock.release()
+        if self._notes:  # the batch is handled whole: now its warnings
+            self._flush_notes()
 
     def _watch(self) -> None:
         """(target) Detection: an exposure whose allocation changed while peers hold leases on it
@@ -1128,12 +1131,10 @@ class NixlEndpoint(Closable):
                 continue
             self.stale_exposures += 1
             if self.stale_exposures == 1:
-                warnings.warn(
-                    f"gpupin.nixl: endpoint {self.name!r}: the allocation at {ex.ptr:#x} changed while exposed "
+                self._note(
+                    f"endpoint {self.name!r}: the allocation at {ex.ptr:#x} changed while exposed "
                     "(freed without unexpose()): peers' writes since then may be in its new owner's memory; "
-                    "their leases are revoked (counted in stale_exposures)",
-                    RuntimeWarning,
-                    stacklevel=5,
+                    "their leases are revoked (counted in stale_exposures)"
                 )
             ex.revoked = True
             self._by_range.pop((ex.ptr, ex.size), None)
@@ -1223,13 +1224,21 @@ class NixlEndpoint(Closable):
     def _malformed(self, peer: str, m: bytes) -> None:
         self.malformed_notifications += 1
         if self.malformed_notifications == 1:
-            warnings.warn(
-                f"gpupin.nixl: a notification from {peer} starts with gpupin's prefix but is {len(m)} bytes, "
+            self._note(
+                f"a notification from {peer} starts with gpupin's prefix but is {len(m)} bytes, "
                 "not one of gpupin's messages: handed to the application as its own (counted in "
-                "malformed_notifications); is another gpupin version, or the application, using the prefix?",
-                RuntimeWarning,
-                stacklevel=5,
+                "malformed_notifications); is another gpupin version, or the application, using the prefix?"
             )
+
+    def _note(self, text: str) -> None:
+        """A warning for later: none is raised in the middle of handling a message or a state
+        change (under ``-W error`` one would lose the rest of the batch, or a transfer's end);
+        _flush_notes() raises them once that is done, outside the locks."""
+        self._notes.append(text)
+
+    def _flush_notes(self) -> None:
+        while self._notes:
+            warnings.warn(f"gpupin.nixl: {self._notes.pop(0)}", RuntimeWarning, stacklevel=3)
 
     def _send(self, peer: str, msg: bytes) -> bool:
         with self.driver.lock:
@@ -1254,7 +1263,7 @@ class NixlEndpoint(Closable):
         """Count a message this endpoint could not answer; warn about the first."""
         self.unanswered += 1
         if self.unanswered == 1:
-            warnings.warn(f"gpupin.nixl: {why}", RuntimeWarning, stacklevel=5)
+            self._note(why)
 
     def _verdict_of(self, peer: str, xid: int, epoch: int) -> tuple[int, _Exposure | None]:
         ex = self._exposures.get(xid)
@@ -1390,6 +1399,8 @@ class NixlEndpoint(Closable):
             if confirm:
                 with self._lock:
                     self._waiting.pop((t._leases[0].peer, t.seq), None)
+        if self._notes:
+            self._flush_notes()
 
     def post_write(self, blocks: list[tuple[int, int, RemoteBuffer, int]], *, timeout: float = 30.0) -> Transfer:
         """Start a WRITE of (local, size, remote, offset) blocks to one peer; returns at once."""
@@ -1410,7 +1421,10 @@ class NixlEndpoint(Closable):
         round trip for all of them), local buffers registered through the cache and held, the
         transfer posted.  ``timeout`` bounds the lease request.  Polled by the endpoint (its
         progress thread, its next post) until NIXL ends it, also if never waited for."""
-        return self._post(op, blocks, timeout, confirm, tracked=True)
+        t = self._post(op, blocks, timeout, confirm, tracked=True)
+        if self._notes:
+            self._flush_notes()
+        return t
 
     def _post(
         self, op: str, blocks: list[tuple[int, int, RemoteBuffer, int]], timeout: float, confirm: bool, tracked: bool
@@ -1913,12 +1927,10 @@ class NixlEndpoint(Closable):
         if tries < _DROP_TRIES:
             self._drops.append((peer, msg, time.monotonic() + min(_NAP_MAX_S * 2**tries, 1.0), tries))
         else:
-            warnings.warn(
-                f"gpupin.nixl: endpoint {self.name!r} gave up sending a lease drop to {peer} after {tries} tries: "
+            self._note(
+                f"endpoint {self.name!r} gave up sending a lease drop to {peer} after {tries} tries: "
                 f"an unexpose() there waits for this endpoint until it times out; call forget_peer({self.name!r}) "
-                "there",
-                RuntimeWarning,
-                stacklevel=2,
+                "there"
             )
 
     def _retry_drops(self) -> None:

@@ -1572,3 +1572,39 @@ def test_a_thread_waiting_on_another_threads_lease_request_asks_itself_when_that
         assert not b.is_alive() and out["B"] is None, out["B"]
     finally:
         p.close()
+
+
+def test_warnings_as_errors_lose_no_message_of_a_batch() -> None:
+    """Where warnings are errors (python -W error, pytest's filterwarnings), a warning raised in
+    the middle of a batch of notifications (a malformed one) left the rest of the batch lost:
+    the application's messages after it and a revocation.  Warnings now come once the batch
+    is handled."""
+    from gpupin import nixl
+
+    p = Pair()
+    try:
+        rb = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        p.ini.write(p.mi.alloc(MiB), 4096, rb)  # the initiator holds a lease
+        p.stop.set()
+        p.pump.join()
+        with p.tgt.driver.lock:
+            p.tgt.agent.send_notif("i-pair", b"app-1")
+            p.tgt.agent.send_notif("i-pair", nixl._PREFIX + b"Z" + bytes(8))  # malformed
+            p.tgt.agent.send_notif("i-pair", b"app-2")
+            p.tgt.agent.send_notif("i-pair", nixl._pack(nixl._REVOKE, (rb.xid, nixl.OK)))
+        got: list[tuple[str, bytes]] = []
+        raised = 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(500):
+                try:
+                    got += p.ini.progress()
+                except RuntimeWarning:
+                    raised += 1
+                if len(got) >= 3:
+                    break
+                time.sleep(0.002)
+        assert raised == 1 and [m for _, m in got] == [b"app-1", nixl._PREFIX + b"Z" + bytes(8), b"app-2"]
+        assert ("t-pair", rb.xid) not in p.ini._leases  # the revocation was taken: the lease dropped
+    finally:
+        p.close()
