@@ -830,6 +830,7 @@ class NixlEndpoint(Closable):
         self._xids = itertools.count(secrets.randbits(62) | 1)
         self.incarnation = secrets.randbits(63)  # this endpoint among others of its name (restarts)
         self._incarnations: dict[str, int] = {}  # (initiator) peer -> the incarnation it talks to
+        self._retired: dict[str, set[int]] = {}  # (initiator) peer -> its incarnations met and gone
         # _lock guards the protocol's state below; taken before the agent's lock (driver.lock),
         # never after.  _plock: one thread at a time takes NIXL's notifications.
         self._lock = threading.RLock()
@@ -907,26 +908,44 @@ class NixlEndpoint(Closable):
             self.view_reloads_asked += 1
         return got
 
-    def forget_peer(self, peer: str) -> None:
+    def forget_peer(self, peer: str, timeout: float = 1.0) -> None:
         """Drop everything known of ``peer``: its leases on this target's exposures (call it
         only once that peer can transfer no more, e.g. its process is dead: unexpose then
-        completes without its word), this initiator's leases with it, and NIXL's view of it.
+        completes without its word), this initiator's leases with it (each given back to the
+        peer where it can still hear: up to ``timeout`` s for it to say so), and NIXL's view of it.
         InUse while a transfer of this endpoint with the peer runs (NIXL would report it over
         while UCX may still move its bytes): ``settle()`` first.  Transfers NIXL lost track of
         (their wait() says so) are let go here, with their buffers and leases."""
         with self._lock:
-            if self._busy_with(peer):
-                raise InUse(
-                    f"forget_peer({peer!r}): a transfer with {peer} still runs; settle() first (its buffers "
-                    "stay registered and its leases held until NIXL says it ended)"
-                )
+            self._refuse_if_busy(peer)
             for t in [t for t in self._lost if t._leases[0].peer == peer]:
                 self._complete(t, "ERR")  # lost with the peer: the caller says it transfers no more
             for ex in list(self._exposures.values()):
                 ex.holders.pop(peer, None)
                 ex.grants.pop(peer, None)
                 self._finish_if_settled(ex)
+            # Given back before NIXL's view of the peer goes: a notification still inside UCX
+            # when the connection closes is lost (as at close()).
+            for key in [k for k in self._leases if k[0] == peer]:
+                lease = self._leases.pop(key)
+                if lease.inflight == 0 and lease.state in ("granted", "held", "revoked"):
+                    if self._send(peer, _pack(_DROP, (lease.xid, lease.checks, 1, lease.grant))):
+                        self._unacked.add((peer, lease.xid))
+        deadline = time.monotonic() + timeout
+        while any(p == peer for p, _ in self._unacked) and time.monotonic() < deadline:
+            self._pump()
+            time.sleep(_NAP_MIN_S)
+        with self._lock:
+            self._unacked = {u for u in self._unacked if u[0] != peer}
+            self._refuse_if_busy(peer)  # none can have started: its leases are gone
             self._forget_view(peer)
+
+    def _refuse_if_busy(self, peer: str) -> None:
+        if self._busy_with(peer):
+            raise InUse(
+                f"forget_peer({peer!r}): a transfer with {peer} still runs; settle() first (its buffers "
+                "stay registered and its leases held until NIXL says it ended)"
+            )
 
     def _busy_with(self, peer: str | None) -> bool:
         """Whether a transfer with ``peer`` (None: with any peer) runs (its leases count it).
@@ -1607,8 +1626,14 @@ class NixlEndpoint(Closable):
         inc = blocks[0][2].incarnation
         if any(r.incarnation != inc for r in remotes.values()):
             raise InvalidArgument(f"post(): blocks for two incarnations of {peer} (it restarted): one transfer, one")
+        if inc in self._retired.get(peer, ()):
+            raise StaleRemote(
+                f"NIXL transfer into {peer}'s buffer at {blocks[0][2].addr:#x}: the descriptor is of an earlier "
+                f"incarnation of {peer}, which restarted since; nothing was sent. Ask it to expose the buffer again"
+            )
         if self._incarnations.get(peer, inc) != inc:
             self._new_incarnation(peer)
+            self._retired.setdefault(peer, set()).add(self._incarnations[peer])
         self._incarnations[peer] = inc
         with self._lock:
             for r in remotes.values():
@@ -1822,7 +1847,11 @@ class NixlEndpoint(Closable):
                 if exc.status not in ("nixlNotAllowedError", "nixlInvalidParamError"):
                     raise
                 first = exc
-            self._forget_view(peer)  # a new incarnation: the old one's leases and view mean nothing to it
+            # NIXL keeps refusing what it knew of the peer (on VRAM, a registration at an address
+            # an earlier one had): it forgets the peer, this endpoint's leases stay (the same
+            # incarnation holds them: a restart is met in _leases_for, before any load).
+            self._remove_view(peer)
+            self._connected.discard(peer)
             try:
                 return self._add(metadata, peer)
             except NixlError as exc:

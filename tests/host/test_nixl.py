@@ -1608,3 +1608,48 @@ def test_warnings_as_errors_lose_no_message_of_a_batch() -> None:
         assert ("t-pair", rb.xid) not in p.ini._leases  # the revocation was taken: the lease dropped
     finally:
         p.close()
+
+
+def test_leases_are_kept_or_given_back_never_dropped_silently() -> None:
+    """The initiator forgot its leases with a peer without telling it: when NIXL refused a reload
+    of the same peer (on VRAM: a registration at an address an earlier one had), the lease just
+    granted went too (a false StaleRemote) and the target waited for its drop in unexpose();
+    forget_peer() on the initiator left the target waiting the same way.  And a descriptor of a
+    peer's earlier incarnation, used after the new one was met, switched the endpoint back to
+    the dead one.  Now the leases stay across a refused reload, forget_peer() gives them back,
+    and an old incarnation's descriptor is refused."""
+    p = Pair(auto_progress=True)
+    try:
+        src = p.mi.alloc(MiB)
+        ra = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        p.ini.write(src, 4096, ra)
+        rb = p.tgt.expose(p.mt.alloc(2 * MiB), 2 * MiB)  # new metadata to load
+        real, calls = p.ini._add, [0]
+
+        def refuse_once(md: bytes, peer: str | None) -> str:
+            calls[0] += 1
+            if calls[0] == 1:
+                raise NixlError("add_remote_agent: nixlInvalidParamError (as NIXL on VRAM)", "nixlInvalidParamError")
+            return real(md, peer)
+
+        p.ini._add = refuse_once  # type: ignore[method-assign]
+        p.ini.write(src, 4096, rb)  # reloaded after forgetting NIXL's view: the leases stay
+        del p.ini._add
+        assert calls[0] == 2 and ("t-pair", ra.xid) in p.ini._leases
+        p.ini.write(src, 4096, ra)
+        p.ini.forget_peer("t-pair")  # given back: the target's unexpose need not wait
+        p.tgt.unexpose(ra, timeout=5)
+        p.tgt.unexpose(rb, timeout=5)
+        rc = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        p.ini.connect(p.tgt.metadata())
+        p.tgt.connect(p.ini.metadata())  # the initiator's forget_peer closed the connection both ways
+        p.ini.write(src, 4096, rc)
+        rd = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        later = dataclasses.replace(rd, incarnation=rc.incarnation ^ 1)  # as if the target restarted
+        p.ini.write(src, 4096, later)
+        with pytest.raises(StaleRemote, match="earlier incarnation"):
+            p.ini.write(src, 4096, rc)
+        p.tgt.forget_peer("i-pair")  # its lease on rc, forgotten with "the old incarnation"
+        p.tgt.connect(p.ini.metadata())
+    finally:
+        p.close()
