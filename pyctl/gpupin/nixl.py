@@ -2111,16 +2111,20 @@ class NixlEndpoint(Closable):
                     stacklevel=2,
                 )
             )
-        self.driver.close()
         release = getattr(self.memory, "release_free_hold", None)
         kept = [h for h in holds if h is not None]
-        if release is not None and kept:
+        try:
+            self.driver.close()  # InUse while the application holds a registration of the cache
+        finally:
+            # Exposures no peer leased: no transfer may go there, whether or not the agent
+            # retires now (queued after its retirement when it does).
+            if release is not None and kept:
 
-            def let_go() -> None:
-                for h in kept:
-                    release(h)
+                def let_go() -> None:
+                    for h in kept:
+                        release(h)
 
-            _defer(let_go)  # queued after the agent's retirement: run by reap() once it is gone
+                _defer(let_go)
 
     def _drop_leases(self, timeout: float) -> None:
         """(initiator, closing) Tell each target that this endpoint holds its leases no more, and

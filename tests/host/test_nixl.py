@@ -1653,3 +1653,32 @@ def test_leases_are_kept_or_given_back_never_dropped_silently() -> None:
         p.tgt.connect(p.ini.metadata())
     finally:
         p.close()
+
+
+def test_an_endpoint_collected_while_its_cache_is_held_lets_unleased_memory_go() -> None:
+    """An endpoint left to the collector while the application still held a registration of its
+    cache: close() from the collector stopped at the driver's InUse before it let go of the free
+    holds of exposures no peer had leased, and that memory could never be freed."""
+    import gc
+
+    from gpupin import nixl
+
+    mt = HostMemory(8 << 20)
+    try:
+        tgt = NixlEndpoint("t-gc-held", mt, mem_type="DRAM")
+        dst, other = mt.alloc(MiB), mt.alloc(MiB)
+        tgt.expose(dst, MiB)  # exposed, never leased
+        held = tgt.cache.acquire(other, MiB)
+        tgt.cycle = tgt  # type: ignore[attr-defined]
+        del tgt
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            gc.collect()
+            nixl.reap()
+        mt.free(dst)  # no peer leased it: free as soon as its endpoint went
+        held.release()
+        del held
+        gc.collect()
+        nixl.reap()
+    finally:
+        mt.close()
