@@ -69,7 +69,9 @@ _HEAD = {
     _HOLD: "<QH", _GRANT: "<QH", _XFER: "<QH", _ACK: "<QBQ", _REVOKE: "<QB", _DROP: "<QQBQ", _MDASK: "<Q",
     _MD: "<QQ", _DROPPED: "<Q",
 }  # fmt: skip
-_ENTRY = {_HOLD: "<QQ", _GRANT: "<QBQ", _XFER: "<QQ"}  # (xid, epoch), (xid, status, dereg), (xid, epoch)
+# HOLD (xid, epoch); GRANT (xid, status, dereg, ptr, size): the exposure's range, which a
+# transfer's descriptor must name; XFER (xid, epoch).
+_ENTRY = {_HOLD: "<QQ", _GRANT: "<QBQQQ", _XFER: "<QQ"}
 _MAX_ENTRIES = 1024  # exposures one transfer (or one hold request) may name
 # A target's verdicts: on a hold request (GRANT), and on a transfer's arrival (ACK).
 OK, GONE, EPOCH, FREED, NOT_HELD = 0, 1, 2, 3, 4
@@ -621,6 +623,8 @@ class _Lease:
     verdict: int = OK
     dereg: int = 0  # the target's dropped registrations when it granted the lease
     grant: int = 0  # the hold request that asked for it (its DROP names it)
+    addr: int = 0  # the exposure's range, as its grant said: a descriptor must name this one
+    size: int = 0
     inflight: int = 0  # transfers posted under it and not over
     lost: int = 0  # of those, ones whose state NIXL cannot tell (its view of the peer was erased)
     checks: int = 0  # check messages sent under it (wait(confirm=True))
@@ -1201,14 +1205,14 @@ class NixlEndpoint(Closable):
             if asked is None:  # late (given up on): the target holds leases nobody uses
                 if not self._knows(peer):
                     return
-                for xid, status, _ in entries:
+                for xid, status, *_ in entries:
                     if status == OK:
                         self._send_drop(peer, _pack(_DROP, (xid, 0, 0, head[0])))
             elif asked[0].peer == peer:  # else not ours
                 del self._holds[head[0]]
-                verdicts = {x: (st, d) for x, st, d in entries}
+                verdicts = {x: (st, d, lo, n) for x, st, d, lo, n in entries}
                 for one in asked:
-                    status, one.dereg = verdicts.get(one.xid, (GONE, 0))
+                    status, one.dereg, one.addr, one.size = verdicts.get(one.xid, (GONE, 0, 0, 0))
                     # granted: usable once the asking thread loaded its registration ("held")
                     one.state, one.verdict = ("granted", OK) if status == OK else ("refused", status)
         elif kind == _ACK:
@@ -1309,7 +1313,8 @@ class NixlEndpoint(Closable):
                 # for again; the checks its old lease still has on the way count against that.
                 ex.holders[peer] = [got - dropped, -1] if dropped >= 0 else [got, dropped]
                 ex.grants[peer] = req
-            out.append((xid, status, self.driver.deregistrations))
+            rng = (ex.ptr, ex.size) if status == OK and ex is not None else (0, 0)
+            out.append((xid, status, self.driver.deregistrations, *rng))
         self._send(peer, _pack(_GRANT, (req, len(out)), out))
 
     def _on_xfer(self, peer: str, seq: int, entries: list[tuple[int, ...]]) -> None:
@@ -1619,6 +1624,8 @@ class NixlEndpoint(Closable):
                 and lease.state == "held"
                 and not lease.broken
                 and lease.epoch == r.epoch
+                and lease.addr == r.addr
+                and lease.size == r.size
                 and peer in self._views
             ):
                 return [lease]  # post() checks it again under the lock
@@ -1730,6 +1737,12 @@ class NixlEndpoint(Closable):
                     raise StaleRemote(
                         f"NIXL transfer into {peer}'s buffer at {r.addr:#x} (buffer id {r.buffer_id}): refused before "
                         f"any byte moved: {_VERDICT.get(verdict, verdict)}; ask the target to expose the buffer again"
+                    )
+                if got.state in ("granted", "held") and (got.addr, got.size) != (r.addr, r.size):
+                    raise InvalidArgument(
+                        f"NIXL transfer into {peer}'s exposure {x}: the descriptor names [{r.addr:#x}, +{r.size}) but "
+                        f"the target exposed [{got.addr:#x}, +{got.size}) under it; nothing was sent (a descriptor "
+                        "is used as expose() made it)"
                     )
                 leases.append(got)
         for r in ask:  # granted: now its registration is loaded, with no dropped one

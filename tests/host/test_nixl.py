@@ -1308,7 +1308,7 @@ def test_lease_messages_from_strangers_go_unanswered_and_drops_are_not_retried_f
     try:
         with p.ini._lock:
             p.ini._on_message("stranger", nixl._pack(nixl._REVOKE, (12345, nixl.OK)))
-            p.ini._on_message("stranger", nixl._pack(nixl._GRANT, (777, 1), [(12345, nixl.OK, 0)]))
+            p.ini._on_message("stranger", nixl._pack(nixl._GRANT, (777, 1), [(12345, nixl.OK, 0, 0, 0)]))
         assert not p.ini._drops and p.ini.unanswered == 2
         monkeypatch.setattr(nixl, "_DROP_TRIES", 3)
         sends: list[bytes] = []
@@ -1682,3 +1682,29 @@ def test_an_endpoint_collected_while_its_cache_is_held_lets_unleased_memory_go()
         nixl.reap()
     finally:
         mt.close()
+
+
+def test_a_descriptor_must_name_the_range_its_exposure_has() -> None:
+    """A lease covered (xid, epoch), not the range: a descriptor with a live exposure's xid and
+    another address (patched or mixed up by the application) was granted, and its write went
+    to whatever the target had registered there (here: memory unexposed, freed and owned anew),
+    reported done and confirmed.  The grant now says the range, and a descriptor must name it."""
+    p = Pair(auto_progress=True)
+    try:
+        y, x, src = p.mt.alloc(MiB), p.mt.alloc(MiB), p.mi.alloc(MiB)
+        ry, rx = p.tgt.expose(y, MiB), p.tgt.expose(x, MiB)
+        p.ini.write(src, 4096, ry)
+        p.ini.write(src, 4096, rx)
+        p.tgt.unexpose(ry)
+        p.mt.free(y)
+        z = p.mt.alloc(MiB)
+        assert z == y  # the new owner (the registration is still cached at the target)
+        p.mt.write(z, bytes(4096))
+        p.mi.write(src, b"\xcc" * 4096)
+        for bad in (dataclasses.replace(rx, addr=y), dataclasses.replace(rx, size=2 * MiB)):
+            with pytest.raises(gpupin.InvalidArgument, match="the descriptor names"):
+                p.ini.write(src, 4096, bad, confirm=True)
+        assert p.mt.read(z, 4096) == bytes(4096)
+        p.ini.write(src, 4096, rx)  # the right descriptor still goes
+    finally:
+        p.close()
