@@ -579,8 +579,13 @@ class RemoteBuffer:
         _, addr, size, devid, bid, xid, epoch, gen, dereg, inc, alen = struct.unpack_from(cls._FMT, data)
         if len(data) < n + alen + 4:
             raise InvalidArgument(f"RemoteBuffer.from_bytes: truncated ({len(data)} bytes)")
-        agent = bytes(data[n : n + alen]).decode()
-        mem = data[n + alen : n + alen + 4].decode().strip()
+        try:
+            agent = bytes(data[n : n + alen]).decode()
+            mem = data[n + alen : n + alen + 4].decode().strip()
+        except UnicodeDecodeError:
+            raise InvalidArgument(
+                "RemoteBuffer.from_bytes: its agent name or memory type is not text (corrupted on the way?)"
+            ) from None
         return cls(agent, addr, size, devid, mem, bid, xid, epoch, gen, dereg, inc, bytes(data[n + alen + 4 :]))
 
 
@@ -821,7 +826,12 @@ class NixlEndpoint(Closable):
         dev = int(getattr(memory, "device", 0)) if devid is None else devid
         if agent is not None:
             _claim_agent(agent, name)
-        self.driver = NixlDriver(agent, name=name, mem_type=mem_type, devid=dev, nixl=nixl)
+        try:
+            self.driver = NixlDriver(agent, name=name, mem_type=mem_type, devid=dev, nixl=nixl)
+        except BaseException:
+            if agent is not None:  # the application's agent serves no endpoint after all
+                _unclaim_agent(agent)
+            raise
         if agent is None:
             _claim_agent(self.driver.agent, name)
         self.memory = memory
@@ -1020,6 +1030,11 @@ class NixlEndpoint(Closable):
         reap()  # before this endpoint's lock: the cache's acquire() finds nothing left to do under it
         with self._lock:
             xid = self._by_range.get((ptr, size))
+            if xid is not None and self._buffer_changed(self._exposures[xid]):
+                # Freed behind the provider's hold since: that exposure names memory gone; it is
+                # taken back (from its holders too) and the range exposed anew below.
+                self._take_back_stale(self._exposures[xid])
+                xid = None
             if xid is not None:
                 ex = self._exposures[xid]
                 if ex.epoch != epoch:
@@ -1150,21 +1165,25 @@ class NixlEndpoint(Closable):
         reason; their transfers since the change may have landed in the new owner's memory."""
         self._next_watch = self._last_pump + self.watch_interval
         for ex in list(self._exposures.values()):
-            if ex.revoked or not ex.holders or not self._buffer_changed(ex):
-                continue
-            self.stale_exposures += 1
-            if self.stale_exposures == 1:
-                self._note(
-                    f"endpoint {self.name!r}: the allocation at {ex.ptr:#x} changed while exposed "
-                    "(freed without unexpose()): peers' writes since then may be in its new owner's memory; "
-                    "their leases are revoked (counted in stale_exposures)"
-                )
-            ex.revoked = True
-            self._by_range.pop((ex.ptr, ex.size), None)
-            for peer, (_, dropped) in ex.holders.items():
-                if dropped < 0:
-                    self._send(peer, _pack(_REVOKE, (ex.xid, FREED)))
-            self._finish_if_settled(ex)
+            if not ex.revoked and ex.holders and self._buffer_changed(ex):
+                self._take_back_stale(ex)
+
+    def _take_back_stale(self, ex: _Exposure) -> None:
+        """(under _lock) ``ex``'s allocation changed behind the provider's hold: taken back from
+        its holders with the reason (revoked as FREED), and let go once they answered."""
+        self.stale_exposures += 1
+        if self.stale_exposures == 1:
+            self._note(
+                f"endpoint {self.name!r}: the allocation at {ex.ptr:#x} changed while exposed "
+                "(freed without unexpose()): peers' writes since then may be in its new owner's memory; "
+                "their leases are revoked (counted in stale_exposures)"
+            )
+        ex.revoked = True
+        self._by_range.pop((ex.ptr, ex.size), None)
+        for peer, (_, dropped) in ex.holders.items():
+            if dropped < 0:
+                self._send(peer, _pack(_REVOKE, (ex.xid, FREED)))
+        self._finish_if_settled(ex)
 
     def _on_message(self, peer: str, m: bytes) -> None:
         parsed = _parse(m)
@@ -1464,6 +1483,11 @@ class NixlEndpoint(Closable):
             raise InvalidArgument(f"post({op!r}, []): no blocks")
         r0 = blocks[0][2]
         peer = r0.agent
+        if peer == self.driver.name:
+            raise InvalidArgument(
+                f"post({op!r}): into this endpoint's own exposure ({peer}): NIXL loads no metadata of its own "
+                "agent; copy locally, or transfer from another endpoint"
+            )
         # One block (a write or a read): taken apart once, no list built for it but NIXL's.
         # A scatter list into one exposure (the same RemoteBuffer in every block): its columns,
         # checked and turned into descriptors by builtins, not a Python loop per block.
@@ -1496,10 +1520,15 @@ class NixlEndpoint(Closable):
             # A REVOKE taken by another thread since the grant: the lease is gone, send nothing
             # (checked under the lock the revocation takes, up to the count that keeps it).
             for lease in leases:
-                if self._leases.get((peer, lease.xid)) is not lease or lease.state != "held":
+                if self._leases.get((peer, lease.xid)) is not lease or lease.state != "held" or lease.broken:
+                    why = (
+                        f"an earlier transfer was found stale on arrival ({lease.broken})"
+                        if lease.broken
+                        else "the target took it back (unexpose)"
+                    )
                     raise StaleRemote(
-                        f"NIXL {op} into {peer}'s exposure {lease.xid}: the target took it back (unexpose) "
-                        "before the transfer was posted; nothing was sent. Ask it to expose the buffer again"
+                        f"NIXL {op} into {peer}'s exposure {lease.xid}: {why} before the transfer was posted; "
+                        "nothing was sent. Ask it to expose the buffer again"
                     )
             try:
                 fast, miss = self.cache.fast_lookup, self.cache.miss

@@ -1708,3 +1708,40 @@ def test_a_descriptor_must_name_the_range_its_exposure_has() -> None:
         p.ini.write(src, 4096, rx)  # the right descriptor still goes
     finally:
         p.close()
+
+
+def test_small_misuses_get_clear_errors() -> None:
+    """A failed constructor left the application's agent claimed (the next endpoint on it was
+    refused); corrupt descriptor bytes raised UnicodeDecodeError; a transfer into the
+    endpoint's own exposure failed with advice to make a new endpoint; and expose() of a range
+    freed behind the provider's hold returned the exposure of the memory gone."""
+    from gpupin.nixl import load_nixl
+
+    api = load_nixl()
+    agent = api.nixl_agent("app-agent", api.nixl_agent_config(backends=["UCX"]))
+    m = HostMemory(8 << 20)
+    try:
+        with pytest.raises(gpupin.InvalidArgument, match="mem_type"):
+            NixlEndpoint("e", m, mem_type="HBM", agent=agent)
+        NixlEndpoint("e", m, mem_type="DRAM", agent=agent).close()  # the agent is free again
+        ep = NixlEndpoint("loop", m, mem_type="DRAM")
+        try:
+            buf = m.alloc(MiB)
+            rb = ep.expose(buf, MiB)
+            data = bytearray(rb.to_bytes())
+            at = data.index(b"loop")
+            data[at : at + 4] = b"\xff\xfe\xfd\xfc"
+            with pytest.raises(gpupin.InvalidArgument, match="not text"):
+                RemoteBuffer.from_bytes(bytes(data))
+            with pytest.raises(gpupin.InvalidArgument, match="own exposure"):
+                ep.write(m.alloc(MiB), 4096, rb)
+            m.release_free_hold(ep._exposures[rb.xid].hold)  # freed behind the hold
+            m.free(buf)
+            assert m.alloc(MiB) == buf
+            again = ep.expose(buf, MiB)
+            assert again.xid != rb.xid and again.buffer_id != rb.buffer_id
+        finally:
+            ep.close()
+    finally:
+        del agent
+        m.close()
