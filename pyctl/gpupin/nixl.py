@@ -1697,8 +1697,8 @@ class NixlEndpoint(Closable):
             # old descriptor's: it may name registrations the target has dropped since).
             regained = peer not in self._views and any(self._lease_state(peer, x) == "held" for x in remotes)
         if regained:
-            r = next(iter(remotes.values()))
-            self._reload(peer, r.metadata, deadline)  # its connection, to ask for the current metadata
+            if peer not in self._connected:  # NIXL erased the peer: its connection, to ask for the metadata
+                self._reload(peer, next(iter(remotes.values())).metadata, deadline)
             self._refresh(peer, deadline)
         elif first_contact:  # nothing of the peer loaded: no descriptor of it to go stale
             self._load(peer, ask[0] if ask else next(iter(remotes.values())), deadline)
