@@ -780,7 +780,7 @@ int64_t gpc_insert(struct gpc *c, int64_t id, uint64_t start, uint64_t end, uint
 
 /*
  * Index an entry that lookups miss until gpc_publish(): the caller stores
- * what the token names (cache.py's _ents) in between, so no hit can hand out
+ * what the token names (the cache's _ents) in between, so no hit can hand out
  * a token its caller cannot resolve yet.  Overlap checks and eviction see it.
  */
 int64_t gpc_stage(struct gpc *c, int64_t id, uint64_t start, uint64_t end, uint64_t buffer_id,

@@ -107,8 +107,8 @@ static PyObject *gpc_py_token(struct gpc_py *p, int64_t tok)
  * the exception class for misuse, the callable that unpins a stale entry
  * whose last reference was released).  Capsules are not tracked by the
  * garbage collector: nothing in the tuple may refer back to the cache
- * strongly, or cache, core and validity map are never freed (cache.py passes
- * a callable holding a weak proxy).  The core never reads a validity map
+ * strongly, or cache, core and validity map are never freed (cache/_hits.py
+ * passes a callable holding a weak proxy).  The core never reads a validity map
  * that is gone: the cache closes it first, also when dropped unclosed.
  */
 static PyObject *gpc_py_hit(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
