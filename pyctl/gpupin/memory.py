@@ -15,7 +15,9 @@ ptr, uint64_t *out)``: 0 and the id, or non-zero for no allocation there) and
 ``c_buffer_id_ctx`` its first argument (``ffi.NULL`` if it needs none), both
 alive as long as the provider.  The query runs under the cache core's mutex,
 with the GIL held: it must not wait for either.  A provider without one has
-its buffer ids checked in Python, through ``buffer_id``.
+its buffer ids checked in Python, through ``buffer_id``.  What the cache reads
+of a provider beyond this interface, :class:`gpupin.cache.protocols.ProviderOffers`
+names.
 
 The providers gpupin ships (:class:`ProviderBase`) also keep *free holds*:
 ``hold_free(ptr, why)`` makes ``free`` of the allocation holding ``ptr`` raise

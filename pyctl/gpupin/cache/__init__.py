@@ -32,11 +32,19 @@ Lifetimes (Documentation/python.md's "Lifetime rules" says the same for users):
   Registration in the child does nothing, a parent's token is refused).  A
   closed cache stays closed.
 
-The package, by role: _state.py what every part shares, _registration.py what a use holds,
-_records.py the routing of a device's invalidation records, _core.py the C core's lifetime and
-the fast path's calls into it, _policy.py insertion, eviction and invalidation, _life.py close
-and fork, _hits.py the hit paths, _cache.py RegistrationCache itself, library.py the base of
-the devices that register with another library (cuFile, NIXL).
+The package, a module per role:
+
+- protocols.py: what the cache asks of a device, a memory provider and a pin,
+  and what it reads, once, of what they may offer beyond that;
+- _state.py: what every part of a cache shares; _registration.py: what a use
+  holds; _records.py: a device's invalidation records, routed to its caches;
+- _core.py: the C core's lifetime, and the fast path's calls into it;
+- _policy.py: insertion, eviction and invalidation;
+- _life.py: close and fork;
+- _hits.py: the hit paths;
+- _cache.py: RegistrationCache, built on the parts above;
+- library.py: the base of the devices that register memory with another
+  library (cuFile, NIXL).
 """
 
 from __future__ import annotations
@@ -47,8 +55,9 @@ from .._native import gpc_bind as gpc_bind
 from ._cache import RegistrationCache
 from ._policy import CacheFull
 from ._registration import Registration
-from ._state import GPU_PAGE, Backend, CacheStats, DeviceLike, Validate
+from ._state import Backend, CacheStats, Validate
 from .library import LibraryDriver, LibraryRegistration
+from .protocols import GPU_PAGE, DeviceLike
 
 __all__ = [
     "GPU_PAGE",

@@ -16,7 +16,8 @@ from ._hits import _HitPaths
 from ._life import _LIVE
 from ._records import _records_of
 from ._registration import Registration
-from ._state import GPU_PAGE, Backend, CacheStats, DeviceLike, Validate
+from ._state import Backend, CacheStats, Validate
+from .protocols import DeviceLike, DeviceOffers, ProviderOffers
 
 
 class RegistrationCache(_HitPaths):
@@ -47,24 +48,27 @@ class RegistrationCache(_HitPaths):
         (``Device.pin_dmabuf(pci=)``); an exporter that can revoke its buffers needs one."""
         if validate not in ("both", "kernel", "buffer_id"):
             raise InvalidArgument(f"validate={validate!r}: use 'both', 'kernel' or 'buffer_id'")
-        self.backend = _pick_backend(backend, device, memory)
+        offers, provider = DeviceOffers.of(device), ProviderOffers.of(memory)
+        self.backend = _pick_backend(backend, device, offers, memory, provider)
         if dmabuf_pci is not None and self.backend != "dmabuf":
             raise InvalidArgument(f"dmabuf_pci={dmabuf_pci!r}: only for the dma-buf backend (backend={self.backend!r})")
         self.dmabuf_pci = dmabuf_pci
         if max_bytes < 0 or max_regions < 0:
             raise InvalidArgument("max_bytes and max_regions must be >= 0 (0 = unlimited)")
         self.memory = memory
+        self._provider = provider
         self.max_bytes = max_bytes
         self.max_regions = max_regions
         self.validate = validate
         self.whole_allocation = whole_allocation
         self.sync_memops = sync_memops
-        self._granule = int(getattr(device, "granule", GPU_PAGE))
+        self._granule = offers.granule
         check_kernel = validate in ("both", "kernel")
         check_buffer_id = validate in ("both", "buffer_id")
-        # The buffer-id check runs in C when the provider offers a query in C (see
-        # MemoryProvider): CudaMemory's libcuda call, SimMemory's ioctl, FakeMemory(direct_query=True).
-        c_buffer_id = check_buffer_id and bool(getattr(memory, "direct_buffer_id_query", False))
+        # The buffer-id check runs in C when the provider offers a query in C (ProviderOffers):
+        # CudaMemory's libcuda call, SimMemory's ioctl, FakeMemory(direct_query=True).
+        c_query = provider.c_query if check_buffer_id else None
+        c_buffer_id = c_query is not None
         self._py_buffer_id = check_buffer_id and not c_buffer_id
         map_buf: Any = None
         words, nwords = ffi.NULL, 0
@@ -76,11 +80,11 @@ class RegistrationCache(_HitPaths):
             raise MemoryError("gpupin cache: out of memory")
         # Kept as long as the cache: the core calls them until it is closed.
         self._c_query = (ffi.NULL, ffi.NULL)
-        if c_buffer_id:
-            query = getattr(memory, "c_buffer_id_query", None) or ffi.NULL  # NULL: libcuda's
-            self._c_query = (query, getattr(memory, "c_buffer_id_ctx", None) or ffi.NULL)
+        if c_query is not None:
+            query, ctx = c_query
+            self._c_query = (query or ffi.NULL, ctx or ffi.NULL)  # a NULL query: libcuda's
             lib.gpc_set_buffer_id_query(self._c, *self._c_query)
-        self._life = _Life(self._c, device, map_buf)
+        self._life = _Life(self._c, device, offers, map_buf)
         self._ents = self._life.ents  # the same list: changed in place only
         # Not at interpreter exit: a cache still alive then may be in use by another atexit
         # hook (a library's teardown); the process's exit releases everything anyway.
@@ -100,9 +104,8 @@ class RegistrationCache(_HitPaths):
         self._reopen = False  # a fork child: open a device of its own before the next pin
         self._closed = False
         _LIVE.add(self)
-        register = getattr(device, "register_child", None)
-        if register is not None:
-            register(self)  # the device closes its caches when it closes
+        if offers.register_child is not None:
+            offers.register_child(self)  # the device closes its caches when it closes
 
     def acquire(self, ptr: int, size: int) -> Registration:
         """A registration covering [ptr, ptr + size), pinning the allocation on first use."""
@@ -127,14 +130,14 @@ class RegistrationCache(_HitPaths):
         return len(self._indexed)
 
 
-def _pick_backend(backend: str, device: Any, memory: Any) -> str:
+def _pick_backend(backend: str, device: Any, offers: DeviceOffers, memory: Any, provider: ProviderOffers) -> str:
     """nvp2p, dmabuf, or for auto the dma-buf path where device and memory both offer it."""
     if backend not in ("nvp2p", "dmabuf", "auto"):
         raise InvalidArgument(f"backend={backend!r}: use 'nvp2p', 'dmabuf' or 'auto'")
     if backend == "nvp2p":
         return backend
-    dev_ok = hasattr(device, "pin_dmabuf") and bool(getattr(device.info(), "dmabuf", False))
-    mem_ok = callable(getattr(memory, "export_dmabuf", None))
+    dev_ok = offers.pins_dmabuf(device)
+    mem_ok = provider.export_dmabuf is not None
     if dev_ok and mem_ok:
         return "dmabuf"
     if backend == "auto":

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from .._native import ffi, lib
 from ..errors import GpupinError, InvalidArgument, UnknownHandle
 from ._registration import _Entry
+from .protocols import DeviceOffers
 
 if TYPE_CHECKING:
     from ._hits import _HitPaths
@@ -17,15 +18,17 @@ if TYPE_CHECKING:
 
 class _Life:
     """What a cache's finalizer needs, kept apart from the cache (no reference back to it):
-    the C core, the entries, the validity-map view, the device and a device it owns."""
+    the C core, the entries, the validity-map view, the device (with what it offers) and a
+    device it owns."""
 
-    __slots__ = ("core", "ents", "map_buf", "device", "owned", "closed")
+    __slots__ = ("core", "ents", "map_buf", "device", "offers", "owned", "closed")
 
-    def __init__(self, core: Any, device: Any, map_buf: Any) -> None:
+    def __init__(self, core: Any, device: Any, offers: DeviceOffers, map_buf: Any) -> None:
         self.core = core
         self.ents: list[_Entry | None] = []
         self.map_buf = map_buf
         self.device = device
+        self.offers = offers  # DeviceOffers.of(device): they change together
         self.owned: Any = None
         self.closed = False
 
@@ -47,7 +50,7 @@ class _Life:
             e.done = True
             for m in e.maps.values():
                 try:
-                    self.device.dma_unmap(m)
+                    self.offers.unmap(m)
                 except GpupinError:
                     pass  # went with the pin
             e.maps.clear()

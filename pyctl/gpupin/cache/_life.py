@@ -15,6 +15,7 @@ from ._core import _closed_lookup
 from ._policy import _Policy
 from ._records import _Records, _records_of
 from ._state import CacheStats
+from .protocols import DeviceOffers
 
 # Every live cache, for the one at-fork hook (hooks cannot be unregistered: one per cache
 # would pile up in a long-lived process).
@@ -66,15 +67,14 @@ class _Lifetime(_Policy):
 
     def _reopen_device(self) -> None:
         """In a fork child, at the first pin: a device (and validity map) of this process."""
-        old = self.device
-        reopen = getattr(old, "reopen", None)
-        if reopen is None:
+        old, offers = self.device, self._life.offers
+        if offers.reopen is None:
             raise ForkedDevice(
                 f"this RegistrationCache was made in process {self._parent} and is used in its fork child "
                 f"{os.getpid()}, and its device ({type(old).__name__}) cannot be reopened here: make the "
                 "cache (and its device) in the child"
             )
-        dev = reopen()
+        dev = offers.reopen()
         try:
             if self.validate in ("both", "kernel"):
                 buf = ffi.from_buffer("uint64_t[]", dev.validity_map())
@@ -85,21 +85,19 @@ class _Lifetime(_Policy):
         except BaseException:
             dev.close()
             raise
-        unregister = getattr(old, "unregister_child", None)
-        if unregister is not None:
-            unregister(self)
-        self._life.device = dev
+        if offers.unregister_child is not None:
+            offers.unregister_child(self)
+        self._life.device, self._life.offers = dev, DeviceOffers.of(dev)
         self._life.owned = dev
         self._records = _records_of(dev)
         self._inbox = self._records.attach()
         self._reopen = False
-        register = getattr(dev, "register_child", None)
-        if register is not None:
-            register(self)
+        if self._life.offers.register_child is not None:
+            self._life.offers.register_child(self)
 
     @property
     def _parent(self) -> str:
-        pid = getattr(self.device, "opener_pid", None)  # devices other than Device may lack it
+        pid = self._life.offers.opener_pid  # devices other than Device may lack it
         return str(pid) if pid is not None else "the parent"
 
     def close(self, timeout: float = 0.0) -> None:

@@ -20,6 +20,7 @@ from ..errors import (
 )
 from ._registration import _Entry
 from ._state import CacheStats, _State
+from .protocols import PinFacts, is_overflow
 
 
 class CacheFull(BudgetExceeded):
@@ -80,16 +81,15 @@ class _Policy(_State):
             self._invalidate(old, "buffer_id")
         self._make_room(need)
         pin = self._pin(start, need, r.base)
-        if self.validate == "kernel" and not getattr(pin, "revocable", False):
-            self._refuse_unrevocable(pin, r.base, r.size)
+        facts = PinFacts.of(pin)
+        if self.validate == "kernel" and not facts.revocable:
+            self._refuse_unrevocable(pin, facts, r.base, r.size)
         e = _Entry(self._new_id(), start, stop, r.buffer_id, pin)
         # Staged: indexed, but every lookup misses it until it is published below, once the
         # token resolves (_entry_of).  A hit through C takes its reference without this lock:
         # one that found the entry before it was stored could not resolve its token, and
         # its reference would never be released (close() refusing forever).
-        e.token = int(
-            lib.gpc_stage(self._c, e.id, lo, hi, r.buffer_id, getattr(pin, "slot", 0), getattr(pin, "valid_word", 0))
-        )
+        e.token = int(lib.gpc_stage(self._c, e.id, lo, hi, r.buffer_id, facts.slot, facts.valid_word))
         if e.token < 0:
             self._free_ids.append(e.id)
             self.device.unpin(pin.handle)
@@ -112,15 +112,15 @@ class _Policy(_State):
         lib.gpc_publish(self._c, e.token)
         return e
 
-    def _refuse_unrevocable(self, pin: Any, base: int, size: int) -> None:
+    def _refuse_unrevocable(self, pin: Any, facts: PinFacts, base: int, size: int) -> None:
         """validate='kernel' and a pin the kernel never invalidates: unpin it and say so."""
         try:
             self.device.unpin(pin.handle)
         except GpupinError:
             pass  # gone already: nothing of it is left either way
-        if getattr(pin, "dmabuf", False):
+        if facts.dmabuf:
             kind = "a dma-buf pin whose exporter holds the memory and never revokes it (NVIDIA's exporter)"
-        elif getattr(pin, "persistent", False):
+        elif facts.persistent:
             kind = "a persistent pin"
         else:
             kind = "a pin the kernel did not mark revocable (is gpupin.ko older than this package?)"
@@ -147,11 +147,13 @@ class _Policy(_State):
         if self.backend == "nvp2p":
             return self.device.pin(start, size, user_tag=base)
         # dma-buf: the whole allocation's buffer; the pin keeps it, so the fd can go.
-        fd = self.memory.export_dmabuf(base)  # type: ignore[attr-defined]
+        export, pin_dmabuf = self._provider.export_dmabuf, self._life.offers.pin_dmabuf
+        assert export is not None and pin_dmabuf is not None  # the backend is chosen only then
+        fd = export(base)
         try:
             if self.dmabuf_pci is None:
-                return self.device.pin_dmabuf(fd, user_tag=base)  # type: ignore[attr-defined]
-            return self.device.pin_dmabuf(fd, user_tag=base, pci=self.dmabuf_pci)  # type: ignore[attr-defined]
+                return pin_dmabuf(fd, user_tag=base)
+            return pin_dmabuf(fd, user_tag=base, pci=self.dmabuf_pci)
         finally:
             os.close(fd)
 
@@ -207,7 +209,7 @@ class _Policy(_State):
         e.done = True
         for m in e.maps.values():
             try:
-                self.device.dma_unmap(m)  # type: ignore[attr-defined]
+                self._life.offers.unmap(m)
             except GpupinError:
                 pass  # the mapping went with an invalidated pin
         e.maps.clear()
@@ -253,7 +255,7 @@ class _Policy(_State):
             if e is not None:
                 self._invalidate(e, "kernel")
                 n += 1
-            elif getattr(ev, "reason", "") == "overflow":
+            elif is_overflow(ev):
                 for e in list(self._indexed.values()):
                     if not e.pin.is_valid():
                         self._invalidate(e, "kernel")

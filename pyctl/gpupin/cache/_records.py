@@ -6,6 +6,8 @@ import threading
 import weakref
 from typing import Any
 
+from .protocols import is_overflow
+
 
 class _Inbox:
     """One cache's invalidation records, as its device's _Records routed them."""
@@ -59,7 +61,7 @@ class _Records:
                 owner = ref() if ref is not None else None
                 if owner is not None:
                     owner.records.append(ev)
-                elif getattr(ev, "reason", "") == "overflow":
+                elif is_overflow(ev):
                     for other in self._inboxes:
                         other.records.append(ev)
                 else:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .protocols import PinLike
+
 if TYPE_CHECKING:
     from ._cache import RegistrationCache
 
@@ -11,7 +13,7 @@ if TYPE_CHECKING:
 class _Entry:
     __slots__ = ("id", "token", "start", "end", "buffer_id", "pin", "stale", "done", "maps")
 
-    def __init__(self, eid: int, start: int, end: int, buffer_id: int, pin: Any) -> None:
+    def __init__(self, eid: int, start: int, end: int, buffer_id: int, pin: PinLike) -> None:
         self.id = eid  # the slot in RegistrationCache._ents
         self.token = -1  # the C core's token (slot and generation), set when indexed
         self.start = start

@@ -9,30 +9,18 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from .._native import lib
 from ..memory import MemoryProvider
 from ._core import _Life
 from ._records import _Inbox, _Records
 from ._registration import _Entry
+from .protocols import DeviceLike, ProviderOffers
 
-GPU_PAGE = 1 << 16
 _ID_MASK = 0xFFFFFFFF  # a token's slot; the generation is above it (csrc/gpc.c)
 Validate = Literal["both", "kernel", "buffer_id"]
 Backend = Literal["nvp2p", "dmabuf", "auto"]
-
-
-class DeviceLike(Protocol):
-    def pin(self, va: int, size: int, *, persistent: bool = False, user_tag: int = 0) -> Any: ...
-
-    def unpin(self, handle: Any) -> None: ...
-
-    def read_events(self) -> list[Any]: ...
-
-    def dma_map(self, handle: Any, pci: str) -> Any: ...
-
-    def validity_map(self) -> Any: ...
 
 
 @dataclass
@@ -57,6 +45,7 @@ class CacheStats:
 class _State:
     # What the cache was asked for.
     memory: MemoryProvider
+    _provider: ProviderOffers  # what the memory offers beyond MemoryProvider
     max_bytes: int
     max_regions: int
     validate: Validate
@@ -67,7 +56,8 @@ class _State:
     _granule: int  # what the device registers in (GPU pages, or 1: an allocation's own bounds)
     _py_buffer_id: bool  # buffer ids are checked in Python (the provider has no query in C)
 
-    # The C core and what lives as long as it (_Life: what the finalizer needs).
+    # The C core and what lives as long as it (_Life: what the finalizer needs, with the device
+    # and what it offers).
     _c: Any
     _c_query: tuple[Any, Any]
     _life: _Life

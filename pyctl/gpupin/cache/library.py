@@ -35,7 +35,7 @@ class LibraryDriver(Closable):
     no invalidation records and no validity map (the cache runs with ``validate="buffer_id"``),
     allocations registered at their own bounds, and one cache per driver."""
 
-    granule = 1  # register allocations at their own bounds (RegistrationCache reads this)
+    granule = 1  # register allocations at their own bounds (DeviceOffers reads this)
     library = "the library"
     cache_name = "cache"
     _cache: weakref.ref[RegistrationCache] | None = None
