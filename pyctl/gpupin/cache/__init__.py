@@ -8,10 +8,12 @@ is reached or the GPU runs out of BAR space.  Entries in use are never
 evicted.  One entry per allocation: buffer ids are per allocation, so entries
 never merge across allocations.
 
-The hit path is one call into C (``lookup``): find the entry, read its
-validity word (and query the buffer id through the provider's query in C:
-libcuda's for CudaMemory, an ioctl for SimMemory), take a reference.
-Misses, eviction and invalidation run in Python under the cache's lock.
+A hit is one call into C, the fast path (``fast_lookup``, and ``lookup``
+first): find the entry, read its validity word (and query the buffer id
+through the provider's query in C: libcuda's for CudaMemory, an ioctl for
+SimMemory), take a reference, all without the cache's lock.  What it cannot
+settle goes to the slow path (``miss``), in Python under the lock: misses,
+eviction and invalidation, and buffer ids a provider cannot check in C.
 
 Lifetimes (Documentation/python.md's "Lifetime rules" says the same for users):
 

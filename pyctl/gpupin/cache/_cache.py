@@ -90,7 +90,7 @@ class RegistrationCache(_HitPaths):
         # hook (a library's teardown); the process's exit releases everything anyway.
         weakref.finalize(self, _Life.finalize, self._life).atexit = False
         self._lookup = lib.gpc_lookup
-        self._set_fast_path()
+        self._choose_fast_path()
         self._lock = threading.RLock()
         self._free_ids = []
         self._by_handle = {}

@@ -1,5 +1,6 @@
 """The C core (csrc/gpc.c) from Python: what keeps it and its validity map alive until the cache
-closes (_Life, which the cache's finalizer holds), and the fast path's calls into it."""
+closes (_Life, which the cache's finalizer holds), and the functions fast_lookup is bound to
+(_HitPaths._choose_fast_path says which when)."""
 
 from __future__ import annotations
 
@@ -84,20 +85,25 @@ def _out_of_range(ptr: int, size: int) -> InvalidArgument:
     )
 
 
-def _core_fast_lookup(core: Any, ptr: int, size: int) -> int:
-    """fast_lookup where the C entry point is missing: the cffi call."""
+def _c_lookup(lookup: Any, core: Any, ptr: int, size: int) -> int:
+    """The fast path through cffi: ``lookup`` (the core's gpc_lookup) finds the entry covering
+    [ptr, ptr + size), checks it in C and takes a reference, without the cache's lock.  A token
+    >= 0 is a hit; < 0 a code for the slow path.  A negative or over-64-bit argument is an
+    InvalidArgument."""
     try:
-        return int(lib.gpc_lookup(core, ptr, size))
+        return int(lookup(core, ptr, size))
     except OverflowError:
         raise _out_of_range(ptr, size) from None
 
 
 def _closed_lookup(ptr: int, size: int) -> int:
+    """The fast path of a closed cache."""
     raise InvalidArgument("this RegistrationCache is closed")
 
 
 def _call_cache(ref: weakref.ref[_HitPaths], method: Callable[..., Any], *args: Any, gone_ok: bool = False) -> Any:
-    """A saved fast path in Python (buffer-id checks in Python): the method, while the cache lives.
+    """A method of the cache bound as its fast path (buffer-id checks in Python), or as the
+    stale-entry callback of the vectorcall one: the method, while the cache lives.
     ``gone_ok``: a dead cache is no error (a stale entry's last release: its finalizer unpins)."""
     cache = ref()
     if cache is None:

@@ -133,7 +133,7 @@ class _Lifetime(_Policy):
             self._closed = True
             self._life.closed = True
             self._reopen = False
-            self.fast_lookup = _closed_lookup  # a saved fast_lookup raises too (the core is closed)
+            self.fast_lookup = _closed_lookup  # see _choose_fast_path; a saved one raises too (the core is closed)
             for e in list(self._indexed.values()):
                 self._unindex(e)
             self._st.unpins += sum(1 for ent in self._ents if ent is not None and not ent.done)
