@@ -33,10 +33,11 @@ help:
 	@echo "                 every leg runs even after one failed; a table of them ends the run"
 	@echo "make check       check-version, check-netlink, check-kernel, check-py"
 	@echo "make check-version  the DKMS configurations, gpupin.h and __init__.py carry pyproject.toml's version"
-	@echo "make check-netlink  the committed netlink header is what its YNL spec generates"
+	@echo "make check-netlink  the committed netlink header and kernel policies/ops are what the YNL spec generates"
 	@echo "make check-kernel   W=1 (and the unicast-events variant), sparse, checkpatch --strict"
 	@echo "make check-py       ruff (lint, format), mypy, gcc -fanalyzer on the package's C"
-	@echo "make netlink-header generate include/uapi/gpupin_netlink.h from Documentation/netlink/specs/gpupin.yaml"
+	@echo "make netlink-header generate include/uapi/gpupin_netlink.h and kernel/netlink-gen.[ch] from"
+	@echo "                    Documentation/netlink/specs/gpupin.yaml"
 	@echo "make check-nvidia  build against NVIDIA's 535 and 550 open driver sources, check CRCs"
 	@echo "make deb | wheel   Debian packages (gpupin-dkms, gpupin-sim-dkms) / the Python wheel in dist/"
 	@echo "make test-deb      install the .deb, DKMS, modprobe in the VM, smoke suite; the wheel in a clean venv"
@@ -72,16 +73,19 @@ check: setup check-version check-netlink check-kernel check-py
 check-version:
 	scripts/ci/check-version.sh
 
-# The netlink UAPI header is generated from the YNL spec (scripts/gen-netlink-header.py) and
-# committed: netlink-header writes it, check-netlink fails while it differs from what the spec gives.
+# The netlink UAPI header and the kernel's request policies and ops are generated from the YNL
+# spec (scripts/gen-netlink-header.py) and committed: netlink-header writes them, check-netlink
+# fails while any differs from what the spec gives.
 NETLINK_SPEC := Documentation/netlink/specs/gpupin.yaml
 NETLINK_HEADER := include/uapi/gpupin_netlink.h
+NETLINK_KERNEL := kernel/netlink-gen.c kernel/netlink-gen.h
 
 netlink-header:
-	$(PY) scripts/gen-netlink-header.py $(NETLINK_SPEC) -o $(NETLINK_HEADER)
+	$(PY) scripts/gen-netlink-header.py $(NETLINK_SPEC) -o $(NETLINK_HEADER) \
+		--kernel-source $(word 1,$(NETLINK_KERNEL)) --kernel-header $(word 2,$(NETLINK_KERNEL))
 
 check-netlink:
-	PY=$(PY) scripts/ci/check-netlink.sh $(NETLINK_SPEC) $(NETLINK_HEADER)
+	PY=$(PY) scripts/ci/check-netlink.sh $(NETLINK_SPEC) $(NETLINK_HEADER) $(NETLINK_KERNEL)
 
 check-kernel: setup
 	$(MAKE) modules KDIR=$(KDIR) >/dev/null

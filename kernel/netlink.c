@@ -35,24 +35,8 @@
 #include "compat.h"
 #include "gpupin.h"
 #include "../include/uapi/gpupin_netlink.h"
-
-/*
- * One policy per operation (validated strictly: unknown attributes are
- * errors).  GET_INFO, GET_STATS and SUBSCRIBE take no attributes; GET_PINS
- * takes an optional PID filter; GET_PIN needs PID and HANDLE.
- */
-static const struct nla_policy gpupin_nl_no_attrs_policy[GPUPIN_NL_A_PID + 1] = {
-	[GPUPIN_NL_A_PID] = { .type = NLA_REJECT },
-};
-
-static const struct nla_policy gpupin_nl_get_pins_policy[GPUPIN_NL_A_PID + 1] = {
-	[GPUPIN_NL_A_PID] = NLA_POLICY_MIN(NLA_U32, 1),
-};
-
-static const struct nla_policy gpupin_nl_get_pin_policy[GPUPIN_NL_A_HANDLE + 1] = {
-	[GPUPIN_NL_A_PID] = { .type = NLA_U32 },
-	[GPUPIN_NL_A_HANDLE] = { .type = NLA_U64 },
-};
+/* The ops and their policies, generated from the YNL spec; the handlers are below. */
+#include "netlink-gen.h"
 
 #if defined(GENL_MCAST_CAP_NET_ADMIN) && !defined(GPUPIN_NL_EVENTS_UNICAST)
 #define GPUPIN_NL_MCAST 1
@@ -352,7 +336,7 @@ void gpupin_nl_budget_event(struct gpupin_file *f, u64 size)
 	gpupin_nl_send_event(skb, GFP_KERNEL);
 }
 
-static int gpupin_nl_get_info(struct sk_buff *skb, struct genl_info *info)
+int gpupin_nl_get_info_doit(struct sk_buff *skb, struct genl_info *info)
 {
 	struct sk_buff *msg;
 	void *hdr;
@@ -378,7 +362,7 @@ static int gpupin_nl_get_info(struct sk_buff *skb, struct genl_info *info)
 	return genlmsg_reply(msg, info);
 }
 
-static int gpupin_nl_get_stats(struct sk_buff *skb, struct genl_info *info)
+int gpupin_nl_get_stats_doit(struct sk_buff *skb, struct genl_info *info)
 {
 	static const struct {
 		int attr;
@@ -435,7 +419,7 @@ static bool gpupin_nl_may_see(const struct sk_buff *skb, struct gpupin_file *f)
 	return f->owner == task_tgid(current) || gpupin_nl_privileged(skb);
 }
 
-static int gpupin_nl_get_pin(struct sk_buff *skb, struct genl_info *info)
+int gpupin_nl_get_pin_doit(struct sk_buff *skb, struct genl_info *info)
 {
 	struct gpupin_pin_obj *pin = NULL;
 	struct gpupin_file *f;
@@ -553,7 +537,7 @@ static int gpupin_nl_dump_detached(struct sk_buff *skb, struct netlink_callback 
  * ones; with PID (a global thread-group id, as PIN_A_PID reports it) only
  * that process's.  The cursor lives in cb->args (GPUPIN_NL_CUR_*).
  */
-static int gpupin_nl_get_pins(struct sk_buff *skb, struct netlink_callback *cb)
+int gpupin_nl_get_pins_dumpit(struct sk_buff *skb, struct netlink_callback *cb)
 {
 	struct nlattr **attrs = gpupin_genl_dump_attrs(cb);
 	struct gpupin_pin_obj *pin;
@@ -598,7 +582,7 @@ out:
 }
 
 /* SUBSCRIBE: the genl core already checked CAP_NET_ADMIN (GENL_ADMIN_PERM). */
-static int gpupin_nl_subscribe(struct sk_buff *skb, struct genl_info *info)
+int gpupin_nl_subscribe_doit(struct sk_buff *skb, struct genl_info *info)
 {
 #if GPUPIN_NL_MCAST
 	NL_SET_ERR_MSG(info->extack, "join the \"events\" multicast group instead");
@@ -628,45 +612,6 @@ out:
 	return ret;
 #endif
 }
-
-/*
- * Each command is a do or a dump, never both, so plain genl_ops with a
- * per-operation policy validate exactly what split ops would (and exist on
- * every kernel gpupin builds for).
- */
-static const struct genl_ops gpupin_nl_ops[] = {
-	{
-		.cmd = GPUPIN_NL_CMD_GET_INFO,
-		.doit = gpupin_nl_get_info,
-		.policy = gpupin_nl_no_attrs_policy,
-		.maxattr = ARRAY_SIZE(gpupin_nl_no_attrs_policy) - 1,
-	},
-	{
-		.cmd = GPUPIN_NL_CMD_GET_PINS,
-		.dumpit = gpupin_nl_get_pins,
-		.policy = gpupin_nl_get_pins_policy,
-		.maxattr = ARRAY_SIZE(gpupin_nl_get_pins_policy) - 1,
-	},
-	{
-		.cmd = GPUPIN_NL_CMD_GET_STATS,
-		.doit = gpupin_nl_get_stats,
-		.policy = gpupin_nl_no_attrs_policy,
-		.maxattr = ARRAY_SIZE(gpupin_nl_no_attrs_policy) - 1,
-	},
-	{
-		.cmd = GPUPIN_NL_CMD_GET_PIN,
-		.doit = gpupin_nl_get_pin,
-		.policy = gpupin_nl_get_pin_policy,
-		.maxattr = ARRAY_SIZE(gpupin_nl_get_pin_policy) - 1,
-	},
-	{
-		.cmd = GPUPIN_NL_CMD_SUBSCRIBE,
-		.doit = gpupin_nl_subscribe,
-		.flags = GENL_ADMIN_PERM,
-		.policy = gpupin_nl_no_attrs_policy,
-		.maxattr = ARRAY_SIZE(gpupin_nl_no_attrs_policy) - 1,
-	},
-};
 
 static struct genl_family gpupin_nl_family __ro_after_init = {
 	.name = GPUPIN_NL_FAMILY_NAME,

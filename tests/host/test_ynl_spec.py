@@ -1,8 +1,9 @@
 """The netlink family's one source, Documentation/netlink/specs/gpupin.yaml, and what follows from it.
 
-include/uapi/gpupin_netlink.h is generated from the spec (scripts/gen-netlink-header.py, `make
-netlink-header`); scripts/ci/check-netlink.sh (`make check`) generates it again and fails while the
-committed header differs: it must pass here, and fail on a changed spec or a hand-edited header.
+include/uapi/gpupin_netlink.h and the kernel's policies and ops (kernel/netlink-gen.c and .h) are
+generated from the spec (scripts/gen-netlink-header.py, `make netlink-header`);
+scripts/ci/check-netlink.sh (`make check`) generates them again and fails while a committed one
+differs: it must pass here, and fail on a changed spec or a hand-edited file.
 The numbers the C compiler gives the header's names (read through the cffi extension) must be the
 ones YNL gives the spec, and the Python client must decode each attribute as the spec types it.
 tests/vm/test_ynl.py then talks to the module with the kernel's own YNL client.
@@ -27,7 +28,8 @@ from gpupin._native import lib  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 SPEC_REL = Path("Documentation/netlink/specs/gpupin.yaml")
 SPEC = ROOT / SPEC_REL
-HEADER = ROOT / "include/uapi/gpupin_netlink.h"
+# The generated files, relative to the tree (their #include lines name each other so).
+GENERATED = ("include/uapi/gpupin_netlink.h", "kernel/netlink-gen.c", "kernel/netlink-gen.h")
 CHECK = ROOT / "scripts/ci/check-netlink.sh"
 PYROUTE2_TYPE = {"u32": "uint32", "u64": "uint64", "string": "asciiz", "flag": "flag"}
 
@@ -62,37 +64,53 @@ def test_the_committed_header_is_generated_from_the_spec() -> None:
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("changed", ["spec", "header"])
-def test_the_check_fails_when_header_and_spec_differ(tmp_path: Path, changed: str) -> None:
-    """A copy of the tree's spec and header: the check passes on the copy as it is (the header
-    names the spec by the same relative path), then fails once either is changed."""
-    spec, header = tmp_path / SPEC_REL, tmp_path / "gpupin_netlink.h"
+@pytest.mark.parametrize("changed", ["spec", "check", "header", "kernel"])
+def test_the_check_fails_when_a_generated_file_and_the_spec_differ(tmp_path: Path, changed: str) -> None:
+    """A copy of the tree's spec and generated files, laid out as in the tree: the check passes on
+    the copy as it is (the files name the spec by the same relative path), then fails once the
+    spec or any file is changed."""
+    spec = tmp_path / SPEC_REL
     spec.parent.mkdir(parents=True)
     shutil.copy(SPEC, spec)
-    shutil.copy(HEADER, header)
-    args = (str(SPEC_REL), str(header))
+    for rel in GENERATED:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / rel, tmp_path / rel)
+    header, source = tmp_path / GENERATED[0], tmp_path / GENERATED[1]
+    args = (str(SPEC_REL), *GENERATED)
     r = run_check(tmp_path, *args)
     assert r.returncode == 0, r.stdout + r.stderr
+    text = spec.read_text()
     if changed == "spec":  # a counter inserted before the last one: that one's number changes
-        text = spec.read_text()
         last = "      -\n        name: detached-bytes\n"
         assert text.count(last) == 1
         spec.write_text(text.replace(last, "      -\n        name: fail-eagain\n        type: u64\n" + last))
         added = "+\tGPUPIN_NL_STAT_A_FAIL_EAGAIN,"
-    else:
+    elif changed == "check":  # the PID's minimum: GET_PINS's policy changes, GET_PIN's (its own) not
+        check = "        checks:\n          min: 1\n"
+        assert text.count(check) == 1
+        spec.write_text(text.replace(check, "        checks:\n          min: 2\n"))
+        added = "+\t[GPUPIN_NL_A_PID] = NLA_POLICY_MIN(NLA_U32, 2),"
+    elif changed == "header":
         pad = "\tGPUPIN_NL_A_PAD,\n"
         header.write_text(header.read_text().replace(pad, pad + "\tGPUPIN_NL_A_NEW,\n"))
         added = "-\tGPUPIN_NL_A_NEW,"
+    else:  # the kernel source edited by hand: SUBSCRIBE open to all
+        admin = "\t\t.flags = GENL_ADMIN_PERM,\n"
+        assert source.read_text().count(admin) == 1
+        source.write_text(source.read_text().replace(admin, ""))
+        added = "+\t\t.flags = GENL_ADMIN_PERM,"
     r = run_check(tmp_path, *args)
     assert r.returncode == 1, r.stdout + r.stderr
     assert added in r.stdout.splitlines(), r.stdout
+    assert sum(line.startswith("+++ ") for line in r.stdout.splitlines()) == 1, "one file differs: one diff"
     assert "make netlink-header" in r.stderr
 
 
 def test_the_header_numbers_are_the_ones_ynl_gives_the_spec(spec: dict[str, Any]) -> None:
     """What the kernel compiles (the header) against what YNL clients send (the spec)."""
     groups = [(spec["operations"]["name-prefix"], numbered(spec["operations"]["list"], 1))]
-    groups += [(s["name-prefix"], numbered(s["attributes"], 1)) for s in spec["attribute-sets"]]
+    sets = [s for s in spec["attribute-sets"] if "subset-of" not in s]  # a subset's names are its parent's
+    groups += [(s["name-prefix"], numbered(s["attributes"], 1)) for s in sets]
     groups += [(d["name-prefix"], numbered(d["entries"], d.get("value-start", 0))) for d in spec["definitions"]]
     for prefix, items in groups:
         declared = {n for n in dir(lib) if n.startswith(c_name(prefix, "")) and n != c_name(prefix, "max")}

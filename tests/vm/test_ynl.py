@@ -133,7 +133,9 @@ def test_events_decode_with_the_spec(ynl_lib: Any, device: Device, memory: Memor
 
 
 def test_kernel_policies_match_the_spec(ynl_lib: Any, gpupin_loaded: None) -> None:
-    """nlctrl's policy dump of the family against each operation's request attributes in the spec."""
+    """nlctrl's policy dump of the family against each operation's request attributes in the spec,
+    their types and minimums (a subset set's own checks where it has them: the generated policies'
+    reading, kernel/netlink-gen.c)."""
     import yaml
 
     lib, root = ynl_lib
@@ -151,7 +153,8 @@ def test_kernel_policies_match_the_spec(ynl_lib: Any, gpupin_loaded: None) -> No
             p = m["policy"]
             policies.setdefault(p["policy-id"], {})[p["attr-id"]] = p
     spec = yaml.safe_load(SPEC.read_text())
-    attrs = {a["name"]: a for a in next(s for s in spec["attribute-sets"] if s["name"] == "gpupin")["attributes"]}
+    sets = {s["name"]: s for s in spec["attribute-sets"]}
+    attrs = {a["name"]: a for a in sets["gpupin"]["attributes"]}
     ids = {name: y.attr_sets["gpupin"][name].value for name in attrs}
     checked = 0
     for op in spec["operations"]["list"]:
@@ -164,8 +167,14 @@ def test_kernel_policies_match_the_spec(ynl_lib: Any, gpupin_loaded: None) -> No
         accepted = {a: d for a, d in kernel.items() if d.get("type") not in (None, "invalid", "reject")}
         want = (op[kind].get("request") or {}).get("attributes", [])
         assert set(accepted) == {ids[n] for n in want}, f"{op['name']}: kernel accepts {sorted(accepted)}, spec {want}"
+        aset = sets[op["attribute-set"]]
+        own = {a["name"]: a for a in aset["attributes"]} if "subset-of" in aset else {}
         for n in want:
-            assert accepted[ids[n]]["type"] == SPEC_TYPES[attrs[n]["type"]], f"{op['name']}.{n}"
+            got = accepted[ids[n]]
+            assert got["type"] == SPEC_TYPES[attrs[n]["type"]], f"{op['name']}.{n}"
+            checks = (own[n] if "checks" in own.get(n, {}) else attrs[n]).get("checks") or {}
+            if "min-value-u" in got:
+                assert got["min-value-u"] == checks.get("min", 0), f"{op['name']}.{n}: kernel min {got['min-value-u']}"
         checked += 1
     assert checked == 5
 
