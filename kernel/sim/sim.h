@@ -18,15 +18,21 @@
  *                           while importers' move_notify run (revocation).
  *   sim_quarantine_lock (mutex) - the poisoned quarantine of freed chunks
  *                           (sim_poison.c); taken with no other sim lock held.
+ *   sim_bar_lock (mutex)  - bar_device's writers and its name (sim_bar.c);
+ *                           taken with no other sim lock held.
  *   sim_lock (spinlock)   - the context list, the pin registry, every pin's
  *                           state and mapping list, and the counters.  Never
  *                           held across a callback or a sleeping call.
+ *   sim_deny_lock (spinlock) - deny_peers' list (sim_topo.c); nothing is
+ *                           taken under it (the static dma-buf exporter's
+ *                           attach takes it under sim_lock).
  */
 #ifndef _NVP2P_SIM_H
 #define _NVP2P_SIM_H
 
 #include <linux/bits.h>
 #include <linux/completion.h>
+#include <linux/hashtable.h>
 #include <linux/kref.h>
 #include <linux/list.h>
 #include <linux/mutex.h>
@@ -112,6 +118,16 @@ struct sim_pin {
 	struct list_head maps;		/* sim_map, under sim_lock */
 };
 
+/*
+ * NVIDIA embeds the page table in struct nv_p2p_mem_info (nv-p2p.c), where
+ * the table's DMA-mapping list head follows it.  Every table is allocated
+ * that way here, whatever its version: a client that reads a member its
+ * version lacks (`flags` of a 1.2 table, `gpu_uuid` of a 1.0 one) reads that
+ * list head - in bounds, but no value of that member - as it would on such
+ * a host.
+ */
+#define SIM_TABLE_ALLOC (sizeof(struct nvidia_p2p_page_table) + sizeof(struct list_head))
+
 struct sim_map {
 	struct nvidia_p2p_dma_mapping m;
 	struct list_head node;		/* pin->maps, under sim_lock */
@@ -122,14 +138,45 @@ struct sim_map {
 
 const char *nvp2p_sim_provider(void);
 
-/* sim_p2p.c */
-void sim_pin_put(struct sim_pin *pin);
-void sim_run_callbacks(struct list_head *claimed);
+/* sim_p2p.c: the pin entry points */
 int sim_injected_error_locked(int *nth_param);
-bool sim_peer_denied(struct device *dev);
-unsigned long sim_bar_size(void);	/* the bar_size parameter, for sim_main.c */
 int sim_p2p_init(void);
 void sim_p2p_exit(void);
+
+/* sim_table.c: page tables, their registry and graveyard */
+#define SIM_PINS_BITS 10
+extern DECLARE_HASHTABLE(sim_pins, SIM_PINS_BITS);	/* by table address, under sim_lock */
+struct sim_pin *sim_pin_lookup_locked(struct nvidia_p2p_page_table *pt);
+void sim_pin_put(struct sim_pin *pin);
+void sim_pin_retire_locked(struct sim_pin *pin, struct list_head *evicted);
+void sim_pin_bury(struct sim_pin *pin, struct list_head *evicted);
+void sim_table_fill(struct sim_pin *pin, u32 version, u32 entries);
+struct sim_pin *sim_reuse_table_locked(struct sim_pin *pin, u32 version, u32 entries);
+void sim_dangle_table(struct nvidia_p2p_page_table **page_table, u64 va, bool persistent);
+void sim_table_exit(void);
+
+/* sim_bar.c: the simulated BAR1 */
+extern u64 sim_bar_start, sim_bar_len;	/* of bar_device; len 0: off */
+bool sim_bar_space_locked(u64 len);
+unsigned long sim_bar_size(void);	/* the bar_size parameter, for sim_main.c */
+struct page *sim_pin_chunk(struct sim_pin *pin, u32 i);
+u64 sim_page_phys(struct sim_pin *pin, u32 i);
+
+/* sim_callback.c: free callbacks and the injected frees */
+extern struct workqueue_struct *sim_race_wq;
+void sim_race_work(struct work_struct *work);
+void sim_run_callbacks(struct list_head *claimed);
+int sim_callback_init(void);
+void sim_callback_exit(void);
+
+/* sim_owner.c: the calling process's registration */
+bool sim_put_finds_locked(struct sim_pin *pin, bool persistent);
+
+/* sim_dma.c: DMA mappings */
+void sim_map_bury(struct sim_map *map);
+
+/* sim_topo.c: NVIDIA's topology verdict */
+bool sim_peer_denied(struct device *dev);
 
 /* sim_rmlock.c */
 int sim_api_lock(const char *who);

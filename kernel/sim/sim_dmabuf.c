@@ -192,7 +192,7 @@ struct sim_export {
  * detaches; counted, so that a test sees an importer that left one behind.
  * NVIDIA's exporter (not revocable) also refuses a non-PCI device (a strict
  * misuse), a dynamic importer that cannot take peer-to-peer addresses and a
- * device its topology check denies (deny_peers, sim_p2p.c).
+ * device its topology check denies (deny_peers, sim_topo.c).
  */
 static int sim_dmabuf_attach(struct dma_buf *dmabuf, struct dma_buf_attachment *attach)
 {
