@@ -21,7 +21,8 @@ VM_MEM=${VM_MEM:-2560M}   # q35 keeps all RAM below 4 GiB up to 2.75 GiB: no bou
 # tests that use them (tests/vm/test_netlink.py, test_ynl.py; collected on the host, ~3 s).
 EXTRAS=1
 if [ "$MODE" = test ] && [ -n "${VM_SELECT:-}" ]; then
-	sel=$("$VENV/bin/python" -m pytest --collect-only -q -p no:cacheprovider tests/vm "${@:2}" 2>&1) ||
+	# --verbosity after the selection: one node id a line whatever -q/-v it carries.
+	sel=$("$VENV/bin/python" -m pytest --collect-only -p no:cacheprovider tests/vm "${@:2}" --verbosity=-1 2>&1) ||
 		die "pytest selects no test of tests/vm with: ${*:2}"$'\n'"$sel"
 	grep -qE '^tests/vm/test_(netlink|ynl)\.py::' <<<"$sel" || EXTRAS=
 	echo "vm-run: $(grep -cE '^tests/vm/.*::' <<<"$sel") test(s) selected${EXTRAS:+ (with the netlink extras)}"
