@@ -1231,7 +1231,12 @@ class NixlEndpoint(Closable):
                 del self._holds[head[0]]
                 verdicts = {x: (st, d, lo, n) for x, st, d, lo, n in entries}
                 for one in asked:
-                    status, one.dereg, one.addr, one.size = verdicts.get(one.xid, (GONE, 0, 0, 0))
+                    status, dereg, lo, n = verdicts.get(one.xid, (GONE, 0, 0, 0))
+                    if self._leases.get((peer, one.xid)) is not one or one.state != "asking" or one.grant != head[0]:
+                        if status == OK:  # its lease went meanwhile: given back, as a late grant is
+                            self._send_drop(peer, _pack(_DROP, (one.xid, 0, 0, head[0])))
+                        continue
+                    one.dereg, one.addr, one.size = dereg, lo, n
                     # granted: usable once the asking thread loaded its registration ("held")
                     one.state, one.verdict = ("granted", OK) if status == OK else ("refused", status)
         elif kind == _ACK:
@@ -1703,7 +1708,6 @@ class NixlEndpoint(Closable):
         elif first_contact:  # nothing of the peer loaded: no descriptor of it to go stale
             self._load(peer, ask[0] if ask else next(iter(remotes.values())), deadline)
         asked: list[_Lease] = []
-        req = 0
         try:
             return self._wait_and_load(peer, remotes, ask, asked, deadline)
         except BaseException:
@@ -1711,9 +1715,10 @@ class NixlEndpoint(Closable):
             # grant comes (late), granted ones now; none is left "granted" for ever (later
             # transfers into it would wait for a load nobody does).
             with self._lock:
-                self._holds.pop(asked[0].grant if asked else req, None)
-                for lease in asked:
-                    if self._leases.get((peer, lease.xid)) is lease and lease.state != "held":
+                if asked:
+                    self._holds.pop(asked[0].grant, None)
+                for lease in asked:  # made by this request alone; none posted under yet (not held)
+                    if self._leases.get((peer, lease.xid)) is lease and lease.state != "held" and not lease.inflight:
                         del self._leases[(peer, lease.xid)]
                         if lease.state == "granted":
                             self._send_drop(peer, _pack(_DROP, (lease.xid, 0, 0, lease.grant)))
@@ -1728,17 +1733,20 @@ class NixlEndpoint(Closable):
             with self._lock:
                 req = next(self._seq)
                 for r in ask:
-                    lease = self._leases.setdefault((peer, r.xid), _Lease(peer, r.xid, r.epoch))
-                    lease.grant = req
-                    asked.append(lease)
-                self._holds[req] = asked
-                self.leases_asked += len(asked)
-                msg = _pack(_HOLD, (req, len(asked)), [(lease.xid, lease.epoch) for lease in asked])
-            if not self._send(peer, msg):
+                    # A lease another thread made since (it asks for it, or holds it now) is
+                    # that thread's: waited for, never asked for twice (one request, one grant).
+                    if (peer, r.xid) not in self._leases:
+                        lease = self._leases[(peer, r.xid)] = _Lease(peer, r.xid, r.epoch, grant=req)
+                        asked.append(lease)
+                if asked:
+                    self._holds[req] = list(asked)
+                    self.leases_asked += len(asked)
+                    msg = _pack(_HOLD, (req, len(asked)), [(lease.xid, lease.epoch) for lease in asked])
+            if asked and not self._send(peer, msg):
                 raise NixlError(f"cannot ask {peer} for a lease: load its metadata (connect) and let it load ours")
         # Wait for every lease still asked for: by this thread, or by another one right now
         # (whose registration that thread loads before the lease is held).
-        mine = {r.xid for r in ask}
+        mine = {lease.xid for lease in asked}
         while True:
             with self._lock:
                 waiting = [x for x in remotes if self._lease_state(peer, x) in (_ASKED if x in mine else _PENDING)]
@@ -1774,9 +1782,8 @@ class NixlEndpoint(Closable):
                         "is used as expose() made it)"
                     )
                 leases.append(got)
-        for r in ask:  # granted: now its registration is loaded, with no dropped one
-            lease = self._leases[(peer, r.xid)]
-            self._load_granted(peer, r, lease, deadline)  # failing: the caller gives the rest back
+        for lease in asked:  # granted: now its registration is loaded, with no dropped one
+            self._load_granted(peer, remotes[lease.xid], lease, deadline)  # failing: the caller gives the rest back
             with self._lock:
                 if lease.state == "granted":
                     lease.state = "held"

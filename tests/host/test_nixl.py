@@ -1745,3 +1745,58 @@ def test_small_misuses_get_clear_errors() -> None:
     finally:
         del agent
         m.close()
+
+
+def test_two_threads_asking_for_one_lease_at_once_share_one_request() -> None:
+    """Two threads making the first transfer into one exposure at once each asked for the lease
+    and shared one lease object: the later grant set a held lease back to "granted" (later
+    transfers waited for a load nobody did), and the lease named whichever request came last, so
+    its drop could be ignored (unexpose() timed out) or, after a failure of one thread's
+    request, accepted while the other thread's transfer ran.  The second thread now waits for
+    the first one's request."""
+    import threading
+
+    from gpupin import nixl
+
+    p = Pair(auto_progress=True)
+    try:
+        x = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        src = p.mi.alloc(MiB)
+        both = threading.Barrier(2)
+        real_wait, real_send = p.ini._wait_and_load, p.ini._send
+
+        def wait_and_load(*a: Any, **k: Any) -> Any:
+            if threading.current_thread().name in ("T1", "T2"):
+                both.wait()  # both found no lease on x
+                if threading.current_thread().name == "T2":
+                    time.sleep(0.05)  # T1 makes its request first
+            return real_wait(*a, **k)
+
+        def send(peer: str, msg: bytes) -> bool:
+            if threading.current_thread().name == "T1" and msg.startswith(nixl._PREFIX + nixl._HOLD):
+                time.sleep(0.2)  # and is preempted before it sends it
+            return real_send(peer, msg)
+
+        p.ini._wait_and_load, p.ini._send = wait_and_load, send  # type: ignore[method-assign]
+        out: dict[str, BaseException | None] = {}
+
+        def write(name: str) -> None:
+            try:
+                p.ini.write(src, 4096, x, timeout=5)
+                out[name] = None
+            except BaseException as exc:  # noqa: BLE001 - looked at below
+                out[name] = exc
+
+        ts = [threading.Thread(target=write, args=(n,), name=n) for n in ("T1", "T2")]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        del p.ini._wait_and_load, p.ini._send
+        assert out == {"T1": None, "T2": None} and p.ini.leases_asked == 1
+        time.sleep(0.1)
+        assert p.ini._leases[("t-pair", x.xid)].state == "held"
+        p.ini.write(src, 4096, x, timeout=5)
+        p.tgt.unexpose(x, timeout=5)
+    finally:
+        p.close()
