@@ -1664,6 +1664,15 @@ class NixlEndpoint(Closable):
             ):
                 return [lease]  # post() checks it again under the lock
         remotes = {r.xid: r for _, _, r, _ in blocks}
+        if len(remotes) < len(blocks):  # several blocks per exposure: one range for each
+            for _, _, r, _ in blocks:
+                k = remotes[r.xid]
+                if r is not k and (r.addr, r.size, r.epoch, r.incarnation) != (k.addr, k.size, k.epoch, k.incarnation):
+                    raise InvalidArgument(
+                        f"post(): two descriptors of {peer}'s exposure {r.xid} name different ranges or uses "
+                        f"([{r.addr:#x}, +{r.size}) and [{k.addr:#x}, +{k.size})); nothing was sent (a descriptor "
+                        "is used as expose() made it)"
+                    )
         inc = blocks[0][2].incarnation
         if any(r.incarnation != inc for r in remotes.values()):
             raise InvalidArgument(f"post(): blocks for two incarnations of {peer} (it restarted): one transfer, one")

@@ -1704,6 +1704,8 @@ def test_a_descriptor_must_name_the_range_its_exposure_has() -> None:
         for bad in (dataclasses.replace(rx, addr=y), dataclasses.replace(rx, size=2 * MiB)):
             with pytest.raises(gpupin.InvalidArgument, match="the descriptor names"):
                 p.ini.write(src, 4096, bad, confirm=True)
+            with pytest.raises(gpupin.InvalidArgument, match="name different ranges"):
+                p.ini.write_blocks([(src, 4096, bad, 0), (src, 4096, rx, 8192)], confirm=True)
         assert p.mt.read(z, 4096) == bytes(4096)
         p.ini.write(src, 4096, rx)  # the right descriptor still goes
     finally:
