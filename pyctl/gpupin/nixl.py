@@ -672,8 +672,8 @@ class Transfer:
         self.seq, self.op, self._blocks, self.confirm = seq, op, blocks, confirm
         self.state = "PROC"  # PROC, DONE, ERR
         self.verdict: tuple[int, int] | None = None  # the target's (status, xid), once its ACK came
-        self.lost = False  # PROC, and NIXL cannot say more until the peer is loaded again
-        self.partial = False  # lost for good: NIXL failed it after posting part (until forget_peer)
+        self.lost = False  # PROC, and NIXL can say no more (held until forget_peer)
+        self.partial = False  # lost as NIXL failed it after posting part of it
 
     @property
     def what(self) -> str:
@@ -750,9 +750,9 @@ _LOCAL, _SIZE, _REMOTE, _OFFSET = (operator.itemgetter(i) for i in range(4))  # 
 _NO_ANSWER = "no answer from the target (it must call progress() or serve(), and have loaded this endpoint's metadata)"
 _LOST = (
     "NIXL lost its view of the peer while the transfer ran (NOT_FOUND: a refused metadata load or a "
-    "disconnect erased it), so whether UCX still moves its bytes is unknown: its local buffers stay "
-    "registered and its leases held. connect() the peer again (NIXL then reports the transfer's end), "
-    "or forget_peer() once the peer can transfer no more"
+    "disconnect erased it), so whether UCX still moves its bytes is unknown, and NIXL 1.5 ties the "
+    "transfer to the view it lost (loading the peer again does not bring it back): its local buffers "
+    "stay registered and its leases held until forget_peer(), once the peer can transfer no more"
 )
 
 
@@ -963,7 +963,8 @@ class NixlEndpoint(Closable):
 
     def _busy_with(self, peer: str | None) -> bool:
         """Whether a transfer with ``peer`` (None: with any peer) runs (its leases count it).
-        A lost one does not count: loading the peer again is what lets NIXL report its end."""
+        A lost one does not count: NIXL can say no more of it, and a load of the peer (which
+        waits for this) harms it no further."""
         return any(lease.inflight > lease.lost for (p, _), lease in self._leases.items() if peer is None or p == peer)
 
     def _while_idle(self, peer: str | None, work: Callable[[], str], deadline: float, what: str) -> str:
@@ -996,8 +997,6 @@ class NixlEndpoint(Closable):
                 raise _nixl_error("add_remote_agent", exc) from None
         got = name.decode() if isinstance(name, bytes) else str(name)
         self._connected.add(got)
-        for t in [t for t in self._lost if t._leases[0].peer == got and not t.partial]:  # NIXL can tell again
-            self._found(t)
         return got
 
     def _forget_view(self, peer: str) -> None:
@@ -1942,8 +1941,10 @@ class NixlEndpoint(Closable):
 
     def _lose(self, t: Transfer) -> None:
         """(under _lock) NIXL cannot tell ``t``'s state: it stays running (buffers registered,
-        leases counting it) until the peer is loaded again or forgotten.  Our view of the peer
-        is gone too: the next transfer with it loads the peer afresh."""
+        leases counting it) until the peer is forgotten.  In NIXL 1.5.1 a handle keeps a weak
+        reference to the view it was made with (getXferStatus: NOT_FOUND once it expired), and
+        a view loaded again is another one: polling it would never say more.  Our view of the
+        peer is gone too: the next transfer with it loads the peer afresh."""
         t.lost = True
         self._lost.add(t)
         for lease in t._leases:
@@ -1959,7 +1960,7 @@ class NixlEndpoint(Closable):
         self._connected.discard(peer)
 
     def _found(self, t: Transfer) -> None:
-        """(under _lock) ``t`` is no longer lost: polled again, or over."""
+        """(under _lock) A lost ``t`` is over (forget_peer)."""
         t.lost = False
         self._lost.discard(t)
         for lease in t._leases:
