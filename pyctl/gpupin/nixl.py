@@ -1516,127 +1516,134 @@ class NixlEndpoint(Closable):
             self._poll_inflight()
         if now - self._last_pump > _PUMP_EVERY_S:  # revocations reach a busy initiator too
             self._pump()
-        leases = self._leases_for(peer, blocks[:1] if one else blocks, deadline)
-        toks: list[int] = []
-        h = None
-        posting = False
-        with self._lock:
-            # A REVOKE taken by another thread since the grant: the lease is gone, send nothing
-            # (checked under the lock the revocation takes, up to the count that keeps it).
-            for lease in leases:
-                if self._leases.get((peer, lease.xid)) is not lease or lease.state != "held" or lease.broken:
-                    why = (
-                        f"an earlier transfer was found stale on arrival ({lease.broken})"
-                        if lease.broken
-                        else "the target took it back (unexpose)"
-                    )
-                    raise StaleRemote(
-                        f"NIXL {op} into {peer}'s exposure {lease.xid}: {why} before the transfer was posted; "
-                        "nothing was sent. Ask it to expose the buffer again"
-                    )
-            try:
-                fast, miss = self.cache.fast_lookup, self.cache.miss
-                spans = None
-                if single:
-                    spans = [(l0, s0)]
-                else:  # blocks of one allocation (a scatter list): one lookup for all
-                    if one:
-                        lo, hi = min(locs), max(map(operator.add, locs, sizes))
-                    else:
-                        lo, hi = min(b[0] for b in blocks), max(b[0] + b[1] for b in blocks)
-                    # A registration held already that covers them all (the steady state):
-                    # one C call.  Else the provider says whether one allocation does (blocks
-                    # of several allocations: that lookup is not counted in stats()).
-                    tok = fast(lo, hi - lo)
-                    if tok < 0:
-                        try:
-                            r = self.memory.range_of(lo)
-                            inside = hi <= r.base + r.size
-                        except GpupinError:
-                            inside = False  # each block on its own below says what is wrong
-                        if inside:
-                            tok = miss(lo, hi - lo, tok)
+        while True:
+            leases = self._leases_for(peer, blocks[:1] if one else blocks, deadline)
+            toks: list[int] = []
+            h = None
+            posting = False
+            with self._lock:
+                if peer not in self._views:
+                    # NIXL's view of the peer went since the lease check (the application's
+                    # connect(), a lost transfer): loaded again before anything is posted.
+                    if time.monotonic() > deadline:
+                        raise NixlError(f"{_what(op, blocks)}: {peer}'s metadata kept changing under it; try again")
+                    continue
+                # A REVOKE taken by another thread since the grant: the lease is gone, send nothing
+                # (checked under the lock the revocation takes, up to the count that keeps it).
+                for lease in leases:
+                    if self._leases.get((peer, lease.xid)) is not lease or lease.state != "held" or lease.broken:
+                        why = (
+                            f"an earlier transfer was found stale on arrival ({lease.broken})"
+                            if lease.broken
+                            else "the target took it back (unexpose)"
+                        )
+                        raise StaleRemote(
+                            f"NIXL {op} into {peer}'s exposure {lease.xid}: {why} before the transfer was posted; "
+                            "nothing was sent. Ask it to expose the buffer again"
+                        )
+                try:
+                    fast, miss = self.cache.fast_lookup, self.cache.miss
+                    spans = None
+                    if single:
+                        spans = [(l0, s0)]
+                    else:  # blocks of one allocation (a scatter list): one lookup for all
+                        if one:
+                            lo, hi = min(locs), max(map(operator.add, locs, sizes))
                         else:
-                            self.cache.unfinished()  # each block is looked up on its own below
-                    if tok >= 0:
-                        toks.append(tok)
-                        spans = []
-                if spans is None:
-                    spans = [(b[0], b[1]) for b in blocks]
-                for local, size in spans:  # held (a token each) until the transfer is over
-                    tok = fast(local, size)
-                    toks.append(tok if tok >= 0 else miss(local, size, tok))
-                seq = next(self._seq)
-                if single:
-                    lspec = [(l0, s0, self.driver.devid)]
-                    rspec = [(r0.addr + o0, s0, r0.devid)]
-                elif one:
-                    lspec = list(zip(locs, sizes, itertools.repeat(self.driver.devid)))
-                    rspec = list(
-                        zip(map(operator.add, itertools.repeat(r0.addr), offs), sizes, itertools.repeat(r0.devid))
-                    )
-                else:
-                    lspec = [(b[0], b[1], self.driver.devid) for b in blocks]
-                    rspec = [(r.addr + off, size, r.devid) for _, size, r, off in blocks]
-                with self.driver.lock:
-                    ldesc = self.agent.get_xfer_descs(lspec, self.driver.mem_type)
-                    rdesc = self.agent.get_xfer_descs(rspec, r0.mem_type)
-                    # No notification rides on the transfer: one makes DONE wait for its delivery,
-                    # which needs the peer's progress (~0.5 ms here for 4 KiB, against ~20 us).
-                    # DONE means the data arrived without one too: NIXL's UCX backend ends every
-                    # transfer with an endpoint flush after its puts (sendXferRange, ucx_backend.cpp).
-                    h = self.agent.initialize_xfer(op, ldesc, rdesc, peer, b"")
-                    _LIVE_XFERS[id(h)] = h
-                    posting = True  # from here NIXL may have posted puts: the handle is kept
-                    state = self.agent.transfer(h)
-            except BaseException as exc:
-                if posting:  # polled until NIXL says it is over, like any running transfer
-                    t = Transfer(self, h, toks, leases, seq, op, blocks, False)
-                    for lease in leases:
-                        lease.inflight += 1
-                    self._running.add(t)
-                    self._inflight.append(t)
-                    self.driver.peer_failed()
-                    disconnected = type(exc).__name__ == "nixlRemoteDisconnectError"
-                    if disconnected:  # NIXL erased the peer (the endpoint failed: its puts with it)
-                        self._view_erased(peer)
-                    if len(lspec) > 1 and not disconnected and isinstance(exc, Exception):
-                        # NIXL's UCX backend stops at the put that failed; those before it are
-                        # under way with no flush after them (sendXferRange, ucx_backend.cpp),
-                        # and nothing NIXL offers says when they end.
-                        t.partial = True
-                        self._lose(t)
-                        raise NixlError(
-                            f"{_what(op, blocks)} failed after NIXL posted part of it ({type(exc).__name__} "
-                            f"{exc}): the blocks posted before the failure may still move, so every local buffer "
-                            f"of it stays registered and its leases held until forget_peer({peer!r})",
-                            type(exc).__name__,
-                        ) from None
-                    self._check(t)  # over already (NIXL refused it whole): let go of it now
+                            lo, hi = min(b[0] for b in blocks), max(b[0] + b[1] for b in blocks)
+                        # A registration held already that covers them all (the steady state):
+                        # one C call.  Else the provider says whether one allocation does (blocks
+                        # of several allocations: that lookup is not counted in stats()).
+                        tok = fast(lo, hi - lo)
+                        if tok < 0:
+                            try:
+                                r = self.memory.range_of(lo)
+                                inside = hi <= r.base + r.size
+                            except GpupinError:
+                                inside = False  # each block on its own below says what is wrong
+                            if inside:
+                                tok = miss(lo, hi - lo, tok)
+                            else:
+                                self.cache.unfinished()  # each block is looked up on its own below
+                        if tok >= 0:
+                            toks.append(tok)
+                            spans = []
+                    if spans is None:
+                        spans = [(b[0], b[1]) for b in blocks]
+                    for local, size in spans:  # held (a token each) until the transfer is over
+                        tok = fast(local, size)
+                        toks.append(tok if tok >= 0 else miss(local, size, tok))
+                    seq = next(self._seq)
+                    if single:
+                        lspec = [(l0, s0, self.driver.devid)]
+                        rspec = [(r0.addr + o0, s0, r0.devid)]
+                    elif one:
+                        lspec = list(zip(locs, sizes, itertools.repeat(self.driver.devid)))
+                        rspec = list(
+                            zip(map(operator.add, itertools.repeat(r0.addr), offs), sizes, itertools.repeat(r0.devid))
+                        )
+                    else:
+                        lspec = [(b[0], b[1], self.driver.devid) for b in blocks]
+                        rspec = [(r.addr + off, size, r.devid) for _, size, r, off in blocks]
+                    with self.driver.lock:
+                        ldesc = self.agent.get_xfer_descs(lspec, self.driver.mem_type)
+                        rdesc = self.agent.get_xfer_descs(rspec, r0.mem_type)
+                        # No notification rides on the transfer: one makes DONE wait for its delivery,
+                        # which needs the peer's progress (~0.5 ms here for 4 KiB, against ~20 us).
+                        # DONE means the data arrived without one too: NIXL's UCX backend ends every
+                        # transfer with an endpoint flush after its puts (sendXferRange, ucx_backend.cpp).
+                        h = self.agent.initialize_xfer(op, ldesc, rdesc, peer, b"")
+                        _LIVE_XFERS[id(h)] = h
+                        posting = True  # from here NIXL may have posted puts: the handle is kept
+                        state = self.agent.transfer(h)
+                except BaseException as exc:
+                    if posting:  # polled until NIXL says it is over, like any running transfer
+                        t = Transfer(self, h, toks, leases, seq, op, blocks, False)
+                        for lease in leases:
+                            lease.inflight += 1
+                        self._running.add(t)
+                        self._inflight.append(t)
+                        self.driver.peer_failed()
+                        disconnected = type(exc).__name__ == "nixlRemoteDisconnectError"
+                        if disconnected:  # NIXL erased the peer (the endpoint failed: its puts with it)
+                            self._view_erased(peer)
+                        if len(lspec) > 1 and not disconnected and isinstance(exc, Exception):
+                            # NIXL's UCX backend stops at the put that failed; those before it are
+                            # under way with no flush after them (sendXferRange, ucx_backend.cpp),
+                            # and nothing NIXL offers says when they end.
+                            t.partial = True
+                            self._lose(t)
+                            raise NixlError(
+                                f"{_what(op, blocks)} failed after NIXL posted part of it ({type(exc).__name__} "
+                                f"{exc}): the blocks posted before the failure may still move, so every local buffer "
+                                f"of it stays registered and its leases held until forget_peer({peer!r})",
+                                type(exc).__name__,
+                            ) from None
+                        self._check(t)  # over already (NIXL refused it whole): let go of it now
+                        if isinstance(exc, Exception):
+                            raise _nixl_error(_what(op, blocks), exc) from None
+                        raise
+                    if h is not None:
+                        self.driver.release_xfer(h)
+                    for tok in toks:
+                        self.cache.release_token(tok)
+                    if isinstance(exc, GpupinError):
+                        raise
                     if isinstance(exc, Exception):
+                        self.driver.peer_failed()
                         raise _nixl_error(_what(op, blocks), exc) from None
                     raise
-                if h is not None:
-                    self.driver.release_xfer(h)
-                for tok in toks:
-                    self.cache.release_token(tok)
-                if isinstance(exc, GpupinError):
-                    raise
-                if isinstance(exc, Exception):
-                    self.driver.peer_failed()
-                    raise _nixl_error(_what(op, blocks), exc) from None
-                raise
-            for lease in leases:
-                lease.inflight += 1
-            t = Transfer(self, h, toks, leases, seq, op, blocks, confirm)
-            if confirm:
-                self._waiting[(peer, seq)] = t
-            if tracked:
-                self._running.add(t)
-            self.transfers += 1
-            if state != "PROC":
-                self._complete(t, "DONE" if state == "DONE" else "ERR")
-            return t
+                for lease in leases:
+                    lease.inflight += 1
+                t = Transfer(self, h, toks, leases, seq, op, blocks, confirm)
+                if confirm:
+                    self._waiting[(peer, seq)] = t
+                if tracked:
+                    self._running.add(t)
+                self.transfers += 1
+                if state != "PROC":
+                    self._complete(t, "DONE" if state == "DONE" else "ERR")
+                return t
 
     def _leases_for(self, peer: str, blocks: list[tuple[int, int, RemoteBuffer, int]], deadline: float) -> list[_Lease]:
         """This endpoint's held leases on the blocks' exposures, asked for where missing."""
@@ -1834,12 +1841,10 @@ class NixlEndpoint(Closable):
         descriptor whose own metadata then counts as loaded, if it holds nothing dropped."""
         dereg, md = self._current_metadata(peer, deadline)
         self.renewals += 1
-        self._reload(peer, md, deadline, renew=True)
         keys = {hash(md): None}
         if also is not None and also.dereg >= dereg:  # its own metadata holds nothing dropped either
             keys[hash(also.metadata)] = None
-        with self._lock:
-            self._views[peer] = (dereg, keys)
+        self._reload(peer, md, deadline, renew=True, view=lambda old: (dereg, keys), current=True)
 
     def _current_metadata(self, peer: str, deadline: float) -> tuple[int, bytes]:
         """``peer``'s metadata now, and how many registrations it had dropped (a round trip)."""
@@ -1875,18 +1880,31 @@ class NixlEndpoint(Closable):
             stale_view = view is not None and remote.dereg > view[0]
         if stale_view:
             self.renewals += 1
-        self._reload(peer, remote.metadata, deadline, renew=stale_view)
-        with self._lock:
-            dereg, loaded = self._views.get(peer, (0, {}))
+
+        def grown(old: tuple[int, dict[int, None]] | None) -> tuple[int, dict[int, None]]:
+            dereg, loaded = old if old is not None and not stale_view else (0, {})
             loaded[mdkey] = None
             while len(loaded) > _LOADED_PER_PEER:
                 del loaded[next(iter(loaded))]  # the oldest: loading it again costs a reload, no more
-            self._views[peer] = (max(dereg, remote.dereg), loaded)
+            return max(dereg, remote.dereg), loaded
 
-    def _reload(self, peer: str, metadata: bytes, deadline: float, *, renew: bool = False) -> None:
+        self._reload(peer, remote.metadata, deadline, renew=stale_view, view=grown)
+
+    def _reload(
+        self,
+        peer: str,
+        metadata: bytes,
+        deadline: float,
+        *,
+        renew: bool = False,
+        view: Callable[[tuple[int, dict[int, None]] | None], tuple[int, dict[int, None]]] | None = None,
+        current: bool = False,
+    ) -> None:
         """Load ``peer``'s metadata as of an expose(), first forgetting NIXL's view of it when
         ``renew``: once no transfer with it runs, and with none posted in between (post() waits
-        for _lock), so no post finds the peer missing.
+        for _lock), so no post finds the peer missing.  ``view(old)``: this endpoint's record of
+        the view after the load, set in the same hold of _lock (a connect() of the application
+        cannot come between the load and the record).
 
         NIXL refuses to load metadata of an agent name it knows from another incarnation (a
         restarted peer: NIXL_ERR_NOT_ALLOWED for the UCX connection info, seen here) and, on an
@@ -1895,11 +1913,17 @@ class NixlEndpoint(Closable):
         once.  What NIXL still refuses after that is raised, and tried again at the next transfer.
         """
 
+        def record() -> None:
+            if view is not None:
+                self._views[peer] = view(self._views.get(peer))
+
         def load() -> str:
             if renew:
                 self._remove_view(peer)
             try:
-                return self._add(metadata, peer)
+                got = self._add(metadata, peer)
+                record()
+                return got
             except NixlError as exc:
                 if exc.status not in ("nixlNotAllowedError", "nixlInvalidParamError"):
                     raise
@@ -1910,7 +1934,7 @@ class NixlEndpoint(Closable):
             self._remove_view(peer)
             self._connected.discard(peer)
             try:
-                return self._add(metadata, peer)
+                got = self._add(metadata, peer)
             except NixlError as exc:
                 raise NixlError(
                     f"NIXL will not load {peer}'s metadata ({first.status}), nor after forgetting the peer "
@@ -1918,6 +1942,9 @@ class NixlEndpoint(Closable):
                     "NixlEndpoint (a new agent)",
                     exc.status,
                 ) from None
+            if current:  # else NIXL's view now lacks what newer exposures registered: not recorded,
+                record()  # so that held leases load the peer's current metadata (regained) first
+            return got
 
         self._while_idle(peer, load, deadline, f"loading {peer}'s new metadata")
 

@@ -1629,7 +1629,9 @@ def test_leases_are_kept_or_given_back_never_dropped_silently() -> None:
         p.ini._add = refuse_once  # type: ignore[method-assign]
         p.ini.write(src, 4096, rb)  # reloaded after forgetting NIXL's view: the leases stay
         del p.ini._add
-        assert calls[0] == 2 and ("t-pair", ra.xid) in p.ini._leases
+        # refused, loaded after forgetting NIXL's view, then the current metadata (what newer
+        # exposures registered: the descriptor's own metadata may lack it)
+        assert calls[0] == 3 and ("t-pair", ra.xid) in p.ini._leases
         p.ini.write(src, 4096, ra)
         p.ini.forget_peer("t-pair")  # given back: the target's unexpose need not wait
         p.tgt.unexpose(ra, timeout=5)
@@ -1794,5 +1796,87 @@ def test_two_threads_asking_for_one_lease_at_once_share_one_request() -> None:
         assert p.ini._leases[("t-pair", x.xid)].state == "held"
         p.ini.write(src, 4096, x, timeout=5)
         p.tgt.unexpose(x, timeout=5)
+    finally:
+        p.close()
+
+
+def test_connect_from_another_thread_never_slips_between_a_load_and_its_record() -> None:
+    """connect() with old metadata from another thread, landing between a post's lease check and
+    its post, or between a renewal's load and the endpoint's record of the view, left the
+    endpoint posting through a NIXL view that held a dropped registration, with no renewal.  A
+    post now checks the view under the lock it posts under, and a load and its record are one
+    step.  (The other thread's call is made at those points by hooks: the windows are a few
+    lines wide.)"""
+    p = Pair(auto_progress=True)
+    try:
+        a, src = p.mt.alloc(MiB), p.mi.alloc(MiB)
+        ra = p.tgt.expose(a, MiB)
+        p.ini.write(src, 4096, ra)
+        p.tgt.unexpose(ra)
+        p.mt.free(a)
+        b = p.mt.alloc(MiB // 2)
+        assert b == a
+        rb = p.tgt.expose(b, MiB // 2)
+        p.ini.write(src, 4096, rb)
+        beyond = dataclasses.replace(rb, addr=a + 600 * 1024, size=4096)
+        assert deregistered_through_nixl(p.ini, src, 4096, beyond)
+        # (a) after the lease check, before the post
+        real_leases, fired = p.ini._leases_for, []
+
+        def leases_then_connect(*a: Any, **k: Any) -> Any:
+            got = real_leases(*a, **k)
+            if not fired:
+                fired.append(1)
+                p.ini.connect(ra.metadata)
+            return got
+
+        p.ini._leases_for = leases_then_connect  # type: ignore[method-assign]
+        renewals = p.ini.renewals
+        p.ini.write(src, 4096, rb)
+        del p.ini._leases_for
+        assert fired and p.ini.renewals == renewals + 1 and deregistered_through_nixl(p.ini, src, 4096, beyond)
+        # (b) right after a renewal's load, before (formerly) its record
+        p.ini.connect(ra.metadata)  # the next write renews
+        real_reload, fired = p.ini._reload, []
+
+        def reload_then_connect(peer: str, md: bytes, deadline: float, **k: Any) -> None:
+            real_reload(peer, md, deadline, **k)
+            if k.get("renew") and not fired:
+                fired.append(1)
+                p.ini.connect(ra.metadata)
+
+        p.ini._reload = reload_then_connect  # type: ignore[method-assign]
+        renewals = p.ini.renewals
+        p.ini.write(src, 4096, rb)  # renewed, connect(old) after it, renewed again before the post
+        del p.ini._reload
+        assert fired and p.ini.renewals == renewals + 2 and deregistered_through_nixl(p.ini, src, 4096, beyond)
+    finally:
+        p.close()
+
+
+def test_a_refused_reload_leaves_no_view_lacking_a_held_lease() -> None:
+    """A reload NIXL refused was retried with the metadata of the descriptor at hand only; when
+    that descriptor was older than another held lease's exposure, NIXL's view lacked that
+    registration while the endpoint trusted it, and every transfer into the other exposure
+    failed in NIXL until something renewed the view.  Such a view is not trusted now: the next
+    transfer loads the peer's current metadata."""
+    p = Pair(auto_progress=True)
+    try:
+        x = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        y = p.tgt.expose(p.mt.alloc(2 * MiB), 2 * MiB)  # its metadata names x's registration and y's
+        src = p.mi.alloc(MiB)
+        p.ini.write(src, 4096, y)
+        real, calls = p.ini._add, [0]
+
+        def refuse_once(md: bytes, peer: str | None) -> str:
+            calls[0] += 1
+            if calls[0] == 1:
+                raise NixlError("add_remote_agent: nixlInvalidParamError (as NIXL on VRAM)", "nixlInvalidParamError")
+            return real(md, peer)
+
+        p.ini._add = refuse_once  # type: ignore[method-assign]
+        p.ini.write(src, 4096, x)  # x's metadata (older: no y) refused once, then loaded alone
+        del p.ini._add
+        p.ini.write(src, 4096, y, timeout=5)
     finally:
         p.close()
