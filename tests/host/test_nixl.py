@@ -1488,6 +1488,25 @@ def test_a_late_grant_given_back_does_not_end_the_lease_asked_for_again() -> Non
         p.close()
 
 
+def _a_registration_dropped_at_the_base_of_a_live_one(p: Pair) -> tuple[RemoteBuffer, RemoteBuffer, int, RemoteBuffer]:
+    """A 1 MiB exposure written, taken back and freed; 512 KiB exposed at its base and written
+    (the initiator's view renewed: the 1 MiB registration gone from NIXL's view).  Returns the
+    old descriptor, the new one, the source buffer and a descriptor past the new registration
+    inside the old (deregistered_through_nixl tells whether NIXL still holds the old one)."""
+    a, src = p.mt.alloc(MiB), p.mi.alloc(MiB)
+    ra = p.tgt.expose(a, MiB)
+    p.ini.write(src, 4096, ra)
+    p.tgt.unexpose(ra)
+    p.mt.free(a)
+    b = p.mt.alloc(MiB // 2)
+    assert b == a
+    rb = p.tgt.expose(b, MiB // 2)
+    p.ini.write(src, 4096, rb)
+    beyond = dataclasses.replace(rb, addr=a + 600 * 1024, size=4096)
+    assert deregistered_through_nixl(p.ini, src, 4096, beyond)
+    return ra, rb, src, beyond
+
+
 def test_connect_with_old_metadata_never_brings_a_dropped_registration_back() -> None:
     """connect() with metadata older than the endpoint's view (the blob of start-up, an old
     descriptor's) put a registration the target had dropped back into NIXL's view, beside the
@@ -1495,17 +1514,7 @@ def test_connect_with_old_metadata_never_brings_a_dropped_registration_back() ->
     transfer with that peer loads the peer's current metadata first."""
     p = Pair(auto_progress=True)
     try:
-        a, src = p.mt.alloc(MiB), p.mi.alloc(MiB)
-        ra = p.tgt.expose(a, MiB)
-        p.ini.write(src, 4096, ra)
-        p.tgt.unexpose(ra)
-        p.mt.free(a)
-        b = p.mt.alloc(MiB // 2)
-        assert b == a
-        rb = p.tgt.expose(b, MiB // 2)
-        p.ini.write(src, 4096, rb)  # the view is renewed: the 1 MiB registration is gone from it
-        beyond = dataclasses.replace(rb, addr=a + 600 * 1024, size=4096)
-        assert deregistered_through_nixl(p.ini, src, 4096, beyond)
+        ra, rb, src, beyond = _a_registration_dropped_at_the_base_of_a_live_one(p)
         p.ini.connect(ra.metadata)  # the application loads an old blob again
         assert not deregistered_through_nixl(p.ini, src, 4096, beyond)  # NIXL holds it again
         renewals = p.ini.renewals
@@ -1809,17 +1818,7 @@ def test_connect_from_another_thread_never_slips_between_a_load_and_its_record()
     lines wide.)"""
     p = Pair(auto_progress=True)
     try:
-        a, src = p.mt.alloc(MiB), p.mi.alloc(MiB)
-        ra = p.tgt.expose(a, MiB)
-        p.ini.write(src, 4096, ra)
-        p.tgt.unexpose(ra)
-        p.mt.free(a)
-        b = p.mt.alloc(MiB // 2)
-        assert b == a
-        rb = p.tgt.expose(b, MiB // 2)
-        p.ini.write(src, 4096, rb)
-        beyond = dataclasses.replace(rb, addr=a + 600 * 1024, size=4096)
-        assert deregistered_through_nixl(p.ini, src, 4096, beyond)
+        ra, rb, src, beyond = _a_registration_dropped_at_the_base_of_a_live_one(p)
         # (a) after the lease check, before the post
         real_leases, fired = p.ini._leases_for, []
 
