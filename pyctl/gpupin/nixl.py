@@ -824,6 +824,7 @@ class NixlEndpoint(Closable):
         auto_progress: bool = False,
     ) -> None:
         dev = int(getattr(memory, "device", 0)) if devid is None else devid
+        reap()  # an endpoint the collector took lets go of its agent's claim here
         if agent is not None:
             _claim_agent(agent, name)
         try:
@@ -942,7 +943,8 @@ class NixlEndpoint(Closable):
             # when the connection closes is lost (as at close()).
             for key in [k for k in self._leases if k[0] == peer]:
                 lease = self._leases.pop(key)
-                if lease.inflight == 0 and lease.state in ("granted", "held", "revoked"):
+                self._holds.pop(lease.grant, None)  # one still asked for: its grant, if any, comes after this
+                if lease.inflight == 0 and lease.state in ("asking", "granted", "held", "revoked"):
                     if self._send(peer, _pack(_DROP, (lease.xid, lease.checks, 1, lease.grant))):
                         self._unacked.add((peer, lease.xid))
         deadline = time.monotonic() + timeout
@@ -1124,7 +1126,9 @@ class NixlEndpoint(Closable):
             out, self._other = self._other, []
         return out
 
-    def _pump(self) -> None:
+    def _pump(self, *, flush: bool = True) -> None:
+        """Take NIXL's notifications and handle them; then raise the warnings noted meanwhile
+        (``flush=False``: left for the caller, who is in the middle of something)."""
         reap()
         if not self._plock.acquire(blocking=False):
             return  # another thread takes them right now
@@ -1155,7 +1159,7 @@ class NixlEndpoint(Closable):
                 self._poll_inflight()
         finally:
             self._plock.release()
-        if self._notes:  # the batch is handled whole: now its warnings
+        if flush and self._notes:  # the batch is handled whole: now its warnings
             self._flush_notes()
 
     def _watch(self) -> None:
@@ -1283,8 +1287,12 @@ class NixlEndpoint(Closable):
         self._notes.append(text)
 
     def _flush_notes(self) -> None:
-        while self._notes:
-            warnings.warn(f"gpupin.nixl: {self._notes.pop(0)}", RuntimeWarning, stacklevel=3)
+        while True:
+            try:
+                text = self._notes.pop(0)
+            except IndexError:  # another thread raised the last one
+                return
+            warnings.warn(f"gpupin.nixl: {text}", RuntimeWarning, stacklevel=3)
 
     def _send(self, peer: str, msg: bytes) -> bool:
         with self.driver.lock:
@@ -2125,6 +2133,8 @@ class NixlEndpoint(Closable):
             if progressed and not collecting():  # refused, changing nothing: peers are still answered
                 self._start_progress()
             raise
+        if self._notes and not collecting():  # once closed whole (warnings may be errors)
+            self._flush_notes()
 
     def _close(self, timeout: float) -> None:
         if self._running and collecting():
@@ -2237,25 +2247,21 @@ class NixlEndpoint(Closable):
         deadline = time.monotonic() + timeout
         while self._unacked and time.monotonic() < deadline:
             try:
-                self._pump()
+                self._pump(flush=False)  # close() raises them once done
             except NixlError:  # the agent cannot progress: no answer can come
                 break
             time.sleep(_NAP_MIN_S)
         if failed:
-            warnings.warn(
-                f"gpupin.nixl: endpoint {self.name!r} closed and could not send {failed} lease drop(s): "
-                "the targets' unexpose() waits for this endpoint until it times out (forget_peer there)",
-                RuntimeWarning,
-                stacklevel=3,
+            self._note(
+                f"endpoint {self.name!r} closed and could not send {failed} lease drop(s): "
+                "the targets' unexpose() waits for this endpoint until it times out (forget_peer there)"
             )
         if self._unacked:
             peers = sorted({p for p, _ in self._unacked})
-            warnings.warn(
-                f"gpupin.nixl: endpoint {self.name!r} closed without word from {', '.join(peers)} that it has "
+            self._note(
+                f"endpoint {self.name!r} closed without word from {', '.join(peers)} that it has "
                 f"{len(self._unacked)} lease drop(s) (no progress() there within {timeout} s?): an unexpose() "
-                f"there waits for this endpoint until it times out; call forget_peer({self.name!r}) there",
-                RuntimeWarning,
-                stacklevel=3,
+                f"there waits for this endpoint until it times out; call forget_peer({self.name!r}) there"
             )
             self._unacked.clear()
         if leases:

@@ -1879,3 +1879,66 @@ def test_a_refused_reload_leaves_no_view_lacking_a_held_lease() -> None:
         p.ini.write(src, 4096, y, timeout=5)
     finally:
         p.close()
+
+
+def test_forget_peer_close_and_a_new_endpoint_finish_what_they_start() -> None:
+    """Three small ones.  An initiator's forget_peer() deleted a lease still asked for without a
+    word (the target's unexpose() then waited until its timeout); under warnings-as-errors a
+    warning from the notifications close() takes left close() half done; and an endpoint the
+    collector took kept its claim on the application's agent until something reaped."""
+    import gc
+    import threading
+
+    from gpupin import nixl
+
+    p = Pair(auto_progress=True)
+    p.stop.set()
+    p.pump.join()  # the target does not answer yet
+    try:
+        x = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        src = p.mi.alloc(MiB)
+        writer = threading.Thread(target=lambda: contextlib.suppress(NixlError)(p.ini.write)(src, 4096, x, timeout=5))
+        writer.start()
+        time.sleep(0.2)  # the lease request is on its way
+        p.ini.forget_peer("t-pair", timeout=0.2)
+        writer.join()
+        with _served(p.tgt):
+            time.sleep(0.3)
+            p.tgt.unexpose(x, timeout=5)  # the asked-for lease was given back too
+        p.ini.connect(p.tgt.metadata())
+        p.tgt.connect(p.ini.metadata())
+    finally:
+        p.close()
+
+    p = Pair()  # the initiator takes its notifications in close()
+    try:
+        x = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        p.ini.write(p.mi.alloc(MiB), 4096, x)
+        with p.tgt.driver.lock:
+            p.tgt.agent.send_notif("i-pair", nixl._PREFIX + b"Z" + bytes(8))  # malformed: a warning
+        time.sleep(0.1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(RuntimeWarning, match="starts with gpupin's prefix"):
+                p.ini.close(timeout=5)
+        assert p.ini.driver._agent is None and not p.ini._leases  # closed whole before the warning
+    finally:
+        p.stop.set()
+        p.pump.join()
+        p.tgt.close()
+        p.mi.close()
+        p.mt.close()
+
+    api = nixl.load_nixl()
+    agent = api.nixl_agent("app-agent-2", api.nixl_agent_config(backends=["UCX"]))
+    m = HostMemory(4 << 20)
+    try:
+        one = NixlEndpoint("one", m, mem_type="DRAM", agent=agent)
+        one.cycle = one  # type: ignore[attr-defined]
+        del one
+        gc.collect()
+        NixlEndpoint("two", m, mem_type="DRAM", agent=agent).close()  # no reap() called in between
+    finally:
+        nixl.reap()
+        del agent
+        m.close()
