@@ -2029,12 +2029,12 @@ class NixlEndpoint(Closable):
                 self._waiting.pop((peer, t.seq), None)  # no answer will come: wait(confirm) times out
         elif t.confirm:
             self._waiting.pop((t._leases[0].peer, t.seq), None)
+        self._running.discard(t)  # over before its leases' drops go (a target may act on them at once)
+        if t in self._inflight:
+            self._inflight.remove(t)
         for lease in t._leases:
             lease.inflight -= 1
             self._drop_if_idle(lease)
-        self._running.discard(t)
-        if t in self._inflight:
-            self._inflight.remove(t)
 
     def _drop_if_idle(self, lease: _Lease) -> None:
         if lease.state == "revoked" and lease.inflight == 0:
