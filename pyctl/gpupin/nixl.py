@@ -859,6 +859,9 @@ class NixlEndpoint(Closable):
         # the application drops unwaited (or whose answer never comes) leaves nothing behind.
         self._waiting: weakref.WeakValueDictionary[tuple[str, int], Transfer] = weakref.WeakValueDictionary()
         self._views: dict[str, tuple[int, dict[int, None]]] = {}  # peer -> (dereg, metadata keys loaded)
+        # peer -> changes to NIXL's view this endpoint did not make (the application's connect(),
+        # an erasure): a load that decided on the view before one of them records nothing.
+        self._view_gen: dict[str, int] = {}
         self._other: list[tuple[str, bytes]] = []
         self._notes: list[str] = []  # warnings to raise once the state change at hand is done (_note)
         self._inflight: list[Transfer] = []  # past their wait()'s timeout, not over
@@ -918,6 +921,7 @@ class NixlEndpoint(Closable):
         descriptor it lacks, beside the live ones).  The endpoint trusts its view of the peer no
         more: the next transfer with it loads the peer's current metadata first."""
         got = self._add(metadata, peer)
+        self._view_gen[got] = self._view_gen.get(got, 0) + 1  # a load deciding before this records nothing
         if got in self._views:
             self._views.pop(got)
             self.view_reloads_asked += 1
@@ -1886,6 +1890,7 @@ class NixlEndpoint(Closable):
             if view is not None and mdkey in view[1]:
                 return
             stale_view = view is not None and remote.dereg > view[0]
+            gen = self._view_gen.get(peer, 0)
         if stale_view:
             self.renewals += 1
 
@@ -1896,7 +1901,7 @@ class NixlEndpoint(Closable):
                 del loaded[next(iter(loaded))]  # the oldest: loading it again costs a reload, no more
             return max(dereg, remote.dereg), loaded
 
-        self._reload(peer, remote.metadata, deadline, renew=stale_view, view=grown)
+        self._reload(peer, remote.metadata, deadline, renew=stale_view, view=grown, gen=gen)
 
     def _reload(
         self,
@@ -1907,6 +1912,7 @@ class NixlEndpoint(Closable):
         renew: bool = False,
         view: Callable[[tuple[int, dict[int, None]] | None], tuple[int, dict[int, None]]] | None = None,
         current: bool = False,
+        gen: int | None = None,
     ) -> None:
         """Load ``peer``'s metadata as of an expose(), first forgetting NIXL's view of it when
         ``renew``: once no transfer with it runs, and with none posted in between (post() waits
@@ -1922,7 +1928,9 @@ class NixlEndpoint(Closable):
         """
 
         def record() -> None:
-            if view is not None:
+            # Not when the view changed behind the caller's decision (``gen``): the next post
+            # loads the peer's current metadata instead.
+            if view is not None and (gen is None or self._view_gen.get(peer, 0) == gen):
                 self._views[peer] = view(self._views.get(peer))
 
         def load() -> str:
@@ -1993,6 +2001,7 @@ class NixlEndpoint(Closable):
         the peer's current metadata first."""
         self._views.pop(peer, None)
         self._connected.discard(peer)
+        self._view_gen[peer] = self._view_gen.get(peer, 0) + 1
 
     def _found(self, t: Transfer) -> None:
         """(under _lock) A lost ``t`` is over (forget_peer)."""

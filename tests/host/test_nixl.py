@@ -1849,6 +1849,22 @@ def test_connect_from_another_thread_never_slips_between_a_load_and_its_record()
         p.ini.write(src, 4096, rb)  # renewed, connect(old) after it, renewed again before the post
         del p.ini._reload
         assert fired and p.ini.renewals == renewals + 2 and deregistered_through_nixl(p.ini, src, 4096, beyond)
+        # (c) between a load's decision (no renewal needed) and the load
+        p.mt.alloc(MiB // 2)  # fills the hole past rb, so that the next allocation lies outside it
+        rc = p.tgt.expose(p.mt.alloc(MiB // 4), MiB // 4)  # new metadata for the view
+        assert not rc.addr <= beyond.addr < rc.addr + rc.size
+        fired = []
+
+        def connect_then_reload(peer: str, md: bytes, deadline: float, **k: Any) -> None:
+            if not k.get("renew") and k.get("view") is not None and not fired:
+                fired.append(1)
+                p.ini.connect(ra.metadata)
+            real_reload(peer, md, deadline, **k)
+
+        p.ini._reload = connect_then_reload  # type: ignore[method-assign]
+        p.ini.write(src, 4096, rc)
+        del p.ini._reload
+        assert fired and deregistered_through_nixl(p.ini, src, 4096, beyond)
     finally:
         p.close()
 
