@@ -1890,7 +1890,13 @@ class NixlEndpoint(Closable):
             if view is not None and mdkey in view[1]:
                 return
             stale_view = view is not None and remote.dereg > view[0]
+            older = view is not None and remote.dereg < view[0]
             gen = self._view_gen.get(peer, 0)
+        if older:
+            # Metadata older than the view may name registrations dropped since: never loaded on
+            # top of it; the peer's current metadata (which holds the descriptor's) instead.
+            self._refresh(peer, deadline)
+            return
         if stale_view:
             self.renewals += 1
 

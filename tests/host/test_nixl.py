@@ -1958,3 +1958,43 @@ def test_forget_peer_close_and_a_new_endpoint_finish_what_they_start() -> None:
         nixl.reap()
         del agent
         m.close()
+
+
+def test_metadata_older_than_the_view_is_never_loaded_on_top_of_it() -> None:
+    """Two leases of one transfer granted together; the first one's renewal sees the target drop
+    registration A (the target unexposes, frees and reuses it in between); the second one's
+    descriptor metadata, older than that view, was added on top of it with no renewal and the
+    view recorded as clean: A's descriptor came back into NIXL's view.  Older metadata now makes
+    the endpoint load the peer's current metadata instead.  (A hook times the target's own
+    actions between the grant and its metadata answer.)"""
+    kib = 1024
+    p = Pair(auto_progress=True)
+    try:
+        src = p.mi.alloc(MiB)
+        a = p.mt.alloc(256 * kib)
+        ra = p.tgt.expose(a, 256 * kib)
+        rr1 = p.tgt.expose(p.mt.alloc(64 * kib), 64 * kib)
+        x = p.mt.alloc(64 * kib)
+        rx = p.tgt.expose(x, 64 * kib)
+        p.tgt.unexpose(rx)
+        p.mt.free(x)
+        r2 = p.mt.alloc(64 * kib)
+        assert r2 == x
+        rr2 = p.tgt.expose(r2, 64 * kib)  # its metadata still names A
+        probe = dataclasses.replace(rr2, addr=a, size=256 * kib)  # only A's own descriptor covers it
+        real, fired = p.ini._current_metadata, []
+
+        def target_drops_a_first(peer: str, deadline: float) -> tuple[int, bytes]:
+            if not fired:
+                fired.append(1)
+                p.tgt.unexpose(ra)
+                p.mt.free(a)
+                p.tgt.expose(p.mt.alloc(128 * kib), 128 * kib)  # A deregistered now
+            return real(peer, deadline)
+
+        p.ini._current_metadata = target_drops_a_first  # type: ignore[method-assign]
+        p.ini.write_blocks([(src, 4096, rr1, 0), (src + 4096, 4096, rr2, 0)])
+        del p.ini._current_metadata
+        assert fired and deregistered_through_nixl(p.ini, src, 256 * kib, probe)
+    finally:
+        p.close()
