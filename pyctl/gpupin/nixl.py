@@ -653,7 +653,6 @@ class Transfer:
         "state",
         "verdict",
         "lost",
-        "partial",
         "__weakref__",
     )
 
@@ -673,7 +672,6 @@ class Transfer:
         self.state = "PROC"  # PROC, DONE, ERR
         self.verdict: tuple[int, int] | None = None  # the target's (status, xid), once its ACK came
         self.lost = False  # PROC, and NIXL can say no more (held until forget_peer)
-        self.partial = False  # lost as NIXL failed it after posting part of it
 
     @property
     def what(self) -> str:
@@ -1623,7 +1621,6 @@ class NixlEndpoint(Closable):
                             # NIXL's UCX backend stops at the put that failed; those before it are
                             # under way with no flush after them (sendXferRange, ucx_backend.cpp),
                             # and nothing NIXL offers says when they end.
-                            t.partial = True
                             self._lose(t)
                             raise NixlError(
                                 f"{_what(op, blocks)} failed after NIXL posted part of it ({type(exc).__name__} "
