@@ -1613,6 +1613,21 @@ def test_warnings_as_errors_lose_no_message_of_a_batch() -> None:
         p.close()
 
 
+def _refuse_the_next_load(ep: NixlEndpoint) -> list[int]:
+    """Make ``ep``'s next metadata load fail as NIXL refuses one on VRAM (nixlInvalidParamError),
+    the later ones go through; returns the count of loads (del ep._add ends it)."""
+    real, calls = ep._add, [0]
+
+    def refuse_once(md: bytes, peer: str | None) -> str:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise NixlError("add_remote_agent: nixlInvalidParamError (as NIXL on VRAM)", "nixlInvalidParamError")
+        return real(md, peer)
+
+    ep._add = refuse_once  # type: ignore[method-assign]
+    return calls
+
+
 def test_leases_are_kept_or_given_back_never_dropped_silently() -> None:
     """The initiator forgot its leases with a peer without telling it: when NIXL refused a reload
     of the same peer (on VRAM: a registration at an address an earlier one had), the lease just
@@ -1627,15 +1642,7 @@ def test_leases_are_kept_or_given_back_never_dropped_silently() -> None:
         ra = p.tgt.expose(p.mt.alloc(MiB), MiB)
         p.ini.write(src, 4096, ra)
         rb = p.tgt.expose(p.mt.alloc(2 * MiB), 2 * MiB)  # new metadata to load
-        real, calls = p.ini._add, [0]
-
-        def refuse_once(md: bytes, peer: str | None) -> str:
-            calls[0] += 1
-            if calls[0] == 1:
-                raise NixlError("add_remote_agent: nixlInvalidParamError (as NIXL on VRAM)", "nixlInvalidParamError")
-            return real(md, peer)
-
-        p.ini._add = refuse_once  # type: ignore[method-assign]
+        calls = _refuse_the_next_load(p.ini)
         p.ini.write(src, 4096, rb)  # reloaded after forgetting NIXL's view: the leases stay
         del p.ini._add
         # refused, loaded after forgetting NIXL's view, then the current metadata (what newer
@@ -1881,15 +1888,7 @@ def test_a_refused_reload_leaves_no_view_lacking_a_held_lease() -> None:
         y = p.tgt.expose(p.mt.alloc(2 * MiB), 2 * MiB)  # its metadata names x's registration and y's
         src = p.mi.alloc(MiB)
         p.ini.write(src, 4096, y)
-        real, calls = p.ini._add, [0]
-
-        def refuse_once(md: bytes, peer: str | None) -> str:
-            calls[0] += 1
-            if calls[0] == 1:
-                raise NixlError("add_remote_agent: nixlInvalidParamError (as NIXL on VRAM)", "nixlInvalidParamError")
-            return real(md, peer)
-
-        p.ini._add = refuse_once  # type: ignore[method-assign]
+        _refuse_the_next_load(p.ini)
         p.ini.write(src, 4096, x)  # x's metadata (older: no y) refused once, then loaded alone
         del p.ini._add
         p.ini.write(src, 4096, y, timeout=5)
