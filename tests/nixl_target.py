@@ -232,6 +232,54 @@ def scenario_churn(
     return {"registrations": ep.driver.registrations, "versions": len(versions), "rounds": rounds}
 
 
+def scenario_prepared(ep: Any, mem: Any, target: Target) -> dict[str, int]:
+    """A Prepared scatter write (8 blocks of 4 KiB, reversed into a 1 MiB exposure) run again
+    and again while what its NIXL lists name changes: the target drops a registration (the
+    initiator's next grant renews its view of the peer), the initiator's buffer is freed and
+    allocated again (registered anew, where the allocator gives the same address back).  The
+    bytes land where the blocks say every time, and each list is made again exactly when what
+    it names changed."""
+    seg = target.call("alloc", MiB)
+    region = RemoteBufferOf(target, seg, MiB)
+    local = mem.alloc(MiB)
+    blocks = [(local + i * 8192, 4096, region, (7 - i) * 65536) for i in range(8)]
+    prep = ep.prepare("WRITE", blocks)
+    made = ep.lists_prepped
+
+    def run(fill: int) -> None:
+        for i in range(8):
+            mem.write(local + i * 8192, bytes([fill + i]) * 4096)
+        prep.run()
+        for i in range(8):
+            got = target.call("read", seg + (7 - i) * 65536, 4096)
+            assert got == bytes([fill + i]) * 4096, f"block {i} of the prepared write (fill {fill}) did not land"
+
+    run(1)
+    run(11)
+    assert ep.lists_prepped == made + 2, "the lists were not made once and used again"
+    renewals = ep.renewals
+    x = target.call("alloc", MiB)
+    rx = RemoteBufferOf(target, x, MiB)
+    ep.write(local, 4096, rx)
+    target.call("unexpose", rx.to_bytes())
+    target.call("free", x)  # a registration the initiator's view of the target holds, dropped
+    y = target.call("alloc", MiB // 2)
+    ep.write(local, 4096, RemoteBufferOf(target, y, MiB // 2))
+    assert ep.renewals == renewals + 1, "the dropped registration did not renew the view"
+    run(21)
+    assert ep.lists_prepped == made + 3, "the remote list was not made again (alone) after the renewal"
+    mem.free(local)
+    again = mem.alloc(MiB) == local
+    if again:  # registered anew at the same address: the local list is made again
+        run(31)
+        assert ep.lists_prepped == made + 4, "the local list was not made again for the new registration"
+    prep.close()
+    mem.free(local)
+    target.call("unexpose", region.to_bytes())
+    target.call("free", seg)
+    return {"lists_prepped": ep.lists_prepped - made, "local_again": int(again)}
+
+
 def deregistered_through_nixl(ep: Any, ptr: int, size: int, remote: Any, agent: Any = None) -> bool:
     """Whether NIXL itself no longer knows [ptr, ptr + size) as registered: a transfer from it
     is refused with NIXL's NOT_FOUND (not our bookkeeping's word for it).  ``agent``: the

@@ -12,12 +12,16 @@ freed allocation.  Here:
   ``validate="buffer_id"``), a freed and reallocated buffer is registered again, idle registrations
   go least recently used first under ``max_bytes``, and one in use is never deregistered.
 - :class:`NixlEndpoint` is an agent with its cache and a small protocol on NIXL's
-  notifications.  ``expose(ptr, size)`` gives a :class:`RemoteBuffer` (address, buffer id and
-  registration generation, and the agent's metadata) to send to a peer; the peer's
-  ``write``/``read`` take it.  Each transfer carries the buffer id it was meant for, the target
-  checks it when the transfer's notification arrives (``progress()``), and the initiator waits
-  for that answer: a transfer into a buffer the target freed since raises :class:`StaleRemote`
-  instead of reporting success.
+  notifications.  ``expose(ptr, size)`` gives a :class:`RemoteBuffer` (address, buffer id,
+  epoch, and the agent's metadata) to send to a peer; the peer's ``write``/``read``,
+  ``post_write``/``post_read`` (a :class:`Transfer`) and ``prepare`` (a :class:`Prepared`,
+  NIXL's prepped lists) take it.  Prevention: an initiator transfers into an exposure only
+  under a lease the target granted, and ``unexpose`` (which the provider's free waits for)
+  revokes the leases and returns once every holder's transfers are over; a refused lease
+  raises :class:`StaleRemote` before any byte moves.  Detection, the backstop: the target
+  checks each transfer's exposure, epoch and buffer id when its check message arrives
+  (``wait(confirm=True)`` waits for that answer).  Documentation/gds-nixl.md says which
+  guarantee is which and what the application promises.
 
 - :func:`probe` says what NIXL can do on this host (``gpupin nixl status``, ``gpupin doctor``):
   its version, each backend plugin that loads or why not, VRAM, and :func:`selftest`, one
@@ -213,6 +217,9 @@ _KEPT_HOLDS: list[tuple[Any, int]] = []
 # is never garbage, so its finalizer (a NIXL call) never runs in the garbage collector, also
 # when the endpoint and its transfers are collected together (NixlEndpoint.close).
 _LIVE_XFERS: dict[int, Any] = {}
+# The same for NIXL's prepped descriptor lists (NixlEndpoint.prepare): released by gpupin, never
+# by their finalizer.
+_LIVE_DLISTS: dict[int, Any] = {}
 
 
 def _gc_phase(phase: str, info: dict[str, Any]) -> None:
@@ -744,6 +751,98 @@ class Transfer:
             ep._judge(self)
 
 
+class _Prep:
+    """(NixlEndpoint.prepare) NIXL's prepped descriptor lists of one scatter list, each with
+    what it was made against: ``serial``, NIXL's view of the peer (NixlEndpoint._view_serial),
+    and ``toks``, the local registrations (a cache token names one registration, never
+    another).  Made again, under the endpoint's lock and the agent's, when either changed: a
+    prepped list keeps NIXL's pointers to the registrations' metadata as of its making, and
+    NIXL checks no more than that the peer is still known (makeXferReq, nixl_agent.cpp)."""
+
+    __slots__ = ("peer", "idx", "lspec", "rspec", "rmem", "local", "remote", "toks", "serial", "closed")
+
+    def __init__(self, peer: str, lspec: list[tuple[int, int, int]], rspec: list[tuple[int, int, int]], rmem: str):
+        self.peer, self.lspec, self.rspec, self.rmem = peer, lspec, rspec, rmem
+        self.idx = list(range(len(lspec)))
+        self.local: Any = None
+        self.remote: Any = None
+        self.toks: list[int] = []
+        self.serial = -1
+        self.closed = False
+
+    def make(self, ep: NixlEndpoint, op: str, toks: list[int]) -> Any:
+        """(under ep._lock and the agent's lock) A transfer handle of the lists, each made
+        again first where what it names changed."""
+        agent = ep.agent
+        if self.remote is None or self.serial != ep._view_serial:
+            self.drop(remote=True)
+            self.remote = agent.prep_xfer_dlist(self.peer, self.rspec, self.rmem)
+            _LIVE_DLISTS[id(self.remote)] = self.remote
+            self.serial = ep._view_serial
+            ep.lists_prepped += 1
+        if self.local is None or self.toks != toks:
+            self.drop(local=True)
+            self.local = agent.prep_xfer_dlist("", self.lspec, ep.driver.mem_type)
+            _LIVE_DLISTS[id(self.local)] = self.local
+            self.toks = list(toks)
+            ep.lists_prepped += 1
+        return agent.make_prepped_xfer(op, self.local, self.idx, self.remote, self.idx, b"")
+
+    def drop(self, *, local: bool = False, remote: bool = False) -> None:
+        """(under the agent's lock) Release the lists named (made again at the next post)."""
+        for which in ("local", "remote"):
+            if (which == "local" and local) or (which == "remote" and remote):
+                h = getattr(self, which)
+                setattr(self, which, None)
+                if h is not None:
+                    _LIVE_DLISTS.pop(id(h), None)
+                    h.release()
+        if local:
+            self.toks = []
+
+
+class Prepared:
+    """A scatter list posted many times (``NixlEndpoint.prepare``): ``post()`` returns a
+    :class:`Transfer`, ``run()`` waits for it.  ``close()`` (or the endpoint's) releases NIXL's
+    lists; one dropped unclosed is released at gpupin's next NIXL call (reap)."""
+
+    def __init__(self, ep: NixlEndpoint, op: str, blocks: list[tuple[int, int, RemoteBuffer, int]], prep: _Prep):
+        self._ep, self.op, self.blocks, self._prep = ep, op, blocks, prep
+
+    def post(self, *, timeout: float = 30.0, confirm: bool = False) -> Transfer:
+        """Start the transfer; returns at once (as ``NixlEndpoint.post``)."""
+        self._check_open()
+        t = self._ep._post(self.op, self.blocks, timeout, confirm, tracked=True, prep=self._prep)
+        if self._ep._notes:
+            self._ep._flush_notes()
+        return t
+
+    def run(self, *, timeout: float = 30.0, confirm: bool = False) -> None:
+        """Post it and return when its bytes are in place (as ``write_blocks``)."""
+        self._check_open()
+        self._ep._blocking(self.op, self.blocks, timeout=timeout, confirm=confirm, prep=self._prep)
+
+    def _check_open(self) -> None:
+        if self._prep.closed:
+            raise InvalidArgument(f"{_what(self.op, self.blocks)}: this Prepared is closed; prepare() it again")
+
+    def close(self) -> None:
+        """Release NIXL's lists (a transfer made of them runs on: NIXL copied what it needs)."""
+        self._ep._unprepare(self._prep)
+
+    def __enter__(self) -> Prepared:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        prep, ep = getattr(self, "_prep", None), getattr(self, "_ep", None)
+        if prep is not None and ep is not None and not prep.closed:
+            # No NIXL call and no lock from here (the collector may run this): at the next reap().
+            _defer(lambda: ep._unprepare(prep))
+
+
 _LOCAL, _SIZE, _REMOTE, _OFFSET = (operator.itemgetter(i) for i in range(4))  # a block's columns
 _NO_ANSWER = "no answer from the target (it must call progress() or serve(), and have loaded this endpoint's metadata)"
 _LOST = (
@@ -769,6 +868,13 @@ def _check_blocks(op: str, blocks: list[tuple[int, int, RemoteBuffer, int]]) -> 
                 f"{op.lower()}({local:#x}, {size}, offset={offset}): [offset, offset + size) must lie inside the "
                 f"remote buffer of {remote.size} bytes"
             )
+
+
+def _specs(
+    blocks: list[tuple[int, int, RemoteBuffer, int]], devid: int
+) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """NIXL's (address, length, device) lists of the blocks: local, remote."""
+    return [(b[0], b[1], devid) for b in blocks], [(r.addr + off, size, r.devid) for _, size, r, off in blocks]
 
 
 def _what(op: str, blocks: list[tuple[int, int, RemoteBuffer, int]]) -> str:
@@ -860,6 +966,10 @@ class NixlEndpoint(Closable):
         # peer -> changes to NIXL's view this endpoint did not make (the application's connect(),
         # an erasure): a load that decided on the view before one of them records nothing.
         self._view_gen: dict[str, int] = {}
+        # Every change to NIXL's view of any peer (a load, a removal, an erasure): a prepped
+        # list made before one names what NIXL held then, and is made again (_Prep).
+        self._view_serial = 0
+        self._preps: set[_Prep] = set()  # the prepped lists of this endpoint's open Prepareds
         self._other: list[tuple[str, bytes]] = []
         self._notes: list[str] = []  # warnings to raise once the state change at hand is done (_note)
         self._inflight: list[Transfer] = []  # past their wait()'s timeout, not over
@@ -883,6 +993,7 @@ class NixlEndpoint(Closable):
         self.transfers = 0
         self.leases_asked = 0
         self.renewals = 0  # (initiator) peers' views forgotten because they dropped a registration
+        self.lists_prepped = 0  # (initiator) NIXL descriptor lists prepped for Prepared transfers
         self.confirm_s = 0.0
         self._progress_stop: threading.Event | None = None
         if auto_progress:
@@ -992,6 +1103,7 @@ class NixlEndpoint(Closable):
         erased NIXL's view of the peer (its sections and connection): it is loaded whole next
         time (first contact)."""
         with self.driver.lock:
+            self._view_serial += 1  # a refused load changes the view too (it erases the peer)
             try:
                 name = self.agent.add_remote_agent(metadata)
             except Exception as exc:  # noqa: BLE001
@@ -1017,6 +1129,7 @@ class NixlEndpoint(Closable):
         remove_remote_agent returns nothing: invalidateRemoteMD fails only for a name NIXL does
         not know (nothing to forget) or its own (refused at construction)."""
         with self.driver.lock:
+            self._view_serial += 1
             self.agent.remove_remote_agent(peer)
         self._views.pop(peer, None)
 
@@ -1443,9 +1556,15 @@ class NixlEndpoint(Closable):
         self._blocking("READ", blocks, **kw)
 
     def _blocking(
-        self, op: str, blocks: list[tuple[int, int, RemoteBuffer, int]], *, timeout: float = 30.0, confirm: bool = False
+        self,
+        op: str,
+        blocks: list[tuple[int, int, RemoteBuffer, int]],
+        *,
+        timeout: float = 30.0,
+        confirm: bool = False,
+        prep: _Prep | None = None,
     ) -> None:
-        t = self._post(op, blocks, timeout, confirm, tracked=False)
+        t = self._post(op, blocks, timeout, confirm, tracked=False, prep=prep)
         try:
             t.wait(timeout, confirm=confirm)
         except BaseException:
@@ -1483,12 +1602,53 @@ class NixlEndpoint(Closable):
             self._flush_notes()
         return t
 
+    def prepare(self, op: str, blocks: list[tuple[int, int, RemoteBuffer, int]]) -> Prepared:
+        """The same ``blocks`` to transfer many times (a KV-cache layer's blocks, a ring of
+        staging buffers), with NIXL's prepped descriptor lists (``prep_xfer_dlist``,
+        ``make_prepped_xfer``: NIXL resolves the descriptors once, not at every transfer).
+        Each ``post()``/``run()`` of the :class:`Prepared` takes the leases and registrations a
+        ``post`` takes and keeps the same promises; NIXL's lists are made at the first post and
+        again whenever what they name changed since (any load or removal of a peer's metadata,
+        a local buffer registered anew).  Nothing is sent here; ``close()`` it when done."""
+        if op not in ("WRITE", "READ"):
+            raise InvalidArgument(f"prepare({op!r}): 'WRITE' or 'READ'")
+        if not blocks:
+            raise InvalidArgument(f"prepare({op!r}, []): no blocks")
+        blocks = list(blocks)
+        _check_blocks(op, blocks)
+        r0 = blocks[0][2]
+        if r0.agent == self.driver.name:
+            raise InvalidArgument(f"prepare({op!r}): into this endpoint's own exposure ({r0.agent})")
+        lspec, rspec = _specs(blocks, self.driver.devid)
+        prep = _Prep(r0.agent, lspec, rspec, r0.mem_type)
+        with self._lock:
+            if self.driver._agent is None:
+                raise NixlError(f"prepare(): endpoint {self.name!r} is closed")
+            self._preps.add(prep)
+        return Prepared(self, op, blocks, prep)
+
+    def _unprepare(self, prep: _Prep) -> None:
+        with self._lock:
+            if prep.closed:
+                return
+            prep.closed = True
+            self._preps.discard(prep)
+            with self.driver.lock:
+                prep.drop(local=True, remote=True)
+
     def _post(
-        self, op: str, blocks: list[tuple[int, int, RemoteBuffer, int]], timeout: float, confirm: bool, tracked: bool
+        self,
+        op: str,
+        blocks: list[tuple[int, int, RemoteBuffer, int]],
+        timeout: float,
+        confirm: bool,
+        tracked: bool,
+        prep: _Prep | None = None,
     ) -> Transfer:
         """post(); ``tracked=False`` for a transfer its caller waits for at once (write/read):
         not polled by other threads meanwhile (the progress thread would take the endpoint's
-        locks from the waiter at every poll), and tracked once its wait gives up (_orphan)."""
+        locks from the waiter at every poll), and tracked once its wait gives up (_orphan).
+        ``prep``: the blocks' prepped lists (Prepared), used where still what they name."""
         if _DEFERRED:
             reap()  # before this endpoint's locks and the cache's (a miss pins under them)
         if op not in ("WRITE", "READ"):
@@ -1584,29 +1744,41 @@ class NixlEndpoint(Closable):
                         tok = fast(local, size)
                         toks.append(tok if tok >= 0 else miss(local, size, tok))
                     seq = next(self._seq)
-                    if single:
-                        lspec = [(l0, s0, self.driver.devid)]
-                        rspec = [(r0.addr + o0, s0, r0.devid)]
-                    elif one:
-                        lspec = list(zip(locs, sizes, itertools.repeat(self.driver.devid)))
-                        rspec = list(
-                            zip(map(operator.add, itertools.repeat(r0.addr), offs), sizes, itertools.repeat(r0.devid))
-                        )
-                    else:
-                        lspec = [(b[0], b[1], self.driver.devid) for b in blocks]
-                        rspec = [(r.addr + off, size, r.devid) for _, size, r, off in blocks]
+                    if prep is None:  # NIXL's lists, made here (a Prepared's are made once)
+                        if single:
+                            lspec = [(l0, s0, self.driver.devid)]
+                            rspec = [(r0.addr + o0, s0, r0.devid)]
+                        elif one:
+                            lspec = list(zip(locs, sizes, itertools.repeat(self.driver.devid)))
+                            rspec = list(
+                                zip(
+                                    map(operator.add, itertools.repeat(r0.addr), offs),
+                                    sizes,
+                                    itertools.repeat(r0.devid),
+                                )
+                            )
+                        else:
+                            lspec, rspec = _specs(blocks, self.driver.devid)
                     with self.driver.lock:
-                        ldesc = self.agent.get_xfer_descs(lspec, self.driver.mem_type)
-                        rdesc = self.agent.get_xfer_descs(rspec, r0.mem_type)
                         # No notification rides on the transfer: one makes DONE wait for its delivery,
                         # which needs the peer's progress (~0.5 ms here for 4 KiB, against ~20 us).
                         # DONE means the data arrived without one too: NIXL's UCX backend ends every
                         # transfer with an endpoint flush after its puts (sendXferRange, ucx_backend.cpp).
-                        h = self.agent.initialize_xfer(op, ldesc, rdesc, peer, b"")
+                        if prep is not None:
+                            if prep.closed:
+                                raise InvalidArgument(f"{_what(op, blocks)}: its Prepared was closed")
+                            h = prep.make(self, op, toks)
+                        else:
+                            ldesc = self.agent.get_xfer_descs(lspec, self.driver.mem_type)
+                            rdesc = self.agent.get_xfer_descs(rspec, r0.mem_type)
+                            h = self.agent.initialize_xfer(op, ldesc, rdesc, peer, b"")
                         _LIVE_XFERS[id(h)] = h
                         posting = True  # from here NIXL may have posted puts: the handle is kept
                         state = self.agent.transfer(h)
                 except BaseException as exc:
+                    if prep is not None and not posting:  # made again from scratch next time
+                        with self.driver.lock:
+                            prep.drop(local=True, remote=True)
                     if posting:  # polled until NIXL says it is over, like any running transfer
                         t = Transfer(self, h, toks, leases, seq, op, blocks, False)
                         for lease in leases:
@@ -1617,7 +1789,7 @@ class NixlEndpoint(Closable):
                         disconnected = type(exc).__name__ == "nixlRemoteDisconnectError"
                         if disconnected:  # NIXL erased the peer (the endpoint failed: its puts with it)
                             self._view_erased(peer)
-                        if len(lspec) > 1 and not disconnected and isinstance(exc, Exception):
+                        if len(blocks) > 1 and not disconnected and isinstance(exc, Exception):
                             # NIXL's UCX backend stops at the put that failed; those before it are
                             # under way with no flush after them (sendXferRange, ucx_backend.cpp),
                             # and nothing NIXL offers says when they end.
@@ -2005,6 +2177,7 @@ class NixlEndpoint(Closable):
         self._views.pop(peer, None)
         self._connected.discard(peer)
         self._view_gen[peer] = self._view_gen.get(peer, 0) + 1
+        self._view_serial += 1
 
     def _found(self, t: Transfer) -> None:
         """(under _lock) A lost ``t`` is over (forget_peer)."""
@@ -2198,6 +2371,20 @@ class NixlEndpoint(Closable):
             except GpupinError:  # the cache went first (collected with it): its registrations too
                 pass
         self._by_range.clear()
+        if self._preps:  # NIXL's prepped lists go before the agent (from the collector: first in reap)
+            preps, self._preps = list(self._preps), set()
+            driver = self.driver
+
+            def unprepare() -> None:
+                with driver.lock:
+                    for prep in preps:
+                        prep.closed = True
+                        prep.drop(local=True, remote=True)
+
+            if collecting():
+                _defer(unprepare, first=True)
+            else:
+                unprepare()
         if not collecting():
             self._drop_leases(timeout)
         try:

@@ -27,6 +27,7 @@ from nixl_target import (  # noqa: E402
     deregistered_through_nixl,
     scenario_churn,
     scenario_freed_target,
+    scenario_prepared,
 )
 
 import gpupin  # noqa: E402
@@ -94,6 +95,12 @@ def test_raw_nixl_loses_a_write_into_a_freed_buffer(cuda: Any) -> None:
 
 def test_a_write_into_a_freed_buffer_is_prevented(ep: NixlEndpoint, cuda: Any, target: Target) -> None:
     assert scenario_freed_target(ep, cuda, target) == "refused"
+
+
+def test_a_prepared_write_lands_while_what_it_names_changes(ep: NixlEndpoint, cuda: Any, target: Target) -> None:
+    out = scenario_prepared(ep, cuda, target)
+    print(f"nixl prepared on the GPU: {out}")
+    assert out["lists_prepped"] == 3 + out["local_again"]
 
 
 def test_a_smaller_buffer_at_the_same_base_gets_the_bytes(ep: NixlEndpoint, cuda: Any, target: Target) -> None:

@@ -30,6 +30,7 @@ from nixl_target import (  # noqa: E402
     deregistered_through_nixl,
     scenario_churn,
     scenario_freed_target,
+    scenario_prepared,
 )
 
 import gpupin  # noqa: E402
@@ -71,6 +72,13 @@ def test_churn_every_byte_lands_where_named(ep: tuple[NixlEndpoint, HostMemory],
     e.close()
     assert e.driver.live == 0 and deregistered_through_nixl(e, x, 4096, rb, agent)
     assert target.close() == 0
+
+
+def test_a_prepared_write_lands_while_what_it_names_changes(
+    ep: tuple[NixlEndpoint, HostMemory], target: Target
+) -> None:
+    e, mem = ep
+    assert scenario_prepared(e, mem, target) == {"lists_prepped": 4, "local_again": 1}
 
 
 def test_a_write_into_a_freed_target_buffer_is_prevented(ep: tuple[NixlEndpoint, HostMemory], target: Target) -> None:
@@ -1995,5 +2003,119 @@ def test_metadata_older_than_the_view_is_never_loaded_on_top_of_it() -> None:
         p.ini.write_blocks([(src, 4096, rr1, 0), (src + 4096, 4096, rr2, 0)])
         del p.ini._current_metadata
         assert fired and deregistered_through_nixl(p.ini, src, 256 * kib, probe)
+    finally:
+        p.close()
+
+
+def test_a_prepared_transfer_is_made_again_when_what_it_names_changed() -> None:
+    """A Prepared keeps NIXL's prepped lists, which point at the registrations' metadata as NIXL
+    held it then (makeXferReq checks only that the peer is known).  They are used while nothing
+    they name changed, and made again after the peer's view was renewed (the target dropped a
+    registration) and after the local buffer was registered anew (freed, allocated again);
+    the bytes land where the blocks say every time."""
+    p = Pair(auto_progress=True)
+    try:
+        seg, local = p.mt.alloc(MiB), p.mi.alloc(MiB)
+        region = p.tgt.expose(seg, MiB)
+        blocks = [(local + i * 8192, 4096, region, (7 - i) * 65536) for i in range(8)]
+        prep = p.ini.prepare("WRITE", blocks)
+
+        def run_and_check(fill: int) -> None:
+            for i in range(8):
+                p.mi.write(local + i * 8192, bytes([fill + i]) * 4096)
+            prep.run()
+            for i in range(8):
+                assert p.mt.read(seg + (7 - i) * 65536, 4096) == bytes([fill + i]) * 4096
+
+        run_and_check(1)
+        assert p.ini.lists_prepped == 2  # one local list, one remote
+        run_and_check(11)
+        t = prep.post()
+        t.wait(10)
+        assert t.state == "DONE" and p.ini.lists_prepped == 2  # used as they are
+        # The target drops a registration: the next grant renews NIXL's view of it.
+        x = p.mt.alloc(MiB)
+        rx = p.tgt.expose(x, MiB)
+        p.ini.write(local, 4096, rx)
+        p.tgt.unexpose(rx)
+        p.mt.free(x)
+        y = p.mt.alloc(MiB // 2)
+        renewals = p.ini.renewals
+        p.ini.write(local, 4096, p.tgt.expose(y, MiB // 2))
+        assert p.ini.renewals == renewals + 1
+        run_and_check(21)
+        assert p.ini.lists_prepped == 3  # the remote list again, the local one as it was
+        # The local buffer freed and allocated again: registered anew, so its list is made again.
+        p.mi.free(local)
+        assert p.mi.alloc(MiB) == local
+        run_and_check(31)
+        assert p.ini.lists_prepped == 4
+        reader = p.ini.prepare("READ", [(local + MiB // 2, 4096, region, 0)])
+        reader.post().wait(10)
+        assert p.mi.read(local + MiB // 2, 4096) == bytes([31 + 7]) * 4096
+        reader.close()
+        prep.close()
+        with pytest.raises(gpupin.InvalidArgument, match="closed"):
+            prep.run()
+        assert not p.ini._preps
+    finally:
+        p.close()
+
+
+def test_prepare_refuses_what_post_refuses_and_close_releases_every_list() -> None:
+    p = Pair(auto_progress=True)
+    try:
+        before = len(gpupin.nixl._LIVE_DLISTS)
+        seg, local = p.mt.alloc(MiB), p.mi.alloc(MiB)
+        region = p.tgt.expose(seg, MiB)
+        with pytest.raises(gpupin.InvalidArgument, match="'WRITE' or 'READ'"):
+            p.ini.prepare("COPY", [(local, 4096, region, 0)])
+        with pytest.raises(gpupin.InvalidArgument, match="no blocks"):
+            p.ini.prepare("WRITE", [])
+        with pytest.raises(gpupin.InvalidArgument, match="inside the remote buffer"):
+            p.ini.prepare("WRITE", [(local, 8192, region, MiB - 4096)])
+        with pytest.raises(gpupin.InvalidArgument, match="own exposure"):
+            p.tgt.prepare("WRITE", [(seg, 4096, region, 0)])
+        kept = p.ini.prepare("WRITE", [(local, 4096, region, 0)])
+        kept.run()
+        assert len(gpupin.nixl._LIVE_DLISTS) == before + 2
+        p.ini.close()  # the endpoint's close releases the lists of a Prepared still open
+        assert len(gpupin.nixl._LIVE_DLISTS) == before
+        with pytest.raises(gpupin.InvalidArgument, match="closed"):
+            kept.run()
+    finally:
+        p.close()
+
+
+def test_a_prepared_transfer_left_to_the_collector_is_released_outside_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Prepared dropped unclosed inside a reference cycle: its lists are released by reap(),
+    never from the garbage collector (a NIXL call there may meet the thread's own NIXL call)."""
+    import gc
+
+    calls: list[bool] = []
+    drop = gpupin.nixl._Prep.drop
+
+    def spy(self: Any, **kw: bool) -> None:
+        calls.append(gpupin.nixl.collecting())
+        drop(self, **kw)
+
+    monkeypatch.setattr(gpupin.nixl._Prep, "drop", spy)
+    p = Pair(auto_progress=True)
+    try:
+        before = len(gpupin.nixl._LIVE_DLISTS)
+        seg, local = p.mt.alloc(MiB), p.mi.alloc(MiB)
+        region = p.tgt.expose(seg, MiB)
+        for _ in range(5):
+            prep = p.ini.prepare("WRITE", [(local, 4096, region, 0)])
+            prep.run()
+            prep.cycle = prep  # type: ignore[attr-defined] - only the collector frees it
+            del prep
+            gc.collect()
+        # Each earlier one was released by the next post's reap(); the last waits for one.
+        assert len(gpupin.nixl._LIVE_DLISTS) == before + 2
+        gpupin.nixl.reap()
+        assert len(gpupin.nixl._LIVE_DLISTS) == before
+        assert calls and not any(calls), "a list was released from the garbage collector"
+        assert not p.ini._preps
     finally:
         p.close()
