@@ -702,27 +702,68 @@ def _bench_memory(dram_bytes: int) -> tuple[Any, str]:
         return HostMemory(dram_bytes), "DRAM"
 
 
-def raw_write(ep: Any, local: list[tuple[int, int]], remote: Any, offsets: list[int]) -> None:
-    """One WRITE through NIXL's own calls on ``ep``'s agent, the endpoint's protocol left out:
-    descriptors, ``initialize_xfer`` without a notification, ``transfer``, ``check_xfer_state``
-    polled until DONE, ``release_xfer_handle``.  Each call under the agent's lock, as the
-    endpoint makes them (its progress thread calls the agent too; NIXL locks nothing)."""
-    agent, lock, devid, mem_type = ep.agent, ep.driver.lock, ep.driver.devid, ep.driver.mem_type
-    with lock:
-        ldesc = agent.get_xfer_descs([(p, n, devid) for p, n in local], mem_type)
-        rdesc = agent.get_xfer_descs(
-            [(remote.addr + off, n, remote.devid) for (_, n), off in zip(local, offsets, strict=True)],
-            remote.mem_type,
-        )
-        h = agent.initialize_xfer("WRITE", ldesc, rdesc, remote.agent, b"")
-        st = agent.transfer(h)
+def _raw_lists(
+    ep: Any, local: list[tuple[int, int]], remote: Any, offsets: list[int]
+) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """NIXL's (address, length, device) lists of the local buffers and their remote places."""
+    lspec = [(p, n, ep.driver.devid) for p, n in local]
+    rspec = [(remote.addr + off, n, remote.devid) for (_, n), off in zip(local, offsets, strict=True)]
+    return lspec, rspec
+
+
+def _raw_finish(agent: Any, lock: Any, h: Any, st: str, what: str) -> None:
+    """Poll a raw transfer until NIXL ends it (``check_xfer_state``), then release its handle."""
     while st == "PROC":
         with lock:
             st = agent.check_xfer_state(h)
     with lock:
         agent.release_xfer_handle(h)
     if st != "DONE":
-        raise GpupinError(f"bench: a raw NIXL write of {len(local)} block(s) ended {st}")
+        raise GpupinError(f"bench: {what} ended {st}")
+
+
+def raw_write(ep: Any, local: list[tuple[int, int]], remote: Any, offsets: list[int]) -> None:
+    """One WRITE through NIXL's own calls on ``ep``'s agent, the endpoint's protocol left out:
+    descriptors, ``initialize_xfer`` without a notification, ``transfer``, ``check_xfer_state``
+    polled until DONE, ``release_xfer_handle``.  Each call under the agent's lock, as the
+    endpoint makes them (its progress thread calls the agent too; NIXL locks nothing)."""
+    agent, lock = ep.agent, ep.driver.lock
+    lspec, rspec = _raw_lists(ep, local, remote, offsets)
+    with lock:
+        ldesc = agent.get_xfer_descs(lspec, ep.driver.mem_type)
+        rdesc = agent.get_xfer_descs(rspec, remote.mem_type)
+        h = agent.initialize_xfer("WRITE", ldesc, rdesc, remote.agent, b"")
+        st = agent.transfer(h)
+    _raw_finish(agent, lock, h, st, f"a raw NIXL write of {len(local)} block(s)")
+
+
+def raw_prepped(
+    ep: Any, local: list[tuple[int, int]], remote: Any, offsets: list[int]
+) -> tuple[Callable[[int], None], Callable[[], None]]:
+    """A loop of ``n`` WRITEs through NIXL's prepped lists (``prep_xfer_dlist`` once,
+    ``make_prepped_xfer`` per transfer), the endpoint's protocol left out, under the agent's
+    lock as raw_write; and the call that releases the lists."""
+    agent, lock = ep.agent, ep.driver.lock
+    idx = list(range(len(local)))
+    lspec, rspec = _raw_lists(ep, local, remote, offsets)
+    with lock:
+        lh = agent.prep_xfer_dlist("", lspec, ep.driver.mem_type)
+        rh = agent.prep_xfer_dlist(remote.agent, rspec, remote.mem_type)
+    what = f"a raw prepped NIXL write of {len(local)} block(s)"
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            with lock:
+                h = agent.make_prepped_xfer("WRITE", lh, idx, rh, idx, b"")
+                st = agent.transfer(h)
+            _raw_finish(agent, lock, h, st, what)
+
+    def release() -> None:
+        with lock:
+            lh.release()
+            rh.release()
+
+    return run, release
 
 
 def bench_nixl_endpoint(seed: int = 1, reps: int = 15, quick: bool = False) -> dict[str, Any]:
@@ -734,6 +775,8 @@ def bench_nixl_endpoint(seed: int = 1, reps: int = 15, quick: bool = False) -> d
     - 64 blocks of 64 KiB at scattered offsets of one exposed region, ``write_blocks``
       against raw NIXL with the same 64 descriptors in one transfer: GB/s;
     - ``write(..., confirm=True)`` at 4 KiB, for information (the target's check, a round trip);
+    - the same 4 KiB write and scatter list through a ``Prepared`` against raw NIXL's prepped
+      lists (:func:`raw_prepped`), for information;
     - a churn trace (:func:`churn_trace`): the target takes buffers back, frees them and
       exposes the reallocated ones between (and during) writes."""
     from ..nixl import NixlEndpoint, NixlError, RemoteBuffer
@@ -835,6 +878,30 @@ def bench_nixl_endpoint(seed: int = 1, reps: int = 15, quick: bool = False) -> d
         out["nixl_scatter_ep_gbps"] = total / t["ep"]  # bytes per ns: GB/s
         out["nixl_scatter_raw_gbps"] = total / t["raw"]
         out["nixl_scatter_ep_over_raw_throughput"] = t["raw"] / t["ep"]
+
+        # Prepared transfers (NIXL's prepped lists) against raw NIXL's prepped lists.
+        for label, pblocks in (("4k", [(src, 4 << 10, rb, 0)]), ("scatter", blocks)):
+            prepared = ini.prepare("WRITE", pblocks)
+            plocal, poffs = [(b[0], b[1]) for b in pblocks], [b[3] for b in pblocks]
+            raw_p, raw_release = raw_prepped(ini, plocal, pblocks[0][2], poffs)
+            try:
+
+                def prep_ep(n: int, run: Callable[..., None] = prepared.run) -> None:
+                    for _ in range(n):
+                        run()
+
+                batch = max(2, (EP_BATCH["4k"] if label == "4k" else 20) // scale)
+                progress(f"bench: nixl endpoint prepared {label}, endpoint and raw in turn ({reps} rounds of {batch})")
+                t = interleaved_ns({"ep": prep_ep, "raw": raw_p}, batch, reps)
+            finally:
+                prepared.close()
+                raw_release()
+            if label == "4k":
+                out["nixl_prep_ep_write_4k_us"] = t["ep"] / 1e3
+                out["nixl_prep_raw_write_4k_us"] = t["raw"] / 1e3
+                out["nixl_prep_ep_over_raw_4k"] = t["ep"] / t["raw"]
+            else:
+                out["nixl_prep_scatter_ep_over_raw_throughput"] = t["raw"] / t["ep"]
 
         # Last: the check messages make NIXL's next transfers to the peer wait for its progress.
         batch = max(2, 50 // scale)
