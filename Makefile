@@ -26,7 +26,8 @@ help:
 	@echo "                 with NVIDIA's sources (/usr/src/nvidia-* or NVIDIA_SRC=): those two alone"
 	@echo "                 (+ gpupin_peer.ko with GPUPIN_EXAMPLES=1 on the command line)"
 	@echo "make clean       remove the build outputs and the compiled Python extensions"
-	@echo "make setup       Debian packages and the virtualenv .venv (scripts/setup.sh; idempotent)"
+	@echo "make setup       Debian packages and the virtualenv .venv (scripts/setup.sh; idempotent);"
+	@echo "                 SETUP_PROFILE=demo|check|test (the default) installs what those commands need"
 	@echo "make pyext       compile the Python package's cffi extensions into the tree"
 	@echo "make demo        build, load (in a VM if needed) and show pinning end to end"
 	@echo "make test        check, check-nvidia, check-newest, test-host, test-vm, test-vm-6.12, test-deb, check-fresh (+ test-gpu):"
@@ -60,13 +61,18 @@ clean:
 	-$(MAKE) -C $(KDIR) M=$(CURDIR) NVIDIA_SRC=none clean
 	rm -rf build pyctl/gpupin/_gpupin_cffi.* pyctl/gpupin/_gpupin_kmod.* pyctl/gpupin/_gpupin_drm.*
 
-# Installs apt packages and the virtualenv; idempotent.
+# Installs apt packages and the virtualenv; idempotent.  SETUP_PROFILE: what to install for
+# (demo, check or test: see scripts/setup.sh); demo and the check targets ask for their own.
+SETUP_PROFILE ?= test
 setup:
-	scripts/setup.sh
+	scripts/setup.sh --profile $(SETUP_PROFILE)
 
 pyext: setup
 	cd pyctl && $(PY) gpupin/_build.py
 
+# Target-specific: the profile goes to the prerequisites (setup) of these targets too.
+check check-version check-netlink check-kernel check-py netlink-header: SETUP_PROFILE = check
+demo: SETUP_PROFILE = demo
 check: setup check-version check-netlink check-kernel check-py
 
 # One version source, pyproject.toml: the DKMS configurations, gpupin.h and __init__.py agree with it.

@@ -1,9 +1,10 @@
 #!/bin/bash
 # SPDX-License-Identifier: (GPL-2.0 OR MIT)
 # A fresh Debian 12: debootstrap's minbase (fewer packages than any real
-# install) in a chroot, the source tree copied in, then `scripts/setup.sh`
-# (what the README's commands run first) and `setup.sh --verify`, and the
-# modules built there.  Catches the next package setup.sh forgets.
+# install) in a chroot, the source tree copied in, then `scripts/setup.sh
+# --profile demo` (what `make demo` runs first), `--verify`, the modules and
+# the package built there; then `setup.sh` (make test's profile) and
+# `--verify`.  Catches the next package setup.sh forgets.
 # GPUPIN_FRESH_DEMO=1 also runs `make demo` in the chroot (boots the VM).
 # Usage: check-fresh.sh   (root; ~5 min, the base system cached)
 set -euo pipefail
@@ -30,12 +31,19 @@ mkdir -p "$R/src/gpupin"
 (cd "$ROOT" && git ls-files -z -co --exclude-standard | tar --null -T - -cf -) | tar -C "$R/src/gpupin" -xf -
 
 start=$(date +%s)
+# make demo's profile first (what a newcomer's first command installs: enough to build the
+# modules and the package), then the rest (make test's).
 cmd='set -e; cd /src/gpupin; export DEBIAN_FRONTEND=noninteractive
-scripts/setup.sh --verify >/dev/null 2>&1 && { echo "check-fresh: --verify passed before setup: it checks nothing"; exit 1; }
-scripts/setup.sh
-scripts/setup.sh --verify
+scripts/setup.sh --profile demo --verify >/dev/null 2>&1 && { echo "check-fresh: --verify passed before setup: it checks nothing"; exit 1; }
+scripts/setup.sh --profile demo
+scripts/setup.sh --profile demo --verify
 make modules >/dev/null
-test -f gpupin.ko -a -f gpupin_cb.ko -a -f nvp2p_sim.ko'
+make pyext SETUP_PROFILE=demo >/dev/null
+test -f gpupin.ko -a -f gpupin_cb.ko -a -f nvp2p_sim.ko
+.venv/bin/python -c "import gpupin.tools.demo"
+scripts/setup.sh --verify >/dev/null 2>&1 && { echo "check-fresh: the test profile --verify passed after the demo profile setup: it checks nothing more"; exit 1; }
+scripts/setup.sh
+scripts/setup.sh --verify'
 [ "${GPUPIN_FRESH_DEMO:-}" = 1 ] && cmd="$cmd
 make demo"
 chroot "$R" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root TERM=dumb \
