@@ -97,6 +97,11 @@ def test_doctor_runs_anywhere() -> None:
     assert {"IOMMU", "ACS", "PCIe path", "gpupin", "BAR1"} <= names
     assert all(c["status"] in ("pass", "warn", "fail", "info") for c in checks)
     assert {"GDS nvidia-fs", "cufile.json", "P2PDMA", "GDS files", "stream memops", "NIXL"} <= names
+    quick = json.loads(run("doctor", "--quick", "--json").stdout)
+    assert [c for c in quick if c["name"].startswith("NIXL")] == [
+        {"status": "info", "name": "NIXL", "detail": "not checked (--quick)", "fix": ""}
+    ]
+    assert {c["name"] for c in quick} == (names - {n for n in names if n.startswith("NIXL")}) | {"NIXL"}
 
 
 def test_gds_status_without_cufile_says_what_is_missing() -> None:

@@ -54,7 +54,7 @@ def test_status_and_load(gpupin_loaded: None, leakcheck: None) -> None:
 def test_one_shot_pin_and_doctor(gpupin_loaded: None, leakcheck: None) -> None:
     row = js("pin", "--sim-alloc", "1M", "--tag", "9")
     assert row["entries"] == 16 and row["valid"] is True and row["tag"] == 9
-    checks = js("doctor")
+    checks = js("doctor", "--quick")  # NIXL's selftest takes ~40 s under TCG; the host suite runs it
     assert {c["name"]: c["status"] for c in checks}["gpupin"] == "pass"
     assert js("stats")["pins"] >= 1
     r = gp("query", "12345", check=False)

@@ -346,7 +346,7 @@ def cmd_stats(s: Session, a: argparse.Namespace) -> Result:
 
 def cmd_doctor(s: Session, a: argparse.Namespace) -> Result:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs at INFO on stdout by default
-    rows = [asdict(c) for c in doctor_mod.run_all()]
+    rows = [asdict(c) for c in doctor_mod.run_all(quick=a.quick)]
     return Report(rows, format_rows(rows))
 
 
@@ -508,7 +508,8 @@ def build_parser() -> _Parser:
     sp.add_argument("--all", action="store_true")
     sp.add_argument("--background", action="store_true", help="shell: keep watching while you type")
     add("stats", cmd_stats, "global counters of gpupin.ko (through netlink; detached pins and their bytes too)")
-    add("doctor", cmd_doctor, "check IOMMU, ACS, PCIe topology, drivers and BAR1 for GPUDirect RDMA")
+    sp = add("doctor", cmd_doctor, "check IOMMU, ACS, PCIe topology, drivers and BAR1 for GPUDirect RDMA")
+    sp.add_argument("--quick", action="store_true", help="leave NIXL out (its import and one-transfer selftest)")
     sp = add(
         "selftest",
         cmd_selftest,
