@@ -1539,14 +1539,32 @@ class NixlEndpoint(Closable):
             th.join()
 
     # -- initiator side ----------------------------------------------------------
-    def write(self, src: int, size: int, remote: RemoteBuffer, offset: int = 0, **kw: Any) -> None:
+    def write(
+        self,
+        src: int,
+        size: int,
+        remote: RemoteBuffer,
+        offset: int = 0,
+        *,
+        timeout: float = 30.0,
+        confirm: bool = False,
+    ) -> None:
         """Copy [src, src + size) into ``remote`` at ``offset``; returns when it is in place.
-        ``timeout`` (30 s), ``confirm`` (False: also wait for the target's check)."""
-        self._blocking("WRITE", [(src, size, remote, offset)], **kw)
+        ``timeout`` (s), ``confirm``: also wait for the target's check."""
+        self._blocking("WRITE", [(src, size, remote, offset)], timeout=timeout, confirm=confirm)
 
-    def read(self, dst: int, size: int, remote: RemoteBuffer, offset: int = 0, **kw: Any) -> None:
+    def read(
+        self,
+        dst: int,
+        size: int,
+        remote: RemoteBuffer,
+        offset: int = 0,
+        *,
+        timeout: float = 30.0,
+        confirm: bool = False,
+    ) -> None:
         """Copy ``size`` bytes of ``remote`` at ``offset`` into [dst, dst + size)."""
-        self._blocking("READ", [(dst, size, remote, offset)], **kw)
+        self._blocking("READ", [(dst, size, remote, offset)], timeout=timeout, confirm=confirm)
 
     def write_blocks(self, blocks: list[tuple[int, int, RemoteBuffer, int]], **kw: Any) -> None:
         """Many (local, size, remote, offset) blocks, all to one peer, in one transfer."""
@@ -1713,9 +1731,11 @@ class NixlEndpoint(Closable):
                         )
                 try:
                     fast, miss = self.cache.fast_lookup, self.cache.miss
-                    spans = None
+                    spans: list[tuple[int, int]] | None = None
                     if single:
-                        spans = [(l0, s0)]
+                        tok = fast(l0, s0)
+                        toks.append(tok if tok >= 0 else miss(l0, s0, tok))
+                        spans = []
                     else:  # blocks of one allocation (a scatter list): one lookup for all
                         if one:
                             lo, hi = min(locs), max(map(operator.add, locs, sizes))
@@ -1759,6 +1779,7 @@ class NixlEndpoint(Closable):
                             )
                         else:
                             lspec, rspec = _specs(blocks, self.driver.devid)
+                    agent = self.driver.agent
                     with self.driver.lock:
                         # No notification rides on the transfer: one makes DONE wait for its delivery,
                         # which needs the peer's progress (~0.5 ms here for 4 KiB, against ~20 us).
@@ -1769,12 +1790,12 @@ class NixlEndpoint(Closable):
                                 raise InvalidArgument(f"{_what(op, blocks)}: its Prepared was closed")
                             h = prep.make(self, op, toks)
                         else:
-                            ldesc = self.agent.get_xfer_descs(lspec, self.driver.mem_type)
-                            rdesc = self.agent.get_xfer_descs(rspec, r0.mem_type)
-                            h = self.agent.initialize_xfer(op, ldesc, rdesc, peer, b"")
+                            ldesc = agent.get_xfer_descs(lspec, self.driver.mem_type)
+                            rdesc = agent.get_xfer_descs(rspec, r0.mem_type)
+                            h = agent.initialize_xfer(op, ldesc, rdesc, peer, b"")
                         _LIVE_XFERS[id(h)] = h
                         posting = True  # from here NIXL may have posted puts: the handle is kept
-                        state = self.agent.transfer(h)
+                        state = agent.transfer(h)
                 except BaseException as exc:
                     if prep is not None and not posting:  # made again from scratch next time
                         with self.driver.lock:
@@ -2215,11 +2236,12 @@ class NixlEndpoint(Closable):
         elif t.confirm:
             self._waiting.pop((t._leases[0].peer, t.seq), None)
         self._running.discard(t)  # over before its leases' drops go (a target may act on them at once)
-        if t in self._inflight:
+        if self._inflight and t in self._inflight:
             self._inflight.remove(t)
         for lease in t._leases:
             lease.inflight -= 1
-            self._drop_if_idle(lease)
+            if lease.state == "revoked":
+                self._drop_if_idle(lease)
 
     def _drop_if_idle(self, lease: _Lease) -> None:
         if lease.state == "revoked" and lease.inflight == 0:
