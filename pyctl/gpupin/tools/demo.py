@@ -1,8 +1,9 @@
 """``make demo``: pinning, caching and invalidation end to end, narrated.
 
 Loads the modules if needed (the simulator unless nvidia.ko is present), then
-walks through what gpupin does.  Run as root where modules can be loaded (the
-harness runs it in a VM).
+walks through what gpupin does.  Run as root where modules can be loaded:
+scripts/demo.sh runs it on this host when it can load modules into its own
+kernel, else in the VM harness.
 """
 
 from __future__ import annotations
