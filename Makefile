@@ -3,7 +3,7 @@
 
 SHELL := /bin/bash
 KVER ?= $(shell uname -r)
-# Running kernel's build dir, else the newest installed Debian headers.
+# Running kernel's build dir, else the headers of the kernel the VM boots (scripts/kdir.sh).
 KDIR ?= $(or $(wildcard /lib/modules/$(KVER)/build),$(shell scripts/kdir.sh))
 # NVIDIA driver sources (dir with nvidia/nv-p2p.h): found under /usr/src when empty; 'none' = simulator.
 NVIDIA_SRC ?=
