@@ -80,7 +80,7 @@ struct gpupin_ref_info {
 /* gpupin_ref_info.flags (the same bits as the pin's GPUPIN_PIN_* flags of the UAPI) */
 #define GPUPIN_REF_PERSISTENT 0x1	/* nv-p2p persistent: no free callback */
 #define GPUPIN_REF_DMABUF 0x2		/* imported dma-buf: page addresses are bus addresses */
-#define GPUPIN_REF_REVOCABLE 0x4	/* dma-buf whose exporter may move or revoke it */
+#define GPUPIN_REF_REVOCABLE 0x4	/* can be revoked: non-persistent, or revoking dma-buf */
 
 /**
  * gpupin_ref_get() - take a reference to a user's pin
