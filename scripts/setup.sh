@@ -32,10 +32,10 @@ esac
 # one is named instead of failing later); the Python extras.
 PKGS=(build-essential python3 python3-venv python3-dev libkmod-dev libffi-dev kmod
       qemu-system-x86 linux-image-amd64 linux-headers-amd64 pciutils xz-utils libdrm-dev
-      busybox-static ca-certificates iproute2)
+      busybox-static ca-certificates iproute2 file)
 TOOLS=(make:make gcc:gcc python3:python3 qemu-system-x86_64:qemu-system-x86
        busybox:busybox-static modinfo:kmod depmod:kmod xz:xz-utils lspci:pciutils
-       timeout:coreutils tar:tar ip:iproute2)
+       timeout:coreutils tar:tar ip:iproute2 file:file)
 FILES=(/usr/include/libkmod.h:libkmod-dev "/usr/include/*-linux-gnu/ffi.h:libffi-dev"
        /usr/include/libdrm/drm.h:libdrm-dev "/usr/include/python3*/Python.h:python3-dev"
        "/usr/lib/python3*/venv/__init__.py:python3-venv" "/boot/vmlinuz-*-amd64:linux-image-amd64"
@@ -48,8 +48,8 @@ if [ "$PROFILE" != demo ]; then
 	EXTRAS=test,dev  # mypy reads pytest's types (gpupin.testing); check-netlink reads YAML
 fi
 if [ "$PROFILE" = test ]; then
-	PKGS+=(dkms binutils file)
-	TOOLS+=(dkms:dkms readelf:binutils objcopy:binutils dpkg-deb:dpkg apt-get:apt script:bsdutils file:file)
+	PKGS+=(dkms binutils)
+	TOOLS+=(dkms:dkms readelf:binutils objcopy:binutils dpkg-deb:dpkg apt-get:apt script:bsdutils)
 	FILES+=(/usr/share/keyrings/debian-archive-keyring.gpg:debian-archive-keyring)
 fi
 

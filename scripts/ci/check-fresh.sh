@@ -5,7 +5,8 @@
 # --profile demo` (what `make demo` runs first), `--verify`, the modules and
 # the package built there; then `setup.sh` (make test's profile) and
 # `--verify`.  Catches the next package setup.sh forgets.
-# GPUPIN_FRESH_DEMO=1 also runs `make demo` in the chroot (boots the VM).
+# GPUPIN_FRESH_DEMO=1 also runs `make demo` in the chroot (boots the VM) on the
+# demo profile alone, before the test profile's setup.
 # Usage: check-fresh.sh   (root; ~5 min, the base system cached)
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
@@ -40,12 +41,14 @@ scripts/setup.sh --profile demo --verify
 make modules >/dev/null
 make pyext SETUP_PROFILE=demo >/dev/null
 test -f gpupin.ko -a -f gpupin_cb.ko -a -f nvp2p_sim.ko
-.venv/bin/python -c "import gpupin.tools.demo"
+.venv/bin/python -c "import gpupin.tools.demo"'
+# GPUPIN_FRESH_DEMO=1: make demo itself, on what its profile installed (the VM boots).
+[ "${GPUPIN_FRESH_DEMO:-}" = 1 ] && cmd="$cmd
+make demo"
+cmd="$cmd"'
 scripts/setup.sh --verify >/dev/null 2>&1 && { echo "check-fresh: the test profile --verify passed after the demo profile setup: it checks nothing more"; exit 1; }
 scripts/setup.sh
 scripts/setup.sh --verify'
-[ "${GPUPIN_FRESH_DEMO:-}" = 1 ] && cmd="$cmd
-make demo"
 chroot "$R" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root TERM=dumb \
 	PIP_CERT=/etc/ssl/host-ca.crt SSL_CERT_FILE=/etc/ssl/host-ca.crt REQUESTS_CA_BUNDLE=/etc/ssl/host-ca.crt \
 	/bin/bash -c "$cmd" ||
