@@ -44,7 +44,7 @@ pytestmark = [
     ),
 ]
 LONG = os.environ.get("GPUPIN_LONG") == "1"
-CALLS = int(os.environ.get("GPUPIN_FUZZ_CALLS", 100_000 if LONG else 10_000))
+CALLS = int(os.environ.get("GPUPIN_FUZZ_CALLS") or (100_000 if LONG else 10_000))  # vm-run.sh passes "" if unset
 PROCS = 4
 LATE_FREES = "/sys/module/nvp2p_sim/parameters/race_get_pages_late_us"
 
