@@ -248,7 +248,10 @@ def peer(leakcheck: None) -> Iterator[Peer]:
     device named by GPUPIN_PEER_PCI (a NIC) and copies through the GPU's BAR1."""
     pci = os.environ.get("GPUPIN_PEER_PCI") or None
     if NATIVE and not pci:
-        pytest.skip("set GPUPIN_PEER_PCI to a NIC's PCI address (DDDD:BB:DD.F, see 'lspci -D') for the peer")
+        pytest.skip(
+            "the peer needs a NIC's PCI address (DDDD:BB:DD.F, see 'lspci -D'): make test-native PEER_PCI=..., "
+            "or GPUPIN_PEER_PCI=... for pytest run by hand"
+        )
     load_peer(pci)
     p = Peer()
     yield p
