@@ -844,6 +844,7 @@ class Prepared:
 
 
 _LOCAL, _SIZE, _REMOTE, _OFFSET = (operator.itemgetter(i) for i in range(4))  # a block's columns
+_DEREG = operator.attrgetter("dereg")
 _NO_ANSWER = "no answer from the target (it must call progress() or serve(), and have loaded this endpoint's metadata)"
 _LOST = (
     "NIXL lost its view of the peer while the transfer ran (NOT_FOUND: a refused metadata load or a "
@@ -875,6 +876,14 @@ def _specs(
 ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
     """NIXL's (address, length, device) lists of the blocks: local, remote."""
     return [(b[0], b[1], devid) for b in blocks], [(r.addr + off, size, r.devid) for _, size, r, off in blocks]
+
+
+def _bounded(loaded: dict[int, None]) -> dict[int, None]:
+    """A view's record of metadata loaded, its oldest entries let go past _LOADED_PER_PEER
+    (loading one again costs a reload, no more)."""
+    while len(loaded) > _LOADED_PER_PEER:
+        del loaded[next(iter(loaded))]
+    return loaded
 
 
 def _what(op: str, blocks: list[tuple[int, int, RemoteBuffer, int]]) -> str:
@@ -963,9 +972,6 @@ class NixlEndpoint(Closable):
         # the application drops unwaited (or whose answer never comes) leaves nothing behind.
         self._waiting: weakref.WeakValueDictionary[tuple[str, int], Transfer] = weakref.WeakValueDictionary()
         self._views: dict[str, tuple[int, dict[int, None]]] = {}  # peer -> (dereg, metadata keys loaded)
-        # peer -> changes to NIXL's view this endpoint did not make (the application's connect(),
-        # an erasure): a load that decided on the view before one of them records nothing.
-        self._view_gen: dict[str, int] = {}
         # Every change to NIXL's view of any peer (a load, a removal, an erasure): a prepped
         # list made before one names what NIXL held then, and is made again (_Prep).
         self._view_serial = 0
@@ -1030,7 +1036,6 @@ class NixlEndpoint(Closable):
         descriptor it lacks, beside the live ones).  The endpoint trusts its view of the peer no
         more: the next transfer with it loads the peer's current metadata first."""
         got = self._add(metadata, peer)
-        self._view_gen[got] = self._view_gen.get(got, 0) + 1  # a load deciding before this records nothing
         if got in self._views:
             self._views.pop(got)
             self.view_reloads_asked += 1
@@ -1710,9 +1715,11 @@ class NixlEndpoint(Closable):
             h = None
             posting = False
             with self._lock:
-                if peer not in self._views:
+                view = self._views.get(peer)
+                if view is None or (leases[0].dereg if len(leases) == 1 else max(map(_DEREG, leases))) > view[0]:
                     # NIXL's view of the peer went since the lease check (the application's
-                    # connect(), a lost transfer): loaded again before anything is posted.
+                    # connect(), a lost transfer), or is not clean up to a lease's grant: loaded
+                    # again before anything is posted.
                     if time.monotonic() > deadline:
                         raise NixlError(f"{_what(op, blocks)}: {peer}'s metadata kept changing under it; try again")
                     continue
@@ -1868,7 +1875,8 @@ class NixlEndpoint(Closable):
                 and lease.epoch == r.epoch
                 and lease.addr == r.addr
                 and lease.size == r.size
-                and peer in self._views
+                and (view := self._views.get(peer)) is not None
+                and view[0] >= lease.dereg
             ):
                 return [lease]  # post() checks it again under the lock
         remotes = {r.xid: r for _, _, r, _ in blocks}
@@ -1917,10 +1925,14 @@ class NixlEndpoint(Closable):
             # Leases held while NIXL's view of the peer is gone (a refused load, a lost transfer):
             # no transfer goes out until the peer's current metadata is loaded again (not an
             # old descriptor's: it may name registrations the target has dropped since).
-            regained = peer not in self._views and any(self._lease_state(peer, x) == "held" for x in remotes)
+            # So do held leases granted after the last drop the view is clean of (a renewal that
+            # lost a race with another thread's would leave such a view; the loads never do).
+            view = self._views.get(peer)
+            held = [lease for x in remotes if (lease := self._leases.get((peer, x))) and lease.state == "held"]
+            regained = bool(held) and (view is None or any(lease.dereg > view[0] for lease in held))
         if regained:
             if peer not in self._connected:  # NIXL erased the peer: its connection, to ask for the metadata
-                self._reload(peer, next(iter(remotes.values())).metadata, deadline)
+                self._reconnect(peer, next(iter(remotes.values())).metadata, deadline)
             self._refresh(peer, deadline)
         elif first_contact:  # nothing of the peer loaded: no descriptor of it to go stale
             self._load(peer, ask[0] if ask else next(iter(remotes.values())), deadline)
@@ -2024,14 +2036,21 @@ class NixlEndpoint(Closable):
         dropped: a view loaded before the last of them may hold a dropped one's descriptor,
         where NIXL may route a transfer; so may the descriptor's own metadata (as of its
         expose()) if it is older than that.  Then the peer is forgotten and its current
-        metadata, asked for, loaded instead (``renewals``)."""
+        metadata, asked for, loaded instead (``renewals``).
+
+        The view's record (dereg, metadata loaded) says that NIXL's view holds no registration
+        the target had dropped when its count was ``dereg``; a held lease needs a record at or
+        above its grant's count (post() checks).  Each load decides again in the hold of _lock
+        that loads and records (_reload): another thread may have changed the view since."""
         with self._lock:
             view = self._views.get(peer)
+            if view is not None and view[0] >= lease.dereg and (view[0] > r.dereg or hash(r.metadata) in view[1]):
+                # Fresh enough for the grant, and holding the exposure's registration: its own
+                # metadata, or metadata taken after a drop that came after its expose().
+                return
             # A view this endpoint did not load itself (connect() with metadata of unknown age)
             # counts as stale once the target has dropped anything.
             stale_view = view[0] < lease.dereg if view is not None else lease.dereg > 0
-            if not stale_view and view is not None and hash(r.metadata) in view[1]:
-                return
         if r.dereg >= lease.dereg and not stale_view:
             self._load(peer, r, deadline)  # current: only registrations added since the view
             return
@@ -2040,13 +2059,24 @@ class NixlEndpoint(Closable):
     def _refresh(self, peer: str, deadline: float, also: RemoteBuffer | None = None) -> None:
         """Replace NIXL's view of ``peer`` with its current metadata, asked for (a round trip):
         every registration it holds now (each exposure's), none it dropped.  ``also``: a
-        descriptor whose own metadata then counts as loaded, if it holds nothing dropped."""
+        descriptor whose own metadata then counts as loaded, if it holds nothing dropped.  A
+        view recorded meanwhile from newer metadata (another thread's) stays: it is current
+        too, and holds every exposure leased before it."""
         dereg, md = self._current_metadata(peer, deadline)
-        self.renewals += 1
-        keys = {hash(md): None}
-        if also is not None and also.dereg >= dereg:  # its own metadata holds nothing dropped either
-            keys[hash(also.metadata)] = None
-        self._reload(peer, md, deadline, renew=True, view=lambda old: (dereg, keys), current=True)
+        key = hash(md)
+
+        def plan(view: tuple[int, dict[int, None]] | None) -> tuple[str, tuple[int, dict[int, None]] | None]:
+            keys = {key: None}
+            if also is not None and also.dereg >= dereg:  # its own metadata holds nothing dropped either
+                keys[hash(also.metadata)] = None
+            if view is not None and view[0] > dereg:
+                return "none", view
+            if view is not None and view[0] == dereg:  # nothing dropped between them: the union is clean
+                return "add", (dereg, _bounded({**view[1], **keys}))
+            self.renewals += 1
+            return "renew", (dereg, keys)
+
+        self._reload(peer, md, deadline, plan, current=True)
 
     def _current_metadata(self, peer: str, deadline: float) -> tuple[int, bytes]:
         """``peer``'s metadata now, and how many registrations it had dropped (a round trip)."""
@@ -2073,80 +2103,95 @@ class NixlEndpoint(Closable):
         """Load ``remote``'s metadata where this endpoint's view of ``peer`` lacks it.  When
         the target dropped a registration since the view was loaded, NIXL would keep that
         registration's descriptor beside the new ones (and may route a transfer through it:
-        bytes into memory that is no longer the registration): the peer is forgotten first."""
-        mdkey = hash(remote.metadata)
+        bytes into memory that is no longer the registration): the peer is forgotten first.
+        Metadata older than the view is never loaded on top of it (it may name registrations
+        dropped since); the view holds the descriptor's registration already (it was taken
+        after a drop that came after the descriptor's expose())."""
+        mdkey, dereg = hash(remote.metadata), remote.dereg
         with self._lock:
             view = self._views.get(peer)
-            if view is not None and mdkey in view[1]:
+            if view is not None and (mdkey in view[1] or view[0] > dereg):
                 return
-            stale_view = view is not None and remote.dereg > view[0]
-            older = view is not None and remote.dereg < view[0]
-            gen = self._view_gen.get(peer, 0)
-        if older:
-            # Metadata older than the view may name registrations dropped since: never loaded on
-            # top of it; the peer's current metadata (which holds the descriptor's) instead.
-            self._refresh(peer, deadline)
-            return
-        if stale_view:
-            self.renewals += 1
 
-        def grown(old: tuple[int, dict[int, None]] | None) -> tuple[int, dict[int, None]]:
-            dereg, loaded = old if old is not None and not stale_view else (0, {})
-            loaded[mdkey] = None
-            while len(loaded) > _LOADED_PER_PEER:
-                del loaded[next(iter(loaded))]  # the oldest: loading it again costs a reload, no more
-            return max(dereg, remote.dereg), loaded
+        def plan(view: tuple[int, dict[int, None]] | None) -> tuple[str, tuple[int, dict[int, None]] | None]:
+            if view is not None and (mdkey in view[1] or view[0] > dereg):
+                return "none", view
+            if view is not None and view[0] == dereg:  # nothing dropped between them: the union is clean
+                return "add", (dereg, _bounded({**view[1], mdkey: None}))
+            if view is not None or (peer in self._connected and dereg > 0):
+                # Older than the descriptor, or no record of what NIXL holds (the application's
+                # connect()) while the target has dropped registrations: NIXL's view goes first.
+                self.renewals += 1
+                return "renew", (dereg, {mdkey: None})
+            # NIXL holds nothing of the peer, or what the application loaded while the target
+            # had dropped nothing (a registration dropped later was live beside this one: the
+            # two never overlap).
+            return "add", (dereg, {mdkey: None})
 
-        self._reload(peer, remote.metadata, deadline, renew=stale_view, view=grown, gen=gen)
+        self._reload(peer, remote.metadata, deadline, plan)
+
+    def _reconnect(self, peer: str, metadata: bytes, deadline: float) -> None:
+        """(a held lease, NIXL's view of the peer erased) Load metadata of unknown age, for the
+        connection a metadata request needs: no record (the next load replaces it)."""
+
+        def plan(view: tuple[int, dict[int, None]] | None) -> tuple[str, tuple[int, dict[int, None]] | None]:
+            if peer in self._connected:  # another thread connected it meanwhile
+                return "none", view
+            return "add", None
+
+        self._reload(peer, metadata, deadline, plan)
 
     def _reload(
         self,
         peer: str,
         metadata: bytes,
         deadline: float,
+        plan: Callable[[tuple[int, dict[int, None]] | None], tuple[str, tuple[int, dict[int, None]] | None]],
         *,
-        renew: bool = False,
-        view: Callable[[tuple[int, dict[int, None]] | None], tuple[int, dict[int, None]]] | None = None,
         current: bool = False,
-        gen: int | None = None,
-    ) -> None:
-        """Load ``peer``'s metadata as of an expose(), first forgetting NIXL's view of it when
-        ``renew``: once no transfer with it runs, and with none posted in between (post() waits
-        for _lock), so no post finds the peer missing.  ``view(old)``: this endpoint's record of
-        the view after the load, set in the same hold of _lock (a connect() of the application
-        cannot come between the load and the record).
+    ) -> str:
+        """Load ``peer``'s metadata once no transfer with it runs, with none posted in between
+        (post() waits for _lock).  ``plan(view)`` decides in the hold of _lock that loads, from
+        the record of the view then (another thread may have changed it since its caller
+        looked), and returns how ("none": nothing to load; "add": on top of NIXL's view;
+        "renew": NIXL's view of the peer forgotten first) and the record after the load (None:
+        none, so that the next post loads the peer's current metadata first).  A load and its
+        record are one step: no connect() of the application comes between them.
 
         NIXL refuses to load metadata of an agent name it knows from another incarnation (a
         restarted peer: NIXL_ERR_NOT_ALLOWED for the UCX connection info, seen here) and, on an
         H200 over VRAM, a registration at an address it knew from an earlier registration of the
         peer.  Then the peer is forgotten (remove_remote_agent) and its metadata loaded afresh,
-        once.  What NIXL still refuses after that is raised, and tried again at the next transfer.
+        once; unless it is ``current`` metadata, the view is then not recorded (it lacks what
+        newer exposures registered).  What NIXL still refuses after that is raised, and tried
+        again at the next transfer.
         """
 
-        def record() -> None:
-            # Not when the view changed behind the caller's decision (``gen``): the next post
-            # loads the peer's current metadata instead.
-            if view is not None and (gen is None or self._view_gen.get(peer, 0) == gen):
-                self._views[peer] = view(self._views.get(peer))
-
         def load() -> str:
-            if renew:
+            how, record = plan(self._views.get(peer))
+            if how == "none":
+                return how
+            if how == "renew":
                 self._remove_view(peer)
             try:
-                got = self._add(metadata, peer)
-                record()
-                return got
+                self._add(metadata, peer)
             except NixlError as exc:
                 if exc.status not in ("nixlNotAllowedError", "nixlInvalidParamError"):
                     raise
                 first = exc
+            else:
+                if record is None:
+                    self._views.pop(peer, None)
+                else:
+                    self._views[peer] = record
+                return how
             # NIXL keeps refusing what it knew of the peer (on VRAM, a registration at an address
             # an earlier one had): it forgets the peer, this endpoint's leases stay (the same
             # incarnation holds them: a restart is met in _leases_for, before any load).
             self._remove_view(peer)
             self._connected.discard(peer)
             try:
-                got = self._add(metadata, peer)
+                self._add(metadata, peer)
             except NixlError as exc:
                 raise NixlError(
                     f"NIXL will not load {peer}'s metadata ({first.status}), nor after forgetting the peer "
@@ -2154,11 +2199,12 @@ class NixlEndpoint(Closable):
                     "NixlEndpoint (a new agent)",
                     exc.status,
                 ) from None
-            if current:  # else NIXL's view now lacks what newer exposures registered: not recorded,
-                record()  # so that held leases load the peer's current metadata (regained) first
-            return got
+            if current and record is not None:  # NIXL's view is this metadata alone now
+                self._views[peer] = (record[0], {hash(metadata): None})
+            # else not recorded: held leases load the peer's current metadata first (regained)
+            return how
 
-        self._while_idle(peer, load, deadline, f"loading {peer}'s new metadata")
+        return self._while_idle(peer, load, deadline, f"loading {peer}'s new metadata")
 
     def _check(self, t: Transfer) -> None:
         with self._lock:
@@ -2197,7 +2243,6 @@ class NixlEndpoint(Closable):
         the peer's current metadata first."""
         self._views.pop(peer, None)
         self._connected.discard(peer)
-        self._view_gen[peer] = self._view_gen.get(peer, 0) + 1
         self._view_serial += 1
 
     def _found(self, t: Transfer) -> None:

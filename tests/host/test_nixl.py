@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import struct
 import sys
+import threading
 import time
 import warnings
 import weakref
@@ -1853,28 +1854,30 @@ def test_connect_from_another_thread_never_slips_between_a_load_and_its_record()
         p.ini.connect(ra.metadata)  # the next write renews
         real_reload, fired = p.ini._reload, []
 
-        def reload_then_connect(peer: str, md: bytes, deadline: float, **k: Any) -> None:
-            real_reload(peer, md, deadline, **k)
-            if k.get("renew") and not fired:
+        def reload_then_connect(peer: str, md: bytes, deadline: float, plan: Any, **k: Any) -> str:
+            how = real_reload(peer, md, deadline, plan, **k)
+            if how == "renew" and not fired:
                 fired.append(1)
                 p.ini.connect(ra.metadata)
+            return how
 
         p.ini._reload = reload_then_connect  # type: ignore[method-assign]
         renewals = p.ini.renewals
         p.ini.write(src, 4096, rb)  # renewed, connect(old) after it, renewed again before the post
         del p.ini._reload
         assert fired and p.ini.renewals == renewals + 2 and deregistered_through_nixl(p.ini, src, 4096, beyond)
-        # (c) between a load's decision (no renewal needed) and the load
+        # (c) before a load that would add to the view (no renewal needed): it decides again in
+        # the hold that loads
         p.mt.alloc(MiB // 2)  # fills the hole past rb, so that the next allocation lies outside it
         rc = p.tgt.expose(p.mt.alloc(MiB // 4), MiB // 4)  # new metadata for the view
         assert not rc.addr <= beyond.addr < rc.addr + rc.size
         fired = []
 
-        def connect_then_reload(peer: str, md: bytes, deadline: float, **k: Any) -> None:
-            if not k.get("renew") and k.get("view") is not None and not fired:
+        def connect_then_reload(peer: str, md: bytes, deadline: float, plan: Any, **k: Any) -> str:
+            if not k.get("current") and p.ini._views.get(peer) is not None and not fired:
                 fired.append(1)
                 p.ini.connect(ra.metadata)
-            real_reload(peer, md, deadline, **k)
+            return real_reload(peer, md, deadline, plan, **k)
 
         p.ini._reload = connect_then_reload  # type: ignore[method-assign]
         p.ini.write(src, 4096, rc)
@@ -2117,5 +2120,146 @@ def test_a_prepared_transfer_left_to_the_collector_is_released_outside_it(monkey
         assert len(gpupin.nixl._LIVE_DLISTS) == before
         assert calls and not any(calls), "a list was released from the garbage collector"
         assert not p.ini._preps
+    finally:
+        p.close()
+
+
+def _hold_at_reload(ep: NixlEndpoint, thread_name: str) -> tuple[threading.Event, threading.Event]:
+    """Hold the thread named ``thread_name`` at the entry of ``ep._reload`` (once): a scheduling
+    delay of that thread, the real _reload running afterwards as the endpoint called it.
+    Returns (reached, go)."""
+    real, reached, go = ep._reload, threading.Event(), threading.Event()
+
+    def hook(*a: Any, **k: Any) -> Any:
+        if threading.current_thread().name == thread_name and not reached.is_set():
+            reached.set()
+            go.wait(30)
+        return real(*a, **k)
+
+    ep._reload = hook  # type: ignore[method-assign]
+    return reached, go
+
+
+def _writer(name: str, write: Any, errors: list[str]) -> threading.Thread:
+    def run() -> None:
+        try:
+            write()
+        except Exception as exc:  # noqa: BLE001 - the test reads them
+            errors.append(repr(exc))
+
+    t = threading.Thread(name=name, target=run)
+    t.start()
+    return t
+
+
+def test_a_load_decided_before_another_threads_renewal_never_brings_a_dropped_registration_back() -> None:
+    """Thread A's load of a descriptor's metadata (as old as the view: nothing to renew) was
+    decided in one hold of the lock and made in a later one; thread B renewed the view in
+    between (the target had dropped registration R and reused its memory), and A's metadata,
+    naming R, went on top of the renewed view, which was recorded as clean: the next write into
+    the reused memory was posted through a view holding R.  A load now decides in the hold that
+    loads.  (Thread A is held at the load's entry; the target's own actions come meanwhile.)"""
+    kib = 1024
+    p = Pair(auto_progress=True)
+    try:
+        peer = p.tgt.name
+        src = p.mi.alloc(MiB)
+        a = p.mt.alloc(256 * kib)
+        ra = p.tgt.expose(a, 256 * kib)  # registration R
+        p.ini.write(src, 4096, ra)  # the view: (0, ...), R in it
+        rr1 = p.tgt.expose(p.mt.alloc(64 * kib), 64 * kib)  # its metadata names R
+        reached, go = _hold_at_reload(p.ini, "A")
+        errors: list[str] = []
+        ta = _writer("A", lambda: p.ini.write(src, 4096, rr1, timeout=20), errors)
+        assert reached.wait(30)
+        p.tgt.unexpose(ra)
+        p.mt.free(a)
+        b = p.mt.alloc(128 * kib)
+        assert b == a
+        rb = p.tgt.expose(b, 128 * kib)  # R dropped first
+        _writer("B", lambda: p.ini.write(src + 8192, 4096, rb, timeout=20), errors).join()
+        probe = dataclasses.replace(rb, addr=a, size=256 * kib)  # only R's own descriptor covers it
+        assert deregistered_through_nixl(p.ini, src, 256 * kib, probe)  # B's renewal dropped R
+        go.set()
+        ta.join()
+        del p.ini._reload
+        assert not errors, errors
+        assert deregistered_through_nixl(p.ini, src, 256 * kib, probe), "A's load brought R back"
+        p.ini.write(src, 4096, rb, 4096)
+        assert deregistered_through_nixl(p.ini, src, 256 * kib, probe)
+        assert p.ini._views[peer][0] == p.tgt.driver.deregistrations
+    finally:
+        p.close()
+
+
+def test_an_older_renewal_never_replaces_a_newer_one() -> None:
+    """Thread B1's renewal had the target's metadata (naming registration R) when thread B2's,
+    asked for after the target dropped R and reused its memory, replaced the view; B1 then
+    replaced B2's view with its older metadata, recorded below B2's held lease, and B2's next
+    write was posted through it (R back, B's own registration missing).  A renewal now keeps a
+    newer view, and a held lease granted past its view's record loads the current metadata
+    before it posts.  (B1 is held at its load's entry.)"""
+    kib = 1024
+    p = Pair(auto_progress=True)
+    try:
+        peer = p.tgt.name
+        src = p.mi.alloc(MiB)
+        r0 = p.tgt.expose(p.mt.alloc(64 * kib), 64 * kib)
+        a = p.mt.alloc(256 * kib)
+        ra = p.tgt.expose(a, 256 * kib)  # registration R
+        p.ini.write(src, 4096, r0)  # the view: (0, ...)
+        x = p.mt.alloc(64 * kib)
+        rx = p.tgt.expose(x, 64 * kib)
+        p.tgt.unexpose(rx)
+        p.mt.free(x)  # a drop: the next grant renews the view
+        rr1 = p.tgt.expose(p.mt.alloc(64 * kib), 64 * kib)
+        reached, go = _hold_at_reload(p.ini, "B1")
+        errors: list[str] = []
+        t1 = _writer("B1", lambda: p.ini.write(src, 4096, rr1, timeout=20), errors)
+        assert reached.wait(30)  # B1 holds the metadata answer (naming R)
+        p.tgt.unexpose(ra)
+        p.mt.free(a)
+        b = p.mt.alloc(128 * kib)
+        assert b == a
+        rb = p.tgt.expose(b, 128 * kib)
+        _writer("B2", lambda: p.ini.write(src + 8192, 4096, rb, timeout=20), errors).join()
+        probe = dataclasses.replace(rb, addr=a, size=256 * kib)
+        newer = p.ini._views[peer][0]
+        assert deregistered_through_nixl(p.ini, src, 256 * kib, probe)
+        go.set()
+        t1.join()
+        del p.ini._reload
+        assert not errors, errors
+        assert p.ini._views[peer][0] == newer, "an older renewal replaced the newer view"
+        assert deregistered_through_nixl(p.ini, src, 256 * kib, probe), "R is back in NIXL's view"
+        p.mt.write(b, bytes(128 * kib))
+        p.mi.write(src, b"\x5a" * 4096)
+        p.ini.write(src, 4096, rb, 4096)
+        assert p.mt.read(b + 4096, 4096) == b"\x5a" * 4096
+        assert deregistered_through_nixl(p.ini, src, 256 * kib, probe)
+    finally:
+        p.close()
+
+
+def test_old_descriptors_of_live_exposures_need_no_renewal() -> None:
+    """Blocks of a pool exposed long ago (their descriptors older than the target's last drop)
+    each cost a renewal (a metadata round trip, NIXL's connection to the peer dropped and made
+    again) though the view, taken after that drop, held their registrations already."""
+    p = Pair(auto_progress=True)
+    try:
+        src = p.mi.alloc(MiB)
+        blocks = [p.tgt.expose(p.mt.alloc(64 << 10), 64 << 10) for _ in range(4)]
+        x = p.mt.alloc(MiB)
+        rx = p.tgt.expose(x, MiB)
+        p.ini.write(src, 4096, rx)
+        p.tgt.unexpose(rx)
+        p.mt.free(x)  # a drop after the blocks were exposed
+        p.ini.write(src, 4096, p.tgt.expose(p.mt.alloc(MiB), MiB))  # renews the view
+        renewals = p.ini.renewals
+        for i, rb in enumerate(blocks):
+            p.mi.write(src, bytes([i + 1]) * 4096)
+            p.ini.write(src, 4096, rb)
+            assert p.mt.read(rb.addr, 4096) == bytes([i + 1]) * 4096
+        assert p.ini.renewals == renewals, "an old descriptor of a live exposure renewed the view"
     finally:
         p.close()
