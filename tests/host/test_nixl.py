@@ -1923,14 +1923,22 @@ def test_forget_peer_close_and_a_new_endpoint_finish_what_they_start() -> None:
     try:
         x = p.tgt.expose(p.mt.alloc(MiB), MiB)
         src = p.mi.alloc(MiB)
-        writer = threading.Thread(target=lambda: contextlib.suppress(NixlError)(p.ini.write)(src, 4096, x, timeout=5))
+
+        def write() -> None:
+            with contextlib.suppress(NixlError):
+                p.ini.write(src, 4096, x, timeout=5)
+
+        writer = threading.Thread(target=write)
         writer.start()
         time.sleep(0.2)  # the lease request is on its way
+        assert p.ini.leases_asked == 1
         p.ini.forget_peer("t-pair", timeout=0.2)
         writer.join()
         with _served(p.tgt):
-            time.sleep(0.3)
+            time.sleep(0.3)  # the target grants late; the initiator had given the lease back
+            t0 = time.monotonic()
             p.tgt.unexpose(x, timeout=5)  # the asked-for lease was given back too
+            assert time.monotonic() - t0 < 2
         p.ini.connect(p.tgt.metadata())
         p.tgt.connect(p.ini.metadata())
     finally:
