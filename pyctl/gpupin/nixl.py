@@ -1073,6 +1073,9 @@ class NixlEndpoint(Closable):
             self._unacked = {u for u in self._unacked if u[0] != peer}
             self._refuse_if_busy(peer)  # none can have started: its leases are gone
             self._forget_view(peer)
+            # Forgotten whole: a late grant or revocation from it is a stranger's (its drops went
+            # out above; NIXL can send it nothing more).
+            self._incarnations.pop(peer, None)
 
     def _refuse_if_busy(self, peer: str) -> None:
         if self._busy_with(peer):
@@ -1388,7 +1391,7 @@ class NixlEndpoint(Closable):
         grant from another name is foreign (or for an endpoint gone), and not answered."""
         if peer in self._connected or peer in self._views or peer in self._incarnations:
             return True
-        self._unanswered(f"a lease message from {peer}, which this endpoint never connected")
+        self._unanswered(f"a lease message from {peer}, which this endpoint does not know (never connected, or forgot)")
         return False
 
     def _malformed(self, peer: str, m: bytes) -> None:

@@ -1934,11 +1934,15 @@ def test_forget_peer_close_and_a_new_endpoint_finish_what_they_start() -> None:
         assert p.ini.leases_asked == 1
         p.ini.forget_peer("t-pair", timeout=0.2)
         writer.join()
+        unanswered = p.ini.unanswered
         with _served(p.tgt):
             time.sleep(0.3)  # the target grants late; the initiator had given the lease back
             t0 = time.monotonic()
             p.tgt.unexpose(x, timeout=5)  # the asked-for lease was given back too
             assert time.monotonic() - t0 < 2
+        time.sleep(0.3)
+        # The late grant of a forgotten peer gets no second drop (none could be sent).
+        assert not p.ini._drops and p.ini.unanswered <= unanswered + 1
         p.ini.connect(p.tgt.metadata())
         p.tgt.connect(p.ini.metadata())
     finally:
