@@ -966,6 +966,7 @@ class NixlEndpoint(Closable):
         self._exposures: dict[int, _Exposure] = {}  # xid -> exposure (target)
         self._by_range: dict[tuple[int, int], int] = {}  # (ptr, size) -> xid (target)
         self._connected: set[str] = set()  # peers whose metadata this endpoint loaded (answered)
+        self._forgotten: set[str] = set()  # (initiator) peers forget_peer() dropped, not loaded since
         self._leases: dict[tuple[str, int], _Lease] = {}  # (peer, xid) -> lease (initiator)
         self._holds: dict[int, list[_Lease]] = {}  # hold request -> leases asked for
         # (peer, seq) -> a posted confirm=True transfer whose verdict has not come: weak, so one
@@ -1073,9 +1074,10 @@ class NixlEndpoint(Closable):
             self._unacked = {u for u in self._unacked if u[0] != peer}
             self._refuse_if_busy(peer)  # none can have started: its leases are gone
             self._forget_view(peer)
-            # Forgotten whole: a late grant or revocation from it is a stranger's (its drops went
-            # out above; NIXL can send it nothing more).
-            self._incarnations.pop(peer, None)
+            # Its drops went out above and NIXL can send it nothing more: a late grant or
+            # revocation from it gets no drop (until it is loaded again).  Its incarnation is
+            # kept: a descriptor of it, once a later one was met, is refused.
+            self._forgotten.add(peer)
 
     def _refuse_if_busy(self, peer: str) -> None:
         if self._busy_with(peer):
@@ -1121,6 +1123,7 @@ class NixlEndpoint(Closable):
                 raise _nixl_error("add_remote_agent", exc) from None
         got = name.decode() if isinstance(name, bytes) else str(name)
         self._connected.add(got)
+        self._forgotten.discard(got)
         return got
 
     def _forget_view(self, peer: str) -> None:
@@ -1348,7 +1351,7 @@ class NixlEndpoint(Closable):
         elif kind == _GRANT:
             asked = self._holds.get(head[0])
             if asked is None:  # late (given up on): the target holds leases nobody uses
-                if not self._knows(peer):
+                if not self._knows(peer) or peer in self._forgotten:  # (forget_peer dropped them)
                     return
                 for xid, status, *_ in entries:
                     if status == OK:
@@ -1378,7 +1381,8 @@ class NixlEndpoint(Closable):
         elif kind == _REVOKE:
             revoked = self._leases.get((peer, head[0]))
             if revoked is None:
-                if self._knows(peer):  # a lease it forgot (given up on while asked): the target waits
+                if self._knows(peer) and peer not in self._forgotten:  # a lease it forgot (given up on
+                    # while asked): the target waits
                     self._send_drop(peer, _pack(_DROP, (head[0], 0, 0, 0)))
             else:
                 revoked.state = "revoked"
@@ -1391,7 +1395,7 @@ class NixlEndpoint(Closable):
         grant from another name is foreign (or for an endpoint gone), and not answered."""
         if peer in self._connected or peer in self._views or peer in self._incarnations:
             return True
-        self._unanswered(f"a lease message from {peer}, which this endpoint does not know (never connected, or forgot)")
+        self._unanswered(f"a lease message from {peer}, which this endpoint never connected")
         return False
 
     def _malformed(self, peer: str, m: bytes) -> None:

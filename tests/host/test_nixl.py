@@ -2275,3 +2275,40 @@ def test_old_descriptors_of_live_exposures_need_no_renewal() -> None:
         assert p.ini.renewals == renewals, "an old descriptor of a live exposure renewed the view"
     finally:
         p.close()
+
+
+def test_a_forgotten_peers_old_descriptor_never_retires_its_restarted_incarnation() -> None:
+    """forget_peer() forgot the peer's incarnation too; after the peer restarted under its name
+    and was reached again, one use of a descriptor of the dead incarnation was taken for a
+    restart: the live incarnation's view and leases were forgotten without a drop and it was
+    retired for good (every later descriptor of it refused, its unexpose() waiting for drops
+    that never came).  The old descriptor is refused now, and the live peer goes on."""
+    mem = HostMemory(16 << 20)
+    e = NixlEndpoint("initiator", mem, mem_type="DRAM", auto_progress=True)
+    src = mem.alloc(MiB)
+    t1 = Target("host")
+    t2 = None
+    try:
+        t1.call("connect", e.metadata())
+        rb1 = RemoteBufferOf(t1, t1.call("alloc", MiB), MiB)
+        e.write(src, 4096, rb1, timeout=10)
+        t1.kill()
+        e.forget_peer("target")  # the peer is dead: as the docs ask
+        t2 = Target("host")
+        t2.call("connect", e.metadata())
+        rb2 = RemoteBufferOf(t2, t2.call("alloc", MiB), MiB)
+        e.write(src, 4096, rb2, timeout=10)
+        with pytest.raises(StaleRemote, match="earlier incarnation"):
+            e.write(src, 4096, rb1, timeout=3)
+        assert e._lease_state("target", rb2.xid) == "held"
+        t2.call("unexpose", rb2.to_bytes(), 5.0)  # the live initiator gives its lease back
+        e.write(src, 4096, RemoteBufferOf(t2, t2.call("alloc", MiB), MiB), timeout=10)
+    finally:
+        t1.kill()
+        if t2 is not None:
+            t2.kill()
+        with warnings.catch_warnings():  # the targets are dead: they hear no lease drop
+            warnings.simplefilter("ignore", RuntimeWarning)
+            e.close(timeout=0.5)
+        mem.close()
+
