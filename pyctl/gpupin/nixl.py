@@ -1828,7 +1828,7 @@ class NixlEndpoint(Closable):
                             # NIXL's UCX backend stops at the put that failed; those before it are
                             # under way with no flush after them (sendXferRange, ucx_backend.cpp),
                             # and nothing NIXL offers says when they end.
-                            self._lose(t)
+                            self._lose(t, erased=False)
                             raise NixlError(
                                 f"{_what(op, blocks)} failed after NIXL posted part of it ({type(exc).__name__} "
                                 f"{exc}): the blocks posted before the failure may still move, so every local buffer "
@@ -2231,7 +2231,7 @@ class NixlEndpoint(Closable):
             elif state != "PROC":
                 self._complete(t, "DONE" if state == "DONE" else "ERR")
 
-    def _lose(self, t: Transfer) -> None:
+    def _lose(self, t: Transfer, *, erased: bool = True) -> None:
         """(under _lock) NIXL cannot tell ``t``'s state: it stays running (buffers registered,
         leases counting it) until the peer is forgotten.  In NIXL 1.5.1 a handle keeps a weak
         reference to the view it was made with (getXferStatus: NOT_FOUND once it expired), and
@@ -2241,7 +2241,11 @@ class NixlEndpoint(Closable):
         self._lost.add(t)
         for lease in t._leases:
             lease.lost += 1
-        self._view_erased(t._leases[0].peer)
+        if erased:
+            self._view_erased(t._leases[0].peer)
+        else:  # a post NIXL failed part-way erased nothing: its view stays, untrusted (as connect())
+            self._views.pop(t._leases[0].peer, None)
+            self._view_serial += 1
         self.lost_transfers += 1
 
     def _view_erased(self, peer: str) -> None:

@@ -2312,3 +2312,47 @@ def test_a_forgotten_peers_old_descriptor_never_retires_its_restarted_incarnatio
             e.close(timeout=0.5)
         mem.close()
 
+
+def test_a_transfer_failed_part_way_leaves_no_view_trusted_that_nixl_kept() -> None:
+    """A scatter transfer NIXL failed after posting part of it was taken for an erasure of
+    NIXL's view of the peer (only a disconnect or NOT_FOUND erases it): the next exposure looked
+    like a first contact, its metadata went on top of the view NIXL kept, which held a
+    registration the target had dropped meanwhile, and the view was recorded clean.  Now that
+    view is kept untrusted: the next load renews it."""
+    import nixl_cu13._bindings as bind
+
+    kib = 1024
+    p = Pair(auto_progress=True)
+    try:
+        src = p.mi.alloc(MiB)
+        a = p.mt.alloc(256 * kib)
+        ra = p.tgt.expose(a, 256 * kib)  # registration R
+        re_ = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        p.ini.write(src, 4096, ra)
+        p.ini.write(src, 4096, re_)
+        agent = p.ini.agent
+        real = type(agent).transfer
+        ref = weakref.ref(agent)
+
+        def fails_after_posting(h: Any, *a: Any) -> str:
+            real(ref(), h, *a)
+            raise bind.nixlBackendError("NIXL_ERR_BACKEND")
+
+        agent.transfer = fails_after_posting
+        try:
+            with pytest.raises(NixlError, match="failed after NIXL posted part of it"):
+                p.ini.write_blocks([(src, 4096, re_, 0), (src + 8192, 4096, re_, 8192)])
+        finally:
+            del agent.transfer
+        p.tgt.unexpose(ra)
+        p.mt.free(a)
+        b = p.mt.alloc(128 * kib)
+        assert b == a
+        rb = p.tgt.expose(b, 128 * kib)  # R dropped first
+        probe = dataclasses.replace(rb, addr=a, size=256 * kib)  # only R's own descriptor covers it
+        p.ini.write(src, 4096, rb)
+        assert deregistered_through_nixl(p.ini, src, 256 * kib, probe), "R is still in NIXL's view"
+        p.ini.forget_peer(p.tgt.name)
+        p.tgt.forget_peer(p.ini.name)
+    finally:
+        p.close()
