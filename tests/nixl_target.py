@@ -66,19 +66,23 @@ class Target:
     def close(self) -> int:
         """Close the endpoint (deregistering everything); the registrations it had left."""
         live = self.call("close")
-        os.close(self.w)
-        os.close(self.r)
+        self._close_pipes()
         self.proc.wait(30)
         return int(live)
 
     def kill(self) -> None:
+        """Kill the target process; again, nothing (its pipes are closed once)."""
         self.proc.kill()
         self.proc.wait(30)
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        # Once: a second close of a descriptor number would close whatever reused it since
+        # (a UCX socket of this process, which then aborts in its event loop).
         for fd in (self.w, self.r):
-            try:
+            if fd >= 0:
                 os.close(fd)
-            except OSError:
-                pass
+        self.w = self.r = -1
 
 
 def main() -> int:
