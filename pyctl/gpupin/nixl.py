@@ -1899,16 +1899,18 @@ class NixlEndpoint(Closable):
         inc = blocks[0][2].incarnation
         if any(r.incarnation != inc for r in remotes.values()):
             raise InvalidArgument(f"post(): blocks for two incarnations of {peer} (it restarted): one transfer, one")
-        if inc in self._retired.get(peer, ()):
-            raise StaleRemote(
-                f"NIXL transfer into {peer}'s buffer at {blocks[0][2].addr:#x}: the descriptor is of an earlier "
-                f"incarnation of {peer}, which restarted since; nothing was sent. Ask it to expose the buffer again"
-            )
-        if self._incarnations.get(peer, inc) != inc:
-            self._new_incarnation(peer)
-            self._retired.setdefault(peer, set()).add(self._incarnations[peer])
-        self._incarnations[peer] = inc
         with self._lock:
+            # One decision per restart, under the lock: two threads meeting the new incarnation
+            # at once would both take it for a restart (the second retiring the live one).
+            if inc in self._retired.get(peer, ()):
+                raise StaleRemote(
+                    f"NIXL transfer into {peer}'s buffer at {blocks[0][2].addr:#x}: the descriptor is of an earlier "
+                    f"incarnation of {peer}, which restarted since; nothing was sent. Ask it to expose the buffer again"
+                )
+            if self._incarnations.get(peer, inc) != inc:
+                self._new_incarnation(peer)  # (takes _lock again: it is reentrant)
+                self._retired.setdefault(peer, set()).add(self._incarnations[peer])
+            self._incarnations[peer] = inc
             for r in remotes.values():
                 lease = self._leases.get((peer, r.xid))
                 if lease is not None and lease.broken:

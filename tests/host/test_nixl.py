@@ -2356,3 +2356,51 @@ def test_a_transfer_failed_part_way_leaves_no_view_trusted_that_nixl_kept() -> N
         p.tgt.forget_peer(p.ini.name)
     finally:
         p.close()
+
+
+def test_threads_meeting_a_restarted_peer_at_once_take_it_for_one_restart() -> None:
+    """The target restarts under its name and two threads write into new descriptors at once.
+    The incarnation check ran outside the endpoint's lock: both threads took the new one for a
+    restart, and the second retired the live incarnation (every later descriptor of it refused
+    for the endpoint's life).  Now the check and its update are one step under the lock.  (The
+    first thread to forget the old incarnation is delayed there for 0.2 s.)"""
+    mem = HostMemory(16 << 20)
+    e = NixlEndpoint("initiator", mem, mem_type="DRAM")
+    src = mem.alloc(MiB)
+    t1 = Target("host")
+    t2 = None
+    try:
+        t1.call("connect", e.metadata())
+        e.write(src, 4096, RemoteBufferOf(t1, t1.call("alloc", MiB), MiB), timeout=10)
+        t1.kill()  # restarts under its name
+        t2 = Target("host")
+        t2.call("connect", e.metadata())
+        ra, rb = (RemoteBufferOf(t2, t2.call("alloc", MiB), MiB) for _ in range(2))
+        real, calls = e._new_incarnation, []
+
+        def slow_first(peer: str) -> None:
+            calls.append(peer)
+            if len(calls) == 1:
+                time.sleep(0.2)
+            real(peer)
+
+        e._new_incarnation = slow_first  # type: ignore[method-assign]
+        errors: list[str] = []
+        threads = [_writer("A", lambda: e.write(src, 4096, ra, timeout=10), errors)]
+        time.sleep(0.05)
+        threads.append(_writer("B", lambda: e.write(src, 4096, rb, timeout=10), errors))
+        for t in threads:
+            t.join()
+        del e._new_incarnation
+        assert not errors, errors
+        assert ra.incarnation not in e._retired.get("target", ()), "the live incarnation was retired"
+        assert len(calls) == 1
+        e.write(src, 4096, RemoteBufferOf(t2, t2.call("alloc", MiB), MiB), timeout=10)
+    finally:
+        t1.kill()
+        if t2 is not None:
+            t2.kill()
+        with warnings.catch_warnings():  # the targets are dead: they hear no lease drop
+            warnings.simplefilter("ignore", RuntimeWarning)
+            e.close(timeout=0.5)
+        mem.close()
