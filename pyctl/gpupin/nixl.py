@@ -1131,6 +1131,9 @@ class NixlEndpoint(Closable):
         NIXL's view of it."""
         for key in [k for k in self._leases if k[0] == peer]:
             del self._leases[key]
+        # Requests still asked for: their grants, if any come, are late ones (given back, or for a
+        # forgotten peer nothing), not answers to a lease that is gone.
+        self._holds = {req: asked for req, asked in self._holds.items() if asked[0].peer != peer}
         self._drops = [d for d in self._drops if d[0] != peer]
         self._remove_view(peer)
         self._connected.discard(peer)
@@ -1351,7 +1354,7 @@ class NixlEndpoint(Closable):
         elif kind == _GRANT:
             asked = self._holds.get(head[0])
             if asked is None:  # late (given up on): the target holds leases nobody uses
-                if not self._knows(peer) or peer in self._forgotten:  # (forget_peer dropped them)
+                if peer in self._forgotten or not self._knows(peer):  # (forget_peer dropped them)
                     return
                 for xid, status, *_ in entries:
                     if status == OK:
@@ -1381,7 +1384,7 @@ class NixlEndpoint(Closable):
         elif kind == _REVOKE:
             revoked = self._leases.get((peer, head[0]))
             if revoked is None:
-                if self._knows(peer) and peer not in self._forgotten:  # a lease it forgot (given up on
+                if peer not in self._forgotten and self._knows(peer):  # a lease it forgot (given up on
                     # while asked): the target waits
                     self._send_drop(peer, _pack(_DROP, (head[0], 0, 0, 0)))
             else:
