@@ -121,14 +121,15 @@ static void gpupin_att_unmap(struct gpupin_dmabuf_att *att)
 }
 
 /*
- * Revocation (move_notify, reservation lock held, no in-flight user left):
- * unmap gpupin's import and every peer attachment.  The map list cannot
- * change now: adding needs the reservation lock and a PINNED pin, removing
- * needs an in-flight user, or is release's gpupin_unmap_all(), which never
- * overlaps this: release and revocation each claim the pin exclusively
- * under pin->lock, and a release that lost waits for the revocation to end.
+ * The backend's teardown, for a revocation (move_notify, reservation lock
+ * held, no in-flight user left): unmap gpupin's import and every peer
+ * attachment.  The map list cannot change now: adding needs the
+ * reservation lock and a PINNED pin, removing needs an in-flight user, or
+ * is release's gpupin_unmap_all(), which never overlaps this: release and
+ * revocation each claim the pin exclusively under pin->lock, and a release
+ * that lost waits for the revocation to end.
  */
-void gpupin_dmabuf_teardown(struct gpupin_pin_obj *pin)
+static void gpupin_dmabuf_teardown(struct gpupin_pin_obj *pin)
 {
 	struct gpupin_map *map;
 
@@ -150,11 +151,16 @@ static int gpupin_att_attach(struct gpupin_dmabuf_att *att, struct dma_buf *dmab
 	return 0;
 }
 
-/* Release, no lock held: unmap, unpin, detach and let go of the buffer and device. */
-void gpupin_dmabuf_release(struct gpupin_pin_obj *pin)
+/*
+ * The backend's drop, at the end of a release, no lock held: destroy the
+ * peer attachments (a revocation only unmapped them), unmap, unpin and
+ * detach gpupin's import, and let go of the buffer and device.
+ */
+static void gpupin_dmabuf_drop(struct gpupin_pin_obj *pin)
 {
 	struct dma_buf *dmabuf = pin->dmabuf;
 
+	gpupin_unmap_all(pin);
 	if (pin->att.attach) {
 		dma_resv_lock(dmabuf->resv, NULL);
 		gpupin_att_unmap(&pin->att);
@@ -173,6 +179,28 @@ void gpupin_dmabuf_release(struct gpupin_pin_obj *pin)
 	pin->dmabuf_pdev = NULL;
 }
 
+/* The backend's addrs: bus addresses for the device of gpupin's own import. */
+static int gpupin_dmabuf_addrs(const struct gpupin_pin_obj *pin, u64 *addrs, u32 first,
+			       u32 count)
+{
+	/* A dma-buf pin has addresses only for the device it was imported for. */
+	if (!pin->dmabuf_addrs)
+		return -EOPNOTSUPP;
+	memcpy(addrs, pin->dmabuf_addrs + first, array_size(count, sizeof(*addrs)));
+	return 0;
+}
+
+/*
+ * The dma-buf backend (gpupin.h: struct gpupin_pin_backend_ops).  Nothing to
+ * give back before a racing revocation ends: the drop does it all after.
+ */
+static const struct gpupin_pin_backend_ops gpupin_dmabuf_backend = {
+	.teardown = gpupin_dmabuf_teardown,
+	.drop = gpupin_dmabuf_drop,
+	.addrs = gpupin_dmabuf_addrs,
+	.unmap_in_use = false,
+};
+
 /*
  * Import the buffer for the pin's device (pin->dmabuf_pdev), or for none;
  * PINNING -> PINNED.
@@ -190,7 +218,7 @@ static int gpupin_dmabuf_import(struct gpupin_file *f, struct gpupin_pin_obj *pi
 		/* A revocation would go unheard without an attachment. */
 		if (dynamic)
 			return -EINVAL;
-		return gpupin_pin_mark_pinned(f, pin, NULL);
+		return gpupin_pin_mark_pinned(f, pin);
 	}
 	pin->dmabuf_addrs = gpupin_kvmalloc_array(pin->entries, sizeof(u64), GFP_KERNEL);
 	if (!pin->dmabuf_addrs)
@@ -217,7 +245,7 @@ static int gpupin_dmabuf_import(struct gpupin_file *f, struct gpupin_pin_obj *pi
 	if (!ret)
 		ret = gpupin_sgt_addrs(sgt, pin->aligned_va, pin->entries, pin->dmabuf_addrs);
 	if (!ret)	/* -ENXIO: revoked while we imported it */
-		ret = gpupin_pin_mark_pinned(f, pin, NULL);
+		ret = gpupin_pin_mark_pinned(f, pin);
 out_unlock:
 	dma_resv_unlock(dmabuf->resv);
 	return ret;
@@ -272,10 +300,11 @@ static int gpupin_pin_dmabuf_create(struct gpupin_file *f, const struct gpupin_p
 	if (!pin)
 		goto err_put;
 	pin->flags = GPUPIN_PIN_DMABUF;
+	pin->ops = &gpupin_dmabuf_backend;
 	ret = gpupin_pin_reserve(f, pin);
 	if (ret)
 		goto err_put;
-	/* The pin's references from here on: gpupin_dmabuf_release() drops them. */
+	/* The pin's references from here on: gpupin_dmabuf_drop() drops them. */
 	pin->dmabuf = dmabuf;
 	pin->dmabuf_pdev = pdev;
 	ret = gpupin_dmabuf_import(f, pin);

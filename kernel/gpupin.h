@@ -279,12 +279,71 @@ struct gpupin_dmabuf_att {
 	bool pinned;			/* dma_buf_pin()ned; under the resv lock */
 };
 
+struct gpupin_pin_obj;
+
+/*
+ * A pin's backend: how its memory is taken and given back - nv-p2p (pin.c)
+ * or dma-buf (dmabuf.c).  pin.c owns the pin's life (reserve, states,
+ * publish, invalidation, release, teardown) and calls these at fixed
+ * points; a backend never changes a pin's state or accounting itself.  Its
+ * way in is the invalidation of a pin whose memory is going:
+ * gpupin_pin_revoke() (a dma-buf exporter's move_notify), or the nv-p2p
+ * free callback in pin.c.
+ */
+struct gpupin_pin_backend_ops {
+	/*
+	 * Optional.  Under pin->lock while the pin is still PINNING, just
+	 * before it becomes PINNED: the free callback has not begun (it moves
+	 * the pin out of PINNING under that lock), so what the backend took is
+	 * still there to check and copy from.  Its error fails the pin.
+	 */
+	int (*commit)(struct gpupin_pin_obj *pin);
+	/*
+	 * Optional.  May the pin's memory be given back from the calling
+	 * context?  If not, its release leaves it DETACHED for its free
+	 * callback.  NULL: from anywhere.
+	 */
+	bool (*release_here)(const struct gpupin_pin_obj *pin);
+	/*
+	 * Optional.  Give the memory back: the caller claimed the release
+	 * (state @claimed) and unmapped the pin.  May find the free callback
+	 * took the pin meanwhile.  0, or an errno when the memory is not given
+	 * back and a free callback may still come for it: pin.c then keeps the
+	 * pin DETACHED for that callback.
+	 */
+	int (*release)(struct gpupin_pin_obj *pin, enum gpupin_pin_state claimed);
+	/*
+	 * The memory is going (free callback or revocation) and no in-flight
+	 * user is left: drop the mappings.  Runs with the provider's locks
+	 * held (gpupin_pin_invalidate() says which of gpupin's it may take).
+	 */
+	void (*teardown)(struct gpupin_pin_obj *pin);
+	/*
+	 * Optional.  At the end of a release, once any invalidation has
+	 * ended: let go of what the pin still holds.  No lock held.
+	 */
+	void (*drop)(struct gpupin_pin_obj *pin);
+	/*
+	 * Per-page addresses [@first, @first + @count) into @addrs, the range
+	 * checked; the caller is an in-flight user.  0 or a negative errno.
+	 */
+	int (*addrs)(const struct gpupin_pin_obj *pin, u64 *addrs, u32 first, u32 count);
+	/*
+	 * A release unmaps the pin as an in-flight user (so a free callback
+	 * cannot return while an unmap still uses what NVIDIA frees then);
+	 * false where unmapping takes a lock under which a revocation waits
+	 * for in-flight users (dma-buf's reservation lock).
+	 */
+	bool unmap_in_use;
+};
+
 /*
  * One pin, handled by the gpupin_pin_* functions (pin.c).  Not "gpupin_pin":
  * that is the PIN ioctl's argument (include/uapi/gpupin.h).
  */
 struct gpupin_pin_obj {
 	struct kref ref;		/* handle table + temporary lookups */
+	const struct gpupin_pin_backend_ops *ops;	/* set when made, never changed */
 	struct gpupin_file *file;
 	u64 handle;
 	u32 slot;
@@ -371,8 +430,7 @@ struct gpupin_pin_obj *gpupin_pin_alloc(struct gpupin_file *f, u64 va, u64 size,
 					u64 aligned_size, u64 user_tag, u32 page_shift);
 int gpupin_pin_reserve(struct gpupin_file *f, struct gpupin_pin_obj *pin);
 void gpupin_pin_unreserve(struct gpupin_file *f, struct gpupin_pin_obj *pin, int err);
-int gpupin_pin_mark_pinned(struct gpupin_file *f, struct gpupin_pin_obj *pin,
-			   int (*take)(struct gpupin_pin_obj *pin));
+int gpupin_pin_mark_pinned(struct gpupin_file *f, struct gpupin_pin_obj *pin);
 bool gpupin_pin_release_pages(struct gpupin_pin_obj *pin, enum gpupin_pin_state from);
 int gpupin_pin_publish(struct gpupin_file *f, struct gpupin_pin_obj *pin, void __user *uarg,
 		       const void *arg, size_t len);
@@ -418,8 +476,6 @@ void gpupin_own_unmap(struct gpupin_map *map);
 
 /* dmabuf.c */
 long gpupin_ioctl_pin_dmabuf(struct gpupin_file *f, struct gpupin_pin_dmabuf __user *uarg);
-void gpupin_dmabuf_teardown(struct gpupin_pin_obj *pin);
-void gpupin_dmabuf_release(struct gpupin_pin_obj *pin);
 int gpupin_dmabuf_map(struct gpupin_pin_obj *pin, struct gpupin_map *map, u32 *id);
 void gpupin_dmabuf_unmap(struct gpupin_map *map);
 

@@ -68,10 +68,11 @@ bool gpupin_may_read_addrs(struct gpupin_file *f)
 atomic_t gpupin_nr_detached = ATOMIC_INIT(0);
 
 /*
- * May the pages of @pin be put from here?  Non-persistent nv-p2p pages only
- * by the process that pinned them (the file's owner: PIN checks that).
+ * nv-p2p's release_here: may the pages of @pin be put from here?
+ * Non-persistent pages only by the process that pinned them (the file's
+ * owner: PIN checks that).
  */
-static bool gpupin_pin_put_here(struct gpupin_pin_obj *pin)
+static bool gpupin_nvp2p_release_here(const struct gpupin_pin_obj *pin)
 {
 	return !pin->pt || (pin->flags & GPUPIN_PIN_PERSISTENT) ||
 	       gpupin_caller_owns(pin->file);
@@ -80,7 +81,7 @@ static bool gpupin_pin_put_here(struct gpupin_pin_obj *pin)
 /*
  * The nv-p2p free callback's data: an id, looked up here, never a pointer
  * to the pin.  NVIDIA may call the callback after gpupin freed the pin (a
- * put_pages that returned 0 having released nothing, gpupin_put_pages());
+ * put_pages that returned 0 having released nothing, gpupin_nvp2p_release());
  * a pointer would then be a use after free, or another pin that got the
  * same address.  An id stays here until the pin's callback takes it out or
  * the pin's last reference goes; the callback takes its reference under the
@@ -220,17 +221,16 @@ static void gpupin_set_state(struct gpupin_pin_obj *pin, enum gpupin_pin_state s
 
 /*
  * The memory under @pin is going away: stop new users, tell drivers holding
- * references, wait for in-flight users, let @teardown drop the mappings, and
- * report the invalidation.  With @always (the nv-p2p free callback, which
- * must free the page table whatever the state) it runs from any state;
- * otherwise only for a pin that is PINNING or PINNED.  Runs with the
- * provider's locks held: takes only pin->lock, refs_lock and the file's
+ * references, wait for in-flight users, let the backend's teardown drop the
+ * mappings, and report the invalidation.  With @always (the nv-p2p free
+ * callback, which must free the page table whatever the state) it runs from
+ * any state; otherwise only for a pin that is PINNING or PINNED.  Runs with
+ * the provider's locks held: takes only pin->lock, refs_lock and the file's
  * ev_lock, and waits only for in-flight users.  Returns true when it let go
  * of a DETACHED pin: the caller then owes the module the reference that pin
  * held, dropped as the very last thing before returning to the provider.
  */
-static bool gpupin_pin_invalidate(struct gpupin_pin_obj *pin, bool always,
-				  void (*teardown)(struct gpupin_pin_obj *pin))
+static bool gpupin_pin_invalidate(struct gpupin_pin_obj *pin, bool always)
 {
 	struct gpupin_file *f = pin->file;
 	enum gpupin_pin_state prev;
@@ -257,7 +257,7 @@ static bool gpupin_pin_invalidate(struct gpupin_pin_obj *pin, bool always,
 	 */
 	wait_event(pin->wq, READ_ONCE(pin->inflight) == 0);
 
-	teardown(pin);
+	pin->ops->teardown(pin);
 
 	if (prev == GPUPIN_PIN_DETACHED) {
 		/* Nobody is left to tell: let the pin, its file and the module go. */
@@ -293,7 +293,7 @@ static bool gpupin_pin_invalidate(struct gpupin_pin_obj *pin, bool always,
 	return false;
 }
 
-/* The provider tore the mappings down: free their descriptors and the table. */
+/* nv-p2p's teardown: the provider tore the mappings down; free their descriptors and the table. */
 static void gpupin_nvp2p_teardown(struct gpupin_pin_obj *pin)
 {
 	gpupin_free_maps_invalidated(pin);
@@ -340,7 +340,7 @@ static void gpupin_free_callback(void *data)
 	atomic_inc(&gpupin_callbacks_running);
 	pin = gpupin_cb_pin_take(data);
 	if (pin) {
-		detached = gpupin_pin_invalidate(pin, true, gpupin_nvp2p_teardown);
+		detached = gpupin_pin_invalidate(pin, true);
 		gpupin_pin_put(pin);
 	} else {
 		pr_notice_ratelimited("free callback for pin id %lu: released or called back before, ignored\n",
@@ -417,7 +417,7 @@ void gpupin_cb_handler_abort(void)
 /* dma-buf move_notify (reservation lock held): the exporter revokes the buffer. */
 void gpupin_pin_revoke(struct gpupin_pin_obj *pin)
 {
-	gpupin_pin_invalidate(pin, false, gpupin_dmabuf_teardown);
+	gpupin_pin_invalidate(pin, false);
 }
 
 static bool gpupin_pin_settled(struct gpupin_pin_obj *pin)
@@ -489,29 +489,38 @@ int gpupin_p2p_put_persistent(u64 va, struct nvidia_p2p_page_table *pt)
 	return ret;
 }
 
+/* Is the release of @pin, claimed as @claimed, still the caller's (no free callback took it)? */
+static bool gpupin_pin_still_claimed(struct gpupin_pin_obj *pin, enum gpupin_pin_state claimed)
+{
+	bool ours;
+
+	spin_lock(&pin->lock);
+	ours = pin->state == claimed;
+	spin_unlock(&pin->lock);
+	return ours;
+}
+
 /*
- * Put the pages of a pin whose release the caller claimed (state @claimed),
- * unless the free callback took the pin meanwhile: NVIDIA has then freed the
- * table, and a put of its address could release another pin of this process
- * that got it.  A callback that comes after the check finishes before the
- * put gets NVIDIA's lock, and no get_pages can reuse the table before the
- * put returns (gpupin_p2p_tables).  Returns false when put_pages failed for
- * a pin whose callback may still be armed: the pin is then DETACHED, kept
- * for it.
+ * nv-p2p's release: put the pages of a pin whose release the caller claimed
+ * (state @claimed), unless get_pages gave none or the free callback took the
+ * pin meanwhile: NVIDIA has then freed the table, and a put of its address
+ * could release another pin of this process that got it.  A callback that
+ * comes after the check finishes before the put gets NVIDIA's lock, and no
+ * get_pages can reuse the table before the put returns
+ * (gpupin_p2p_tables).  Returns put_pages' error for a pin whose callback
+ * may still be armed: the pin is then kept for it.
  */
-static bool gpupin_put_pages(struct gpupin_pin_obj *pin, enum gpupin_pin_state claimed)
+static int gpupin_nvp2p_release(struct gpupin_pin_obj *pin, enum gpupin_pin_state claimed)
 {
 	bool persistent = pin->flags & GPUPIN_PIN_PERSISTENT;
-	bool detach = false;
 	int ret;
 
+	if (!pin->pt)
+		return 0;
 	mutex_lock(&gpupin_p2p_tables);
-	spin_lock(&pin->lock);
-	ret = pin->state == claimed ? 0 : -ENXIO;
-	spin_unlock(&pin->lock);
-	if (ret) {
+	if (!gpupin_pin_still_claimed(pin, claimed)) {
 		mutex_unlock(&gpupin_p2p_tables);
-		return true;	/* the callback released them */
+		return 0;	/* the callback released them */
 	}
 	if (persistent || gpupin_fault_put_other_kind())
 		ret = nvidia_p2p_put_pages_persistent(pin->aligned_va, pin->pt, 0);
@@ -526,10 +535,23 @@ static bool gpupin_put_pages(struct gpupin_pin_obj *pin, enum gpupin_pin_state c
 	 * once the pin is gone (gpupin_free_callback()).
 	 */
 	if (!ret)
-		return true;
+		return 0;
 	pr_warn_ratelimited("put_pages failed: %d\n", ret);
 	if (persistent)
-		return true;	/* no callback will come: nothing more to do */
+		return 0;	/* no callback will come: nothing more to do */
+	return ret;
+}
+
+/*
+ * The backend could not give back the memory of @pin (state @claimed) and
+ * its free callback may still come: DETACHED, kept for it, unless the
+ * callback took the pin meanwhile.  Returns true when it detached the pin.
+ */
+static bool gpupin_pin_detach_unreleased(struct gpupin_pin_obj *pin,
+					 enum gpupin_pin_state claimed)
+{
+	bool detach = false;
+
 	spin_lock(&pin->lock);
 	if (pin->state == claimed) {
 		pin->state = GPUPIN_PIN_DETACHED;
@@ -540,14 +562,14 @@ static bool gpupin_put_pages(struct gpupin_pin_obj *pin, enum gpupin_pin_state c
 	if (detach)
 		gpupin_dbg("pin %llu detached: put_pages failed, its pages wait for the callback\n",
 			   pin->handle);
-	return !detach;
+	return detach;
 }
 
 /*
  * Release the pages of @pin if the free callback has not, then wait for a
  * callback that is still running.  Process context; no gpupin lock held.
  * @from is the state that means "ours to release" (PINNED or PINNING).
- * Where the pages cannot be put from here (see gpupin_pin_put_here()) the
+ * Where the pages cannot be put from here (the backend's release_here) the
  * pin is DETACHED instead: its mappings go, its pages stay until the free
  * callback, which then holds a reference to the pin, its file and the
  * module; so is a pin whose put_pages failed.  Returns false in those cases
@@ -555,7 +577,8 @@ static bool gpupin_put_pages(struct gpupin_pin_obj *pin, enum gpupin_pin_state c
  */
 bool gpupin_pin_release_pages(struct gpupin_pin_obj *pin, enum gpupin_pin_state from)
 {
-	bool ours, detach = !gpupin_pin_put_here(pin);
+	const struct gpupin_pin_backend_ops *ops = pin->ops;
+	bool ours, detach = ops->release_here && !ops->release_here(pin);
 	enum gpupin_pin_state claimed = detach ? GPUPIN_PIN_DETACHED : GPUPIN_PIN_RELEASING;
 	/*
 	 * nv-p2p: count ourselves in flight while we unmap, so a free callback
@@ -564,7 +587,7 @@ bool gpupin_pin_release_pages(struct gpupin_pin_obj *pin, enum gpupin_pin_state 
 	 * dma-buf: unmapping takes the reservation lock, under which a
 	 * revocation waits for in-flight users.
 	 */
-	unsigned int self = pin->dmabuf ? 0 : 1;
+	unsigned int self = ops->unmap_in_use ? 1 : 0;
 	bool unmap = false;
 
 	spin_lock(&pin->lock);
@@ -603,18 +626,16 @@ bool gpupin_pin_release_pages(struct gpupin_pin_obj *pin, enum gpupin_pin_state 
 			return false;
 		}
 		gpupin_fault_release_delay();
-		if (pin->pt && !gpupin_put_pages(pin, claimed))
+		if (ops->release && ops->release(pin, claimed) &&
+		    gpupin_pin_detach_unreleased(pin, claimed))
 			return false;
 		if (from == GPUPIN_PIN_PINNED)
 			atomic64_sub(pin->aligned_size, &gpupin_pinned_bytes);
 	}
 	/* put_pages returns only after a racing callback finished. */
 	wait_event(pin->wq, gpupin_pin_settled(pin));
-	if (pin->dmabuf) {
-		/* A revocation only unmapped: detach and let go here. */
-		gpupin_unmap_all(pin);
-		gpupin_dmabuf_release(pin);
-	}
+	if (ops->drop)
+		ops->drop(pin);
 	return true;
 }
 
@@ -854,19 +875,16 @@ void gpupin_pin_unreserve(struct gpupin_file *f, struct gpupin_pin_obj *pin, int
 
 /*
  * PINNING -> PINNED and valid in the map; -ENXIO if the memory went first.
- * @take (may be NULL) runs under pin->lock just before, while the pin is
- * still PINNING: the free callback has not begun (it moves the pin out of
- * PINNING under the same lock), so the provider's page table is still
- * there to check and copy from.  Its error fails the pin.
+ * The backend's commit (if any) runs under pin->lock just before, while
+ * the pin is still PINNING; its error fails the pin.
  */
-int gpupin_pin_mark_pinned(struct gpupin_file *f, struct gpupin_pin_obj *pin,
-			   int (*take)(struct gpupin_pin_obj *pin))
+int gpupin_pin_mark_pinned(struct gpupin_file *f, struct gpupin_pin_obj *pin)
 {
 	int ret = -ENXIO;
 
 	spin_lock(&pin->lock);
 	if (pin->state == GPUPIN_PIN_PINNING) {
-		ret = take ? take(pin) : 0;
+		ret = pin->ops->commit ? pin->ops->commit(pin) : 0;
 		if (!ret) {
 			WRITE_ONCE(f->vmap[pin->slot], pin->handle);
 			pin->state = GPUPIN_PIN_PINNED;
@@ -876,8 +894,8 @@ int gpupin_pin_mark_pinned(struct gpupin_file *f, struct gpupin_pin_obj *pin,
 	return ret;
 }
 
-/* nv-p2p's @take: check the page table and keep its GPU UUID. */
-static int gpupin_take_table(struct gpupin_pin_obj *pin)
+/* nv-p2p's commit: check the page table and keep its GPU UUID. */
+static int gpupin_nvp2p_commit(struct gpupin_pin_obj *pin)
 {
 	int ret = gpupin_check_table(pin);
 
@@ -892,17 +910,28 @@ void gpupin_pin_uuid(const struct gpupin_pin_obj *pin, u8 uuid[16])
 	memcpy(uuid, pin->gpu_uuid, 16);
 }
 
+/* nv-p2p's addrs: the pages' physical addresses. */
+static int gpupin_nvp2p_addrs(const struct gpupin_pin_obj *pin, u64 *addrs, u32 first, u32 count)
+{
+	u32 i;
+
+	for (i = 0; i < count; i++)
+		addrs[i] = pin->pt->pages[first + i]->physical_address;
+	return 0;
+}
+
 /*
  * Address of page @idx: its physical address (nv-p2p), or its bus address in
- * gpupin's own import (dma-buf).  The caller is an in-flight user.
+ * gpupin's own import (dma-buf); 0 where the backend has none.  The caller
+ * is an in-flight user.
  */
 u64 gpupin_pin_page_addr(const struct gpupin_pin_obj *pin, u32 idx)
 {
-	if (idx >= pin->entries)
+	u64 addr;
+
+	if (idx >= pin->entries || pin->ops->addrs(pin, &addr, idx, 1))
 		return 0;
-	if (pin->pt)
-		return pin->pt->pages[idx]->physical_address;
-	return pin->dmabuf_addrs ? pin->dmabuf_addrs[idx] : 0;
+	return addr;
 }
 
 static void gpupin_pin_fill(struct gpupin_pin *arg, const struct gpupin_pin_obj *pin)
@@ -948,6 +977,16 @@ int gpupin_pin_publish(struct gpupin_file *f, struct gpupin_pin_obj *pin, void _
 	}
 	return 0;
 }
+
+/* The nv-p2p backend (gpupin.h: struct gpupin_pin_backend_ops). */
+static const struct gpupin_pin_backend_ops gpupin_nvp2p_backend = {
+	.commit = gpupin_nvp2p_commit,
+	.release_here = gpupin_nvp2p_release_here,
+	.release = gpupin_nvp2p_release,
+	.teardown = gpupin_nvp2p_teardown,
+	.addrs = gpupin_nvp2p_addrs,
+	.unmap_in_use = true,
+};
 
 /* What gpupin_pin_create() leaves in pin->pt for get_pages to overwrite. */
 #define GPUPIN_PT_UNSET ((struct nvidia_p2p_page_table *)ERR_PTR(-EINVAL))
@@ -1000,6 +1039,7 @@ static int gpupin_pin_create(struct gpupin_file *f, const struct gpupin_pin *req
 		return -ENOMEM;
 	/* Non-persistent pages come with a free callback: NVIDIA revokes them. */
 	pin->flags = persistent ? GPUPIN_PIN_PERSISTENT : GPUPIN_PIN_REVOCABLE;
+	pin->ops = &gpupin_nvp2p_backend;
 	ret = gpupin_pin_reserve(f, pin);
 	if (ret)
 		return ret;
@@ -1026,7 +1066,7 @@ static int gpupin_pin_create(struct gpupin_file *f, const struct gpupin_pin *req
 		goto err_unreserve;
 	}
 	/* -ENXIO: the memory was freed while we pinned it. */
-	ret = gpupin_pin_mark_pinned(f, pin, gpupin_take_table);
+	ret = gpupin_pin_mark_pinned(f, pin);
 	if (ret) {
 		/* Detached (put_pages failed): its callback gives the bytes back, not unreserve. */
 		if (!gpupin_pin_release_pages(pin, GPUPIN_PIN_PINNING))
@@ -1160,14 +1200,7 @@ out_put:
 static int gpupin_fill_pages(struct gpupin_pin_obj *pin, u64 *addrs, u32 first, u32 count,
 			     void *ctx)
 {
-	u32 i;
-
-	/* A dma-buf pin has addresses only for the device it was imported for. */
-	if (pin->dmabuf && !pin->dmabuf_addrs)
-		return -EOPNOTSUPP;
-	for (i = 0; i < count; i++)
-		addrs[i] = gpupin_pin_page_addr(pin, first + i);
-	return 0;
+	return pin->ops->addrs(pin, addrs, first, count);
 }
 
 long gpupin_ioctl_get_pages(struct gpupin_file *f, struct gpupin_get_pages __user *uarg)
