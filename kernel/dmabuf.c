@@ -3,7 +3,9 @@
  * gpupin: the dma-buf backend - PIN_DMABUF pins a dma-buf (the path NVIDIA
  * recommends after nv-p2p: cuMemGetHandleForAddressRange exports GPU memory
  * as one) as a pin like any other, and DMA_MAP of such a pin is an
- * attachment of the buffer for the peer device.
+ * attachment of the buffer for the peer device.  pin.c runs the pin's life
+ * and calls this backend through gpupin_dmabuf_backend; the backend tells it
+ * only of a revocation (gpupin_pin_revoke()).
  *
  * Every attachment is for a PCI device: NVIDIA's exporter treats the
  * importing device as one (nv_dma_buf_attach: to_pci_dev(dev)->dma_mask),
@@ -190,35 +192,27 @@ static int gpupin_dmabuf_addrs(const struct gpupin_pin_obj *pin, u64 *addrs, u32
 	return 0;
 }
 
-/*
- * The dma-buf backend (gpupin.h: struct gpupin_pin_backend_ops).  Nothing to
- * give back before a racing revocation ends: the drop does it all after.
- */
-static const struct gpupin_pin_backend_ops gpupin_dmabuf_backend = {
-	.teardown = gpupin_dmabuf_teardown,
-	.drop = gpupin_dmabuf_drop,
-	.addrs = gpupin_dmabuf_addrs,
-	.unmap_in_use = false,
+/* What PIN_DMABUF's fields name: the buffer and the importing device (references). */
+struct gpupin_dmabuf_req {
+	struct dma_buf *dmabuf;
+	struct pci_dev *pdev;		/* NULL: no device named */
 };
 
 /*
- * Import the buffer for the pin's device (pin->dmabuf_pdev), or for none;
- * PINNING -> PINNED.
+ * Import the buffer for the pin's device (pin->dmabuf_pdev), or for none:
+ * attach, pin (a dynamic exporter's) and map it under the reservation
+ * lock, and read its bus addresses.
  */
-static int gpupin_dmabuf_import(struct gpupin_file *f, struct gpupin_pin_obj *pin)
+static int gpupin_dmabuf_import(struct gpupin_pin_obj *pin)
 {
 	struct dma_buf *dmabuf = pin->dmabuf;
 	bool dynamic = dma_buf_is_dynamic(dmabuf);
 	struct sg_table *sgt;
 	int ret;
 
-	if (dynamic)
-		pin->flags |= GPUPIN_PIN_REVOCABLE;
 	if (!pin->dmabuf_pdev) {
 		/* A revocation would go unheard without an attachment. */
-		if (dynamic)
-			return -EINVAL;
-		return gpupin_pin_mark_pinned(f, pin);
+		return dynamic ? -EINVAL : 0;
 	}
 	pin->dmabuf_addrs = gpupin_kvmalloc_array(pin->entries, sizeof(u64), GFP_KERNEL);
 	if (!pin->dmabuf_addrs)
@@ -244,12 +238,42 @@ static int gpupin_dmabuf_import(struct gpupin_file *f, struct gpupin_pin_obj *pi
 	ret = gpupin_dmabuf_wait_moves(dmabuf);
 	if (!ret)
 		ret = gpupin_sgt_addrs(sgt, pin->aligned_va, pin->entries, pin->dmabuf_addrs);
-	if (!ret)	/* -ENXIO: revoked while we imported it */
-		ret = gpupin_pin_mark_pinned(f, pin);
 out_unlock:
 	dma_resv_unlock(dmabuf->resv);
 	return ret;
 }
+
+/*
+ * The backend's acquire: the pin takes the request's references (the drop
+ * lets them go) and imports the buffer.  A revocation from here on finds
+ * the pin PINNING and makes it fail with -ENXIO.
+ */
+static int gpupin_dmabuf_acquire(struct gpupin_pin_obj *pin, void *priv)
+{
+	struct gpupin_dmabuf_req *req = priv;
+	int ret;
+
+	pin->dmabuf = req->dmabuf;
+	pin->dmabuf_pdev = req->pdev;
+	req->dmabuf = NULL;
+	req->pdev = NULL;
+	ret = gpupin_dmabuf_import(pin);
+	if (ret)
+		gpupin_dbg("dma-buf import failed: %d\n", ret);
+	return ret;
+}
+
+/*
+ * The dma-buf backend (gpupin.h: struct gpupin_pin_backend_ops).  Nothing to
+ * give back before a racing revocation ends: the drop does it all after.
+ */
+static const struct gpupin_pin_backend_ops gpupin_dmabuf_backend = {
+	.acquire = gpupin_dmabuf_acquire,
+	.teardown = gpupin_dmabuf_teardown,
+	.drop = gpupin_dmabuf_drop,
+	.addrs = gpupin_dmabuf_addrs,
+	.unmap_in_use = false,
+};
 
 /* PIN_DMABUF's checks of every field; the page-aligned size into @aligned_size. */
 static int gpupin_pin_dmabuf_validate(const struct gpupin_pin_dmabuf *arg, u64 *aligned_size)
@@ -270,64 +294,58 @@ static int gpupin_pin_dmabuf_validate(const struct gpupin_pin_dmabuf *arg, u64 *
 }
 
 /*
- * The core of PIN_DMABUF for a validated request: a new pin of the buffer
- * behind @req->fd, imported and PINNED but not yet published.
+ * The device and the buffer PIN_DMABUF names, into @req: -ENODEV for no
+ * such device, -EBADF or -EINVAL for an fd that is not a dma-buf, -EINVAL
+ * for a range past the buffer's end.
  */
-static int gpupin_pin_dmabuf_create(struct gpupin_file *f, const struct gpupin_pin_dmabuf *req,
-				    u64 aligned_size, struct gpupin_pin_obj **out)
+static int gpupin_dmabuf_req_get(const struct gpupin_pin_dmabuf *arg,
+				 struct gpupin_dmabuf_req *req)
 {
-	struct gpupin_pin_obj *pin;
-	struct pci_dev *pdev = NULL;
-	struct dma_buf *dmabuf;
-	int ret;
-
-	if (req->flags & GPUPIN_PIN_DMABUF_PCI_DEV) {
-		pdev = pci_get_domain_bus_and_slot(req->pci_domain, req->pci_bus, req->pci_devfn);
-		if (!pdev)
+	req->pdev = NULL;
+	if (arg->flags & GPUPIN_PIN_DMABUF_PCI_DEV) {
+		req->pdev = pci_get_domain_bus_and_slot(arg->pci_domain, arg->pci_bus,
+							arg->pci_devfn);
+		if (!req->pdev)
 			return -ENODEV;
 	}
-	dmabuf = dma_buf_get(req->fd);
-	if (IS_ERR(dmabuf)) {
-		pci_dev_put(pdev);
-		return PTR_ERR(dmabuf);	/* -EBADF, or -EINVAL: not a dma-buf */
+	req->dmabuf = dma_buf_get(arg->fd);
+	if (IS_ERR(req->dmabuf)) {
+		pci_dev_put(req->pdev);
+		return PTR_ERR(req->dmabuf);	/* -EBADF, or -EINVAL: not a dma-buf */
 	}
-	ret = -EINVAL;
-	if (req->offset + req->size > dmabuf->size)
-		goto err_put;
-	ret = -ENOMEM;
-	pin = gpupin_pin_alloc(f, req->offset, req->size, req->offset, aligned_size, req->user_tag,
-			       PAGE_SHIFT);
-	if (!pin)
-		goto err_put;
-	pin->flags = GPUPIN_PIN_DMABUF;
-	pin->ops = &gpupin_dmabuf_backend;
-	ret = gpupin_pin_reserve(f, pin);
-	if (ret)
-		goto err_put;
-	/* The pin's references from here on: gpupin_dmabuf_drop() drops them. */
-	pin->dmabuf = dmabuf;
-	pin->dmabuf_pdev = pdev;
-	ret = gpupin_dmabuf_import(f, pin);
-	if (ret) {
-		gpupin_dbg("dma-buf import failed: %d\n", ret);
-		gpupin_pin_release_pages(pin, GPUPIN_PIN_PINNING);
-		gpupin_pin_unreserve(f, pin, ret);
-		return ret;
+	if (arg->offset + arg->size > req->dmabuf->size) {
+		dma_buf_put(req->dmabuf);
+		pci_dev_put(req->pdev);
+		return -EINVAL;
 	}
-	*out = pin;
 	return 0;
-
-err_put:
-	dma_buf_put(dmabuf);
-	pci_dev_put(pdev);
-	return ret;
 }
 
-/* PIN_DMABUF: copy in, validate, import (gpupin_pin_dmabuf_create), copy out and publish. */
+/* PIN_DMABUF's result for @pin (gpupin_pin_req.fill): @out is its struct gpupin_pin_dmabuf. */
+static void gpupin_pin_dmabuf_fill(void *out, const struct gpupin_pin_obj *pin)
+{
+	struct gpupin_pin_dmabuf *arg = out;
+
+	arg->handle = pin->handle;
+	arg->aligned_va = pin->aligned_va;
+	arg->aligned_size = pin->aligned_size;
+	arg->page_size = PAGE_SIZE;
+	arg->entries = pin->entries;
+	memset(arg->gpu_uuid, 0, sizeof(arg->gpu_uuid));
+	arg->slot = pin->slot;
+	arg->pin_flags = pin->flags;
+	arg->valid_word = pin->handle;
+}
+
+/*
+ * PIN_DMABUF: copy in, validate, resolve the buffer and device, then a new
+ * dma-buf pin (gpupin_pin_new).
+ */
 long gpupin_ioctl_pin_dmabuf(struct gpupin_file *f, struct gpupin_pin_dmabuf __user *uarg)
 {
 	struct gpupin_pin_dmabuf arg;
-	struct gpupin_pin_obj *pin;
+	struct gpupin_dmabuf_req dreq;
+	struct gpupin_pin_req req;
 	u64 aligned_size;
 	int ret;
 
@@ -341,19 +359,32 @@ long gpupin_ioctl_pin_dmabuf(struct gpupin_file *f, struct gpupin_pin_dmabuf __u
 	/* An import for a device maps the memory for it, as DMA_MAP does. */
 	if ((arg.flags & GPUPIN_PIN_DMABUF_PCI_DEV) && !f->admin)
 		return -EPERM;
-	ret = gpupin_pin_dmabuf_create(f, &arg, aligned_size, &pin);
+	ret = gpupin_dmabuf_req_get(&arg, &dreq);
 	if (ret)
 		return ret;
-	arg.handle = pin->handle;
-	arg.aligned_va = pin->aligned_va;
-	arg.aligned_size = pin->aligned_size;
-	arg.page_size = PAGE_SIZE;
-	arg.entries = pin->entries;
-	memset(arg.gpu_uuid, 0, sizeof(arg.gpu_uuid));
-	arg.slot = pin->slot;
-	arg.pin_flags = pin->flags;
-	arg.valid_word = pin->handle;
-	return gpupin_pin_publish(f, pin, uarg, &arg, sizeof(arg));
+	req = (struct gpupin_pin_req) {
+		.ops = &gpupin_dmabuf_backend,
+		.priv = &dreq,
+		.va = arg.offset,
+		.size = arg.size,
+		.aligned_va = arg.offset,
+		.aligned_size = aligned_size,
+		.user_tag = arg.user_tag,
+		.page_shift = PAGE_SHIFT,
+		/* A dynamic exporter may revoke (move_notify); a static one never does. */
+		.flags = GPUPIN_PIN_DMABUF |
+			 (dma_buf_is_dynamic(dreq.dmabuf) ? GPUPIN_PIN_REVOCABLE : 0),
+		.fill = gpupin_pin_dmabuf_fill,
+		.arg = &arg,
+		.len = sizeof(arg),
+		.uarg = uarg,
+	};
+	ret = gpupin_pin_new(f, &req);
+	/* What no pin took: it failed before the backend's acquire. */
+	if (dreq.dmabuf)
+		dma_buf_put(dreq.dmabuf);
+	pci_dev_put(dreq.pdev);
+	return ret;
 }
 
 /*

@@ -292,6 +292,14 @@ struct gpupin_pin_obj;
  */
 struct gpupin_pin_backend_ops {
 	/*
+	 * Take the memory of a new pin (reserved, PINNING) as @req asks (the
+	 * backend's own request: gpupin_pin_req.priv); no lock held.  The
+	 * memory may be revoked as soon as it is taken.  On error what it did
+	 * take stays recorded in the pin, which is then released like any
+	 * other (release, drop).
+	 */
+	int (*acquire)(struct gpupin_pin_obj *pin, void *req);
+	/*
 	 * Optional.  Under pin->lock while the pin is still PINNING, just
 	 * before it becomes PINNED: the free callback has not begun (it moves
 	 * the pin out of PINNING under that lock), so what the backend took is
@@ -335,6 +343,27 @@ struct gpupin_pin_backend_ops {
 	 * for in-flight users (dma-buf's reservation lock).
 	 */
 	bool unmap_in_use;
+};
+
+/*
+ * A new pin as PIN or PIN_DMABUF asks for it, every field of the ioctl
+ * checked (gpupin_pin_new).  The range is in pages of 1 << @page_shift.
+ */
+struct gpupin_pin_req {
+	const struct gpupin_pin_backend_ops *ops;
+	void *priv;			/* the backend's request, for its acquire */
+	u64 va;
+	u64 size;
+	u64 aligned_va;
+	u64 aligned_size;
+	u64 user_tag;
+	u32 page_shift;
+	u32 flags;			/* GPUPIN_PIN_*, fixed for the pin's life */
+	/* The ioctl's result: @fill writes the new pin into @arg, then @len bytes go to @uarg. */
+	void (*fill)(void *arg, const struct gpupin_pin_obj *pin);
+	void *arg;
+	size_t len;
+	void __user *uarg;
 };
 
 /*
@@ -426,14 +455,7 @@ struct gpupin_pin_obj *gpupin_pin_lookup_owned(struct gpupin_file *f, u64 handle
 void gpupin_pin_uuid(const struct gpupin_pin_obj *pin, u8 uuid[16]);
 u64 gpupin_pin_page_addr(const struct gpupin_pin_obj *pin, u32 idx);
 void gpupin_pin_revoke(struct gpupin_pin_obj *pin);
-struct gpupin_pin_obj *gpupin_pin_alloc(struct gpupin_file *f, u64 va, u64 size, u64 aligned_va,
-					u64 aligned_size, u64 user_tag, u32 page_shift);
-int gpupin_pin_reserve(struct gpupin_file *f, struct gpupin_pin_obj *pin);
-void gpupin_pin_unreserve(struct gpupin_file *f, struct gpupin_pin_obj *pin, int err);
-int gpupin_pin_mark_pinned(struct gpupin_file *f, struct gpupin_pin_obj *pin);
-bool gpupin_pin_release_pages(struct gpupin_pin_obj *pin, enum gpupin_pin_state from);
-int gpupin_pin_publish(struct gpupin_file *f, struct gpupin_pin_obj *pin, void __user *uarg,
-		       const void *arg, size_t len);
+long gpupin_pin_new(struct gpupin_file *f, const struct gpupin_pin_req *req);
 void gpupin_pin_put(struct gpupin_pin_obj *pin);
 void gpupin_cb_ids_exit(void);
 int gpupin_cb_handler_init(void);

@@ -3,6 +3,12 @@
  * gpupin: pin objects - PIN, UNPIN, QUERY and GET_PAGES, the nv-p2p free
  * callback, and teardown.
  *
+ * This file owns every pin's life, whatever its memory: a new pin
+ * (gpupin_pin_new: alloc, reserve, acquire, PINNED, publish), its
+ * invalidation and its release.  The memory itself comes from a backend,
+ * called through its struct gpupin_pin_backend_ops (gpupin.h): nv-p2p's is
+ * here (gpupin_nvp2p_backend), dma-buf's in dmabuf.c.
+ *
  * A pin's life: PINNING (get_pages called; the callback may already fire)
  * -> PINNED (published in the handle table and the validity map) -> either
  * RELEASING (unpin or close owns the pages and puts them) or INVALIDATING ->
@@ -575,7 +581,7 @@ static bool gpupin_pin_detach_unreleased(struct gpupin_pin_obj *pin,
  * module; so is a pin whose put_pages failed.  Returns false in those cases
  * (the pin's pages are not released, and stay counted until the callback).
  */
-bool gpupin_pin_release_pages(struct gpupin_pin_obj *pin, enum gpupin_pin_state from)
+static bool gpupin_pin_release_pages(struct gpupin_pin_obj *pin, enum gpupin_pin_state from)
 {
 	const struct gpupin_pin_backend_ops *ops = pin->ops;
 	bool ours, detach = ops->release_here && !ops->release_here(pin);
@@ -789,8 +795,8 @@ static int gpupin_pin_validate(struct gpupin_pin *arg)
 }
 
 /* A new pin in state PINNING, not yet reserved; NULL (counted in fail_enomem) if out of memory. */
-struct gpupin_pin_obj *gpupin_pin_alloc(struct gpupin_file *f, u64 va, u64 size, u64 aligned_va,
-					u64 aligned_size, u64 user_tag, u32 page_shift)
+static struct gpupin_pin_obj *gpupin_pin_alloc(struct gpupin_file *f,
+					       const struct gpupin_pin_req *req)
 {
 	struct gpupin_pin_obj *pin;
 
@@ -809,14 +815,16 @@ struct gpupin_pin_obj *gpupin_pin_alloc(struct gpupin_file *f, u64 va, u64 size,
 	INIT_LIST_HEAD(&pin->detached_node);
 	mutex_init(&pin->refs_lock);
 	INIT_LIST_HEAD(&pin->refs);
+	pin->ops = req->ops;
 	pin->file = f;
-	pin->va = va;
-	pin->size = size;
-	pin->aligned_va = aligned_va;
-	pin->aligned_size = aligned_size;
-	pin->user_tag = user_tag;
-	pin->page_shift = page_shift;
-	pin->entries = aligned_size >> page_shift;
+	pin->flags = req->flags;
+	pin->va = req->va;
+	pin->size = req->size;
+	pin->aligned_va = req->aligned_va;
+	pin->aligned_size = req->aligned_size;
+	pin->user_tag = req->user_tag;
+	pin->page_shift = req->page_shift;
+	pin->entries = req->aligned_size >> req->page_shift;
 	pin->created_ns = ktime_get_real_ns();
 	pin->state = GPUPIN_PIN_PINNING;
 	return pin;
@@ -847,7 +855,7 @@ static int gpupin_pin_account(struct gpupin_file *f, struct gpupin_pin_obj *pin)
  * Budget, slot and handle for a new pin; on failure the pin is freed and
  * the failure counted.
  */
-int gpupin_pin_reserve(struct gpupin_file *f, struct gpupin_pin_obj *pin)
+static int gpupin_pin_reserve(struct gpupin_file *f, struct gpupin_pin_obj *pin)
 {
 	int ret = gpupin_budget_get(pin->aligned_size);
 
@@ -865,7 +873,7 @@ int gpupin_pin_reserve(struct gpupin_file *f, struct gpupin_pin_obj *pin)
 }
 
 /* Undo gpupin_pin_reserve() for a pin that failed with @err; frees it. */
-void gpupin_pin_unreserve(struct gpupin_file *f, struct gpupin_pin_obj *pin, int err)
+static void gpupin_pin_unreserve(struct gpupin_file *f, struct gpupin_pin_obj *pin, int err)
 {
 	gpupin_pin_unaccount(f, pin);
 	atomic64_sub(pin->aligned_size, &gpupin_pinned_bytes);
@@ -878,7 +886,7 @@ void gpupin_pin_unreserve(struct gpupin_file *f, struct gpupin_pin_obj *pin, int
  * The backend's commit (if any) runs under pin->lock just before, while
  * the pin is still PINNING; its error fails the pin.
  */
-int gpupin_pin_mark_pinned(struct gpupin_file *f, struct gpupin_pin_obj *pin)
+static int gpupin_pin_mark_pinned(struct gpupin_file *f, struct gpupin_pin_obj *pin)
 {
 	int ret = -ENXIO;
 
@@ -934,8 +942,11 @@ u64 gpupin_pin_page_addr(const struct gpupin_pin_obj *pin, u32 idx)
 	return addr;
 }
 
-static void gpupin_pin_fill(struct gpupin_pin *arg, const struct gpupin_pin_obj *pin)
+/* PIN's result for @pin (gpupin_pin_req.fill): @out is its struct gpupin_pin. */
+static void gpupin_pin_fill(void *out, const struct gpupin_pin_obj *pin)
 {
+	struct gpupin_pin *arg = out;
+
 	BUILD_BUG_ON(sizeof(arg->gpu_uuid) != 16);
 	arg->handle = pin->handle;
 	arg->page_size = BIT(pin->page_shift);
@@ -951,8 +962,8 @@ static void gpupin_pin_fill(struct gpupin_pin *arg, const struct gpupin_pin_obj 
  * space (@len bytes of @arg to @uarg), events and counters.  On failure the
  * pin is torn down again.
  */
-int gpupin_pin_publish(struct gpupin_file *f, struct gpupin_pin_obj *pin, void __user *uarg,
-		       const void *arg, size_t len)
+static int gpupin_pin_publish(struct gpupin_file *f, struct gpupin_pin_obj *pin,
+			      void __user *uarg, const void *arg, size_t len)
 {
 	int ret;
 
@@ -978,17 +989,7 @@ int gpupin_pin_publish(struct gpupin_file *f, struct gpupin_pin_obj *pin, void _
 	return 0;
 }
 
-/* The nv-p2p backend (gpupin.h: struct gpupin_pin_backend_ops). */
-static const struct gpupin_pin_backend_ops gpupin_nvp2p_backend = {
-	.commit = gpupin_nvp2p_commit,
-	.release_here = gpupin_nvp2p_release_here,
-	.release = gpupin_nvp2p_release,
-	.teardown = gpupin_nvp2p_teardown,
-	.addrs = gpupin_nvp2p_addrs,
-	.unmap_in_use = true,
-};
-
-/* What gpupin_pin_create() leaves in pin->pt for get_pages to overwrite. */
+/* What gpupin_nvp2p_acquire() leaves in pin->pt for get_pages to overwrite. */
 #define GPUPIN_PT_UNSET ((struct nvidia_p2p_page_table *)ERR_PTR(-EINVAL))
 
 /*
@@ -1013,40 +1014,19 @@ static int gpupin_get_pages_err(int err, const struct nvidia_p2p_page_table *pt,
 }
 
 /*
- * The core of PIN for a validated request: a new pin of [aligned_va,
- * aligned_va + aligned_size) through nv-p2p, PINNED and valid in the map but
- * not yet published (no handle lookup finds it).  The caller publishes it
- * (gpupin_pin_publish), or destroys it.
+ * nv-p2p's acquire: get_pages of [aligned_va, aligned_va + aligned_size),
+ * persistent or with the free callback, whose data is the pin's id.  The
+ * callback may run as soon as get_pages returns.
  */
-static int gpupin_pin_create(struct gpupin_file *f, const struct gpupin_pin *req,
-			     struct gpupin_pin_obj **out)
+static int gpupin_nvp2p_acquire(struct gpupin_pin_obj *pin, void *req)
 {
-	struct gpupin_pin_obj *pin;
-	bool persistent;
+	bool persistent = pin->flags & GPUPIN_PIN_PERSISTENT;
 	int ret;
 
-	persistent = (req->flags & GPUPIN_PIN_PERSISTENT) || READ_ONCE(gpupin_default_persistent);
-	if (persistent && !(gpupin_caps & GPUPIN_CAP_PERSISTENT))
-		return -EOPNOTSUPP;
-#ifdef GPUPIN_NV_GET_PAGES_DOUBLE_FREE
-	/* NVIDIA's get_pages with a callback can double-free here: main.c says why. */
-	if (!persistent && !READ_ONCE(gpupin_nv_unsafe_get_pages))
-		return -EOPNOTSUPP;
-#endif
-	pin = gpupin_pin_alloc(f, req->va, req->size, req->aligned_va, req->aligned_size,
-			       req->user_tag, GPU_BOUND_SHIFT);
-	if (!pin)
-		return -ENOMEM;
-	/* Non-persistent pages come with a free callback: NVIDIA revokes them. */
-	pin->flags = persistent ? GPUPIN_PIN_PERSISTENT : GPUPIN_PIN_REVOCABLE;
-	pin->ops = &gpupin_nvp2p_backend;
-	ret = gpupin_pin_reserve(f, pin);
-	if (ret)
-		return ret;
 	if (!persistent) {
 		ret = gpupin_cb_id_alloc(pin);
 		if (ret)
-			goto err_unreserve;
+			return ret;
 	}
 
 	pin->pt = GPUPIN_PT_UNSET;	/* see gpupin_get_pages_err() */
@@ -1063,29 +1043,60 @@ static int gpupin_pin_create(struct gpupin_file *f, const struct gpupin_pin *req
 		gpupin_dbg("get_pages failed: %d\n", ret);
 		ret = gpupin_get_pages_err(ret, pin->pt, persistent);
 		pin->pt = NULL;
-		goto err_unreserve;
 	}
-	/* -ENXIO: the memory was freed while we pinned it. */
-	ret = gpupin_pin_mark_pinned(f, pin);
+	return ret;
+}
+
+/* The nv-p2p backend (gpupin.h: struct gpupin_pin_backend_ops). */
+static const struct gpupin_pin_backend_ops gpupin_nvp2p_backend = {
+	.acquire = gpupin_nvp2p_acquire,
+	.commit = gpupin_nvp2p_commit,
+	.release_here = gpupin_nvp2p_release_here,
+	.release = gpupin_nvp2p_release,
+	.teardown = gpupin_nvp2p_teardown,
+	.addrs = gpupin_nvp2p_addrs,
+	.unmap_in_use = true,
+};
+
+/*
+ * The one way to a new pin, for PIN and PIN_DMABUF once they checked every
+ * field of theirs: allocate and reserve it, let the backend take the memory
+ * (@req->ops->acquire), make it PINNED, fill and copy out the ioctl's result
+ * and publish it.  A pin that fails on the way is released and unreserved
+ * here, whatever the backend had taken.
+ */
+long gpupin_pin_new(struct gpupin_file *f, const struct gpupin_pin_req *req)
+{
+	struct gpupin_pin_obj *pin;
+	int ret;
+
+	pin = gpupin_pin_alloc(f, req);
+	if (!pin)
+		return -ENOMEM;
+	ret = gpupin_pin_reserve(f, pin);
+	if (ret)
+		return ret;
+	ret = pin->ops->acquire(pin, req->priv);
+	/* -ENXIO: the memory went (free callback, revocation) while it was taken. */
+	if (!ret)
+		ret = gpupin_pin_mark_pinned(f, pin);
 	if (ret) {
 		/* Detached (put_pages failed): its callback gives the bytes back, not unreserve. */
 		if (!gpupin_pin_release_pages(pin, GPUPIN_PIN_PINNING))
 			atomic64_add(pin->aligned_size, &gpupin_pinned_bytes);
-		goto err_unreserve;
+		gpupin_pin_unreserve(f, pin, ret);
+		return ret;
 	}
-	*out = pin;
-	return 0;
-
-err_unreserve:
-	gpupin_pin_unreserve(f, pin, ret);
-	return ret;
+	req->fill(req->arg, pin);
+	return gpupin_pin_publish(f, pin, req->uarg, req->arg, req->len);
 }
 
-/* PIN: copy in, validate, pin (gpupin_pin_create), copy out and publish. */
+/* PIN: copy in, validate, then a new nv-p2p pin (gpupin_pin_new). */
 long gpupin_ioctl_pin(struct gpupin_file *f, struct gpupin_pin __user *uarg)
 {
+	struct gpupin_pin_req req;
 	struct gpupin_pin arg;
-	struct gpupin_pin_obj *pin;
+	bool persistent;
 	int ret;
 
 	if (copy_from_user(&arg, uarg, sizeof(arg)))
@@ -1095,11 +1106,30 @@ long gpupin_ioctl_pin(struct gpupin_file *f, struct gpupin_pin __user *uarg)
 		return ret;
 	if (!gpupin_caller_owns(f))
 		return -EACCES;
-	ret = gpupin_pin_create(f, &arg, &pin);
-	if (ret)
-		return ret;
-	gpupin_pin_fill(&arg, pin);
-	return gpupin_pin_publish(f, pin, uarg, &arg, sizeof(arg));
+	persistent = (arg.flags & GPUPIN_PIN_PERSISTENT) || READ_ONCE(gpupin_default_persistent);
+	if (persistent && !(gpupin_caps & GPUPIN_CAP_PERSISTENT))
+		return -EOPNOTSUPP;
+#ifdef GPUPIN_NV_GET_PAGES_DOUBLE_FREE
+	/* NVIDIA's get_pages with a callback can double-free here: main.c says why. */
+	if (!persistent && !READ_ONCE(gpupin_nv_unsafe_get_pages))
+		return -EOPNOTSUPP;
+#endif
+	req = (struct gpupin_pin_req) {
+		.ops = &gpupin_nvp2p_backend,
+		.va = arg.va,
+		.size = arg.size,
+		.aligned_va = arg.aligned_va,
+		.aligned_size = arg.aligned_size,
+		.user_tag = arg.user_tag,
+		.page_shift = GPU_BOUND_SHIFT,
+		/* Non-persistent pages come with a free callback: NVIDIA revokes them. */
+		.flags = persistent ? GPUPIN_PIN_PERSISTENT : GPUPIN_PIN_REVOCABLE,
+		.fill = gpupin_pin_fill,
+		.arg = &arg,
+		.len = sizeof(arg),
+		.uarg = uarg,
+	};
+	return gpupin_pin_new(f, &req);
 }
 
 long gpupin_ioctl_unpin(struct gpupin_file *f, struct gpupin_unpin __user *uarg)
