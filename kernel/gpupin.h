@@ -10,7 +10,7 @@
  *   gpupin_ref.map_lock (mutex, kapi.c) - serialises one reference's
  *       gpupin_ref_dma_map() calls; the topology probe below may run under
  *       it.
- *   gpupin_p2p_tables (mutex, pin.c) - keeps nv-p2p put_pages and get_pages
+ *   gpupin_p2p_tables (mutex, nvp2p.c) - keeps nv-p2p put_pages and get_pages
  *       (the topology probe's too, topo.c) apart, so that a put never finds
  *       a newer pin at a freed table's address.  Held around those calls
  *       only, with no gpupin lock but a reference's map_lock (so:
@@ -42,7 +42,7 @@
  *       pin->lock when a pin goes DETACHED, alone by the free callback and
  *       by netlink, which take their references under it and nothing else:
  *       innermost.
- *   gpupin_cb_pins' xa_lock (spinlock, pin.c) - the ids that the nv-p2p
+ *   gpupin_cb_pins' xa_lock (spinlock, nvp2p.c) - the ids that the nv-p2p
  *       free callback gets as its data, mapped to their pins.  Taken alone:
  *       by the callback to look its pin up and take a reference, by PIN to
  *       give an id, and by the last put of a pin to take its id back.
@@ -282,13 +282,13 @@ struct gpupin_dmabuf_att {
 struct gpupin_pin_obj;
 
 /*
- * A pin's backend: how its memory is taken and given back - nv-p2p (pin.c)
- * or dma-buf (dmabuf.c).  pin.c owns the pin's life (reserve, states,
+ * A pin's backend: how its memory is taken and given back - nv-p2p
+ * (nvp2p.c) or dma-buf (dmabuf.c).  pin.c owns the pin's life (reserve, states,
  * publish, invalidation, release, teardown) and calls these at fixed
  * points; a backend never changes a pin's state or accounting itself.  Its
  * way in is the invalidation of a pin whose memory is going:
- * gpupin_pin_revoke() (a dma-buf exporter's move_notify), or the nv-p2p
- * free callback in pin.c.
+ * gpupin_pin_revoke() (a dma-buf exporter's move_notify) or
+ * gpupin_pin_freed() (the nv-p2p free callback).
  */
 struct gpupin_pin_backend_ops {
 	/*
@@ -331,6 +331,11 @@ struct gpupin_pin_backend_ops {
 	 * ended: let go of what the pin still holds.  No lock held.
 	 */
 	void (*drop)(struct gpupin_pin_obj *pin);
+	/*
+	 * Optional.  The pin's last reference is gone, in any context (the
+	 * free callback's too): forget whatever could still find the pin.
+	 */
+	void (*forget)(struct gpupin_pin_obj *pin);
 	/*
 	 * Per-page addresses [@first, @first + @count) into @addrs, the range
 	 * checked; the caller is an in-flight user.  0 or a negative errno.
@@ -386,7 +391,7 @@ struct gpupin_pin_obj {
 	u32 page_shift;			/* GPU_BOUND_SHIFT (nv-p2p) or PAGE_SHIFT (dma-buf) */
 	u32 entries;			/* aligned_size >> page_shift */
 	struct nvidia_p2p_page_table *pt;	/* nv-p2p pins */
-	unsigned long cb_id;		/* nv-p2p pins with a callback: its data (pin.c); 0: none */
+	unsigned long cb_id;		/* nv-p2p pins with a callback: its data (nvp2p.c), or 0 */
 	u8 gpu_uuid[16];		/* copied from the page table while PINNING */
 	struct dma_buf *dmabuf;		/* dma-buf pins: a reference */
 	struct pci_dev *dmabuf_pdev;	/* dma-buf pins: importing device (a reference) or NULL */
@@ -441,7 +446,6 @@ struct gpupin_map {
 };
 
 /* pin.c */
-long gpupin_ioctl_pin(struct gpupin_file *f, struct gpupin_pin __user *uarg);
 long gpupin_ioctl_unpin(struct gpupin_file *f, struct gpupin_unpin __user *uarg);
 long gpupin_ioctl_query(struct gpupin_file *f, struct gpupin_query __user *uarg);
 long gpupin_ioctl_get_pages(struct gpupin_file *f, struct gpupin_get_pages __user *uarg);
@@ -455,23 +459,28 @@ struct gpupin_pin_obj *gpupin_pin_lookup_owned(struct gpupin_file *f, u64 handle
 void gpupin_pin_uuid(const struct gpupin_pin_obj *pin, u8 uuid[16]);
 u64 gpupin_pin_page_addr(const struct gpupin_pin_obj *pin, u32 idx);
 void gpupin_pin_revoke(struct gpupin_pin_obj *pin);
+bool gpupin_pin_freed(struct gpupin_pin_obj *pin);
+bool gpupin_pin_still_claimed(struct gpupin_pin_obj *pin, enum gpupin_pin_state claimed);
 long gpupin_pin_new(struct gpupin_file *f, const struct gpupin_pin_req *req);
 void gpupin_pin_put(struct gpupin_pin_obj *pin);
-void gpupin_cb_ids_exit(void);
-int gpupin_cb_handler_init(void);
-void gpupin_cb_handler_exit(void);
-void gpupin_cb_handler_abort(void);
 int gpupin_pin_use(struct gpupin_pin_obj *pin);
 void gpupin_pin_unuse(struct gpupin_pin_obj *pin);
 void gpupin_file_release_pins(struct gpupin_file *f, u32 reason);
 void gpupin_pin_destroy_now(struct gpupin_file *f, struct gpupin_pin_obj *pin, u32 reason);
 bool gpupin_caller_owns(struct gpupin_file *f);
+bool gpupin_may_read_addrs(struct gpupin_file *f);
+void gpupin_file_put(struct gpupin_file *f);
+
+/* nvp2p.c */
+long gpupin_ioctl_pin(struct gpupin_file *f, struct gpupin_pin __user *uarg);
+void gpupin_cb_ids_exit(void);
+int gpupin_cb_handler_init(void);
+void gpupin_cb_handler_exit(void);
+void gpupin_cb_handler_abort(void);
 struct nvidia_p2p_page_table;
 bool gpupin_table_version_ok(u32 version);
 int gpupin_p2p_get_persistent(u64 va, u64 len, struct nvidia_p2p_page_table **pt);
 int gpupin_p2p_put_persistent(u64 va, struct nvidia_p2p_page_table *pt);
-bool gpupin_may_read_addrs(struct gpupin_file *f);
-void gpupin_file_put(struct gpupin_file *f);
 
 /* dma.c */
 long gpupin_ioctl_dma_map(struct gpupin_file *f, struct gpupin_dma_map __user *uarg);

@@ -1,13 +1,14 @@
 // SPDX-License-Identifier: (GPL-2.0 OR MIT)
 /*
- * gpupin: pin objects - PIN, UNPIN, QUERY and GET_PAGES, the nv-p2p free
- * callback, and teardown.
+ * gpupin: pin objects - every pin's life, whatever its memory, and the
+ * ioctls on pins that exist (UNPIN, QUERY, GET_PAGES).
  *
- * This file owns every pin's life, whatever its memory: a new pin
- * (gpupin_pin_new: alloc, reserve, acquire, PINNED, publish), its
- * invalidation and its release.  The memory itself comes from a backend,
- * called through its struct gpupin_pin_backend_ops (gpupin.h): nv-p2p's is
- * here (gpupin_nvp2p_backend), dma-buf's in dmabuf.c.
+ * This file owns the life: a new pin (gpupin_pin_new: alloc, reserve,
+ * acquire, PINNED, publish), its invalidation, its release and teardown.
+ * The memory itself comes from a backend, called through its struct
+ * gpupin_pin_backend_ops (gpupin.h): nv-p2p's in nvp2p.c, dma-buf's in
+ * dmabuf.c.  Each backend's file has its PIN ioctl, which checks its own
+ * fields and hands over to gpupin_pin_new().
  *
  * A pin's life: PINNING (get_pages called; the callback may already fire)
  * -> PINNED (published in the handle table and the validity map) -> either
@@ -23,34 +24,18 @@
  * out of the handle table and the file's slots, but alive - holding its
  * file and the module - until the free callback, which the driver runs when
  * the owner frees the memory or its CUDA context goes.
- *
- * A put_pages that returns 0 from the pinning process may have released
- * nothing all the same: NVIDIA looks the mapping up through the process's
- * registration, which an MPS client's teardown removes while the memory and
- * the armed callback stay with the MPS server.  So the callback can come for
- * a pin gpupin has freed.  Its data is therefore an id (gpupin_cb_pins),
- * never a pointer: see gpupin_free_callback().  It may even come after
- * gpupin.ko was unloaded, so the function NVIDIA gets is not ours but
- * gpupin_cb.ko's (kernel/cb/tramp.c), which stays loaded, calls
- * gpupin_free_callback() through its registration while gpupin.ko is there,
- * and gives the ids, so that they are not handed out again by a reloaded
- * gpupin.ko either.
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
 #include <linux/capability.h>
-#include <linux/delay.h>
 #include <linux/err.h>
 #include <linux/mm.h>
 #include <linux/module.h>
 #include <linux/overflow.h>
-#include <linux/rcupdate.h>
 #include <linux/sched.h>
 #include <linux/slab.h>
 #include <linux/uaccess.h>
-#include <linux/wait_bit.h>
 #include "gpupin.h"
-#include "cb/gpupin_cb.h"
 #include "../include/uapi/gpupin_netlink.h"
 
 bool gpupin_caller_owns(struct gpupin_file *f)
@@ -73,84 +58,12 @@ bool gpupin_may_read_addrs(struct gpupin_file *f)
 /* Pins released and waiting for their free callback (DETACHED). */
 atomic_t gpupin_nr_detached = ATOMIC_INIT(0);
 
-/*
- * nv-p2p's release_here: may the pages of @pin be put from here?
- * Non-persistent pages only by the process that pinned them (the file's
- * owner: PIN checks that).
- */
-static bool gpupin_nvp2p_release_here(const struct gpupin_pin_obj *pin)
-{
-	return !pin->pt || (pin->flags & GPUPIN_PIN_PERSISTENT) ||
-	       gpupin_caller_owns(pin->file);
-}
-
-/*
- * The nv-p2p free callback's data: an id, looked up here, never a pointer
- * to the pin.  NVIDIA may call the callback after gpupin freed the pin (a
- * put_pages that returned 0 having released nothing, gpupin_nvp2p_release());
- * a pointer would then be a use after free, or another pin that got the
- * same address.  An id stays here until the pin's callback takes it out or
- * the pin's last reference goes; the callback takes its reference under the
- * xarray's lock (kref_get_unless_zero: the last put may be on its way to
- * erase it).  So an id it finds is a live pin, and one it does not find is
- * a late, duplicate or unknown callback: NVIDIA runs a registration's
- * callback once, so a second one with the same id finds nothing.  Ids
- * count up over 64 bits (the callback's data is a pointer: nv-p2p exists
- * on 64-bit kernels only) and are never handed out twice, not even by
- * gpupin.ko loaded again (gpupin_cb_new_id() counts in gpupin_cb.ko, which
- * stays loaded), so a stale id can never find a newer pin.  The lock's
- * place in the lock order: gpupin.h (innermost, taken alone).
- */
-static DEFINE_XARRAY(gpupin_cb_pins);
-
-/* Give @pin its callback id; -ENOMEM if the xarray cannot grow. */
-static int gpupin_cb_id_alloc(struct gpupin_pin_obj *pin)
-{
-	unsigned long id;
-	int ret;
-
-	BUILD_BUG_ON(sizeof(void *) < sizeof(u64));
-	id = gpupin_cb_new_id();
-	ret = xa_insert(&gpupin_cb_pins, id, pin, GFP_KERNEL);
-	if (ret < 0)
-		return ret;
-	pin->cb_id = id;
-	return 0;
-}
-
-/*
- * The pin of callback data @data with a reference, its id taken out; NULL
- * if it is gone, had its callback already, or never was.
- */
-static struct gpupin_pin_obj *gpupin_cb_pin_take(void *data)
-{
-	unsigned long id = (unsigned long)data;
-	struct gpupin_pin_obj *pin;
-
-	if (!id)
-		return NULL;
-	xa_lock(&gpupin_cb_pins);
-	pin = __xa_erase(&gpupin_cb_pins, id);
-	if (pin && !kref_get_unless_zero(&pin->ref))
-		pin = NULL;	/* its last put is on its way */
-	xa_unlock(&gpupin_cb_pins);
-	return pin;
-}
-
-/* Module unload: every pin, so every id, is gone by then. */
-void gpupin_cb_ids_exit(void)
-{
-	WARN_ON(!xa_empty(&gpupin_cb_pins));
-	xa_destroy(&gpupin_cb_pins);
-}
-
 static void gpupin_pin_free(struct kref *ref)
 {
 	struct gpupin_pin_obj *pin = container_of(ref, struct gpupin_pin_obj, ref);
 
-	/* From here on a callback with this pin's id finds nothing (if it did not take it). */
-	if (pin->cb_id)
-		xa_cmpxchg(&gpupin_cb_pins, pin->cb_id, pin, NULL, 0);
+	if (pin->ops->forget)
+		pin->ops->forget(pin);
 	kfree(pin->ev);
 	kfree(pin);
 }
@@ -299,125 +212,14 @@ static bool gpupin_pin_invalidate(struct gpupin_pin_obj *pin, bool always)
 	return false;
 }
 
-/* nv-p2p's teardown: the provider tore the mappings down; free their descriptors and the table. */
-static void gpupin_nvp2p_teardown(struct gpupin_pin_obj *pin)
-{
-	gpupin_free_maps_invalidated(pin);
-	nvidia_p2p_free_page_table(pin->pt);
-}
-
 /*
- * Free callbacks still running gpupin's code.  gpupin_cb.ko holds the
- * module across every callback (a detached pin's own module reference goes
- * inside it), so an unload is refused while one runs; gpupin_exit() still
- * waits for this count to reach zero, then for every task to have left the
- * few instructions after the decrement (synchronize_rcu_tasks(), as for
- * code that module text frees under), should a callback ever come another
- * way.
+ * The nv-p2p free callback (nvp2p.c), NVIDIA's lock held: the memory under
+ * @pin goes, whatever the pin's state.  Returns true when it let go of a
+ * DETACHED pin: the caller then owes the module that pin's reference.
  */
-atomic_t gpupin_callbacks_running = ATOMIC_INIT(0);
-
-/*
- * The nv-p2p free callback: the GPU memory under the pin is being freed.
- * Never calls put_pages or dma_unmap_pages, and never waits for a thread
- * that may wait for NVIDIA's lock (gpupin_pin_invalidate() waits only for
- * in-flight users).  @data is the pin's id (gpupin_cb_pins): the pin is
- * looked up, with a reference, under the xarray's lock, the innermost lock,
- * held for nothing else.  An id that finds nothing - a callback for a pin
- * gpupin already freed, because a put_pages that returned 0 released
- * nothing (an MPS client's registration pruned), or a duplicate - returns
- * at once: that pin's table, which the driver frees after this returns on
- * the drivers gpupin supports (nvidia_p2p_free_page_table is a no-op
- * there), is not freed by gpupin.
- *
- * NVIDIA does not call this directly: it calls gpupin_cb_free_callback()
- * (gpupin_cb.ko), which holds this module while it runs this, the handler
- * gpupin_init() registers.  A callback whose pin is gone may come after
- * gpupin.ko was unloaded (an MPS server freeing a client's memory after the
- * client's file closed; NVIDIA's API gives no way to know whether put_pages
- * released anything, so gpupin cannot hold itself for it): gpupin_cb.ko then
- * finds no handler, counts it and returns.
- */
-static void gpupin_free_callback(void *data)
+bool gpupin_pin_freed(struct gpupin_pin_obj *pin)
 {
-	struct gpupin_pin_obj *pin;
-	bool detached = false;
-
-	atomic_inc(&gpupin_callbacks_running);
-	pin = gpupin_cb_pin_take(data);
-	if (pin) {
-		detached = gpupin_pin_invalidate(pin, true);
-		gpupin_pin_put(pin);
-	} else {
-		pr_notice_ratelimited("free callback for pin id %lu: released or called back before, ignored\n",
-				      (unsigned long)data);
-	}
-	if (detached)
-		module_put(THIS_MODULE);
-	gpupin_fault_callback_tail();
-	if (atomic_dec_and_test(&gpupin_callbacks_running))
-		wake_up_var(&gpupin_callbacks_running);
-}
-
-/* What gpupin_cb.ko calls, holding this module, while it is registered. */
-static const struct gpupin_cb_handler gpupin_handler = {
-	.owner = THIS_MODULE,
-	.free_callback = gpupin_free_callback,
-};
-
-/* Module load, before anything can pin: receive the free callbacks. */
-int gpupin_cb_handler_init(void)
-{
-	return gpupin_cb_register(&gpupin_handler);
-}
-
-/*
- * Module unload, before anything is torn down: from here on no callback
- * reaches gpupin_free_callback() (gpupin_cb.ko finds this module going,
- * counts the callback and returns).  None can be in it either: it would
- * hold this module, which could then not be unloading.
- */
-void gpupin_cb_handler_exit(void)
-{
-	gpupin_cb_unregister(&gpupin_handler);
-}
-
-/*
- * A module load that fails, instead of gpupin_cb_handler_exit(): the loader
- * frees this module's memory as soon as gpupin_init() returns, without the
- * check for references an unload makes.  gpupin_cb.ko takes a module that is
- * still loading like any other, so a callback for a pin of an earlier
- * gpupin.ko (one whose put_pages released nothing: see the top of this file)
- * may be in gpupin_free_callback() now.  No pin of this instance exists (the
- * device was not created), so unregister, then wait until that callback's
- * module reference - the only one besides the loader's own - is back:
- * gpupin_cb.ko drops it once the callback has returned to it.
- */
-void gpupin_cb_handler_abort(void)
-{
-	gpupin_cb_handler_exit();
-#ifdef CONFIG_MODULE_UNLOAD
-	/*
-	 * Also a netlink dump left half read holds the module (the family is
-	 * registered before the device fails): the load waits for its socket to
-	 * close, and says so every 10 s.
-	 */
-	for (unsigned int i = 1; module_refcount(THIS_MODULE) > 1; i++) {
-		msleep(20);
-		if (!(i % 500))
-			pr_warn("failed load: waiting for %d reference(s) to the module (a free callback running, or a netlink dump not read to its end)\n",
-				module_refcount(THIS_MODULE) - 1);
-	}
-#else
-	/*
-	 * No references are counted: wait for the callbacks gpupin counts
-	 * and for every task to have left their last instructions.  One that
-	 * gpupin_cb.ko passed on but that has not counted itself yet is not
-	 * seen here.
-	 */
-	wait_var_event(&gpupin_callbacks_running, !atomic_read(&gpupin_callbacks_running));
-	synchronize_rcu_tasks();
-#endif
+	return gpupin_pin_invalidate(pin, true);
 }
 
 /* dma-buf move_notify (reservation lock held): the exporter revokes the buffer. */
@@ -451,52 +253,8 @@ static void gpupin_pin_hold_detached(struct gpupin_pin_obj *pin)
 	gpupin_detached_add(pin);	/* for netlink (detached.c) */
 }
 
-/*
- * gpupin_p2p_tables: no nv-p2p put_pages of gpupin's runs while one of its
- * get_pages does.  NVIDIA finds a non-persistent put's mapping by the page
- * table's pointer value among the calling process's (RmP2PPutPages,
- * p2p.c), frees a table right after its free callback
- * (nv_p2p_mem_info_free_callback, nv-p2p.c), and nv_p2p_get_pages allocates
- * the next table before it takes the RM lock: the freed address may come
- * straight back.  A put waiting for the RM lock while a callback frees its
- * table would then release the newer pin that got that address.  Under
- * this mutex a put first checks that the callback has not taken its pin
- * (the callback moves the pin on before NVIDIA frees the table), and no
- * get_pages can be handed the table until the put has returned: it then
- * finds the live mapping, or nothing.  Other nv-p2p clients in the same
- * process (another module pinning for it) are not serialised with gpupin
- * and can still be handed such an address: kernel/sim/FIDELITY.md.
- *
- * Lock order (gpupin.h): taken with no gpupin lock held but a kernel-API
- * reference's map_lock (topo.c's probe), around nv-p2p get_pages and
- * put_pages only, so only NVIDIA's RM lock nests inside it; never taken by
- * the free callback, which runs under that RM lock.
- */
-static DEFINE_MUTEX(gpupin_p2p_tables);
-
-/* A persistent pin outside a pin object (topo.c's probe), kept apart from puts all the same. */
-int gpupin_p2p_get_persistent(u64 va, u64 len, struct nvidia_p2p_page_table **pt)
-{
-	int ret;
-
-	mutex_lock(&gpupin_p2p_tables);
-	ret = nvidia_p2p_get_pages_persistent(va, len, pt, 0);
-	mutex_unlock(&gpupin_p2p_tables);
-	return ret;
-}
-
-int gpupin_p2p_put_persistent(u64 va, struct nvidia_p2p_page_table *pt)
-{
-	int ret;
-
-	mutex_lock(&gpupin_p2p_tables);
-	ret = nvidia_p2p_put_pages_persistent(va, pt, 0);
-	mutex_unlock(&gpupin_p2p_tables);
-	return ret;
-}
-
 /* Is the release of @pin, claimed as @claimed, still the caller's (no free callback took it)? */
-static bool gpupin_pin_still_claimed(struct gpupin_pin_obj *pin, enum gpupin_pin_state claimed)
+bool gpupin_pin_still_claimed(struct gpupin_pin_obj *pin, enum gpupin_pin_state claimed)
 {
 	bool ours;
 
@@ -504,48 +262,6 @@ static bool gpupin_pin_still_claimed(struct gpupin_pin_obj *pin, enum gpupin_pin
 	ours = pin->state == claimed;
 	spin_unlock(&pin->lock);
 	return ours;
-}
-
-/*
- * nv-p2p's release: put the pages of a pin whose release the caller claimed
- * (state @claimed), unless get_pages gave none or the free callback took the
- * pin meanwhile: NVIDIA has then freed the table, and a put of its address
- * could release another pin of this process that got it.  A callback that
- * comes after the check finishes before the put gets NVIDIA's lock, and no
- * get_pages can reuse the table before the put returns
- * (gpupin_p2p_tables).  Returns put_pages' error for a pin whose callback
- * may still be armed: the pin is then kept for it.
- */
-static int gpupin_nvp2p_release(struct gpupin_pin_obj *pin, enum gpupin_pin_state claimed)
-{
-	bool persistent = pin->flags & GPUPIN_PIN_PERSISTENT;
-	int ret;
-
-	if (!pin->pt)
-		return 0;
-	mutex_lock(&gpupin_p2p_tables);
-	if (!gpupin_pin_still_claimed(pin, claimed)) {
-		mutex_unlock(&gpupin_p2p_tables);
-		return 0;	/* the callback released them */
-	}
-	if (persistent || gpupin_fault_put_other_kind())
-		ret = nvidia_p2p_put_pages_persistent(pin->aligned_va, pin->pt, 0);
-	else
-		ret = nvidia_p2p_put_pages(0, 0, pin->aligned_va, pin->pt);
-	mutex_unlock(&gpupin_p2p_tables);
-	/*
-	 * 0 means "maybe released": NVIDIA returns 0 too when it found no
-	 * mapping of this process for the table (an MPS client's registration
-	 * pruned), and the callback stays armed.  The caller may free the pin
-	 * all the same: the callback reaches it only by id, and finds nothing
-	 * once the pin is gone (gpupin_free_callback()).
-	 */
-	if (!ret)
-		return 0;
-	pr_warn_ratelimited("put_pages failed: %d\n", ret);
-	if (persistent)
-		return 0;	/* no callback will come: nothing more to do */
-	return ret;
 }
 
 /*
@@ -708,44 +424,6 @@ void gpupin_file_release_pins(struct gpupin_file *f, u32 reason)
 	}
 }
 
-/*
- * Can gpupin read a page table of @version?  NVIDIA's rule for the header it
- * was built against (same major, minor at least the header's).  Built against
- * a 2.x header (R580 on), 1.x tables from 1.2 on as well: 2.0 appended
- * `flags` to the 1.2 layout, and gpupin reads no field after gpu_uuid (added
- * in 1.2), so a 1.2 table - smaller by that member - is read in bounds.
- */
-bool gpupin_table_version_ok(u32 version)
-{
-	u32 major = NVIDIA_P2P_MAJOR_VERSION(version);
-	u32 minor = NVIDIA_P2P_MINOR_VERSION(version);
-	u32 built = NVIDIA_P2P_MAJOR_VERSION(NVIDIA_P2P_PAGE_TABLE_VERSION);
-
-	if (major == built)
-		return minor >= NVIDIA_P2P_MINOR_VERSION(NVIDIA_P2P_PAGE_TABLE_VERSION);
-	return built == 2 && major == 1 && minor >= 2;
-}
-
-static int gpupin_check_table(struct gpupin_pin_obj *pin)
-{
-	struct nvidia_p2p_page_table *pt = pin->pt;
-
-	if (!gpupin_table_version_ok(pt->version)) {
-		pr_warn_ratelimited("incompatible page table version 0x%08x\n", pt->version);
-		return -EPROTO;
-	}
-	if (pt->page_size != NVIDIA_P2P_PAGE_SIZE_64KB) {
-		pr_warn_ratelimited("unsupported GPU page size type %u\n", pt->page_size);
-		return -EOPNOTSUPP;
-	}
-	if (pt->entries != pin->entries) {
-		pr_warn_ratelimited("page table has %u entries for %llu bytes\n",
-				    pt->entries, pin->aligned_size);
-		return -EPROTO;
-	}
-	return 0;
-}
-
 static void gpupin_count_failure(int err)
 {
 	switch (err) {
@@ -773,24 +451,6 @@ static int gpupin_budget_get(u64 size)
 		atomic64_sub(size, &gpupin_pinned_bytes);
 		return -ENOSPC;
 	}
-	return 0;
-}
-
-static int gpupin_pin_validate(struct gpupin_pin *arg)
-{
-	u64 end, aligned_end;
-
-	if ((arg->flags & ~GPUPIN_PIN_FLAGS_ALL) || arg->pad ||
-	    arg->reserved[0] || arg->reserved[1])
-		return -EINVAL;
-	if (!arg->size || check_add_overflow(arg->va, arg->size, &end) ||
-	    check_add_overflow(end, GPU_BOUND_SIZE - 1, &aligned_end))
-		return -EINVAL;
-	aligned_end &= GPU_BOUND_MASK;
-	arg->aligned_va = arg->va & GPU_BOUND_MASK;
-	arg->aligned_size = aligned_end - arg->aligned_va;
-	if ((arg->aligned_size >> GPU_BOUND_SHIFT) > U32_MAX)
-		return -EINVAL;
 	return 0;
 }
 
@@ -902,30 +562,10 @@ static int gpupin_pin_mark_pinned(struct gpupin_file *f, struct gpupin_pin_obj *
 	return ret;
 }
 
-/* nv-p2p's commit: check the page table and keep its GPU UUID. */
-static int gpupin_nvp2p_commit(struct gpupin_pin_obj *pin)
-{
-	int ret = gpupin_check_table(pin);
-
-	if (!ret && pin->pt->gpu_uuid)
-		memcpy(pin->gpu_uuid, pin->pt->gpu_uuid, sizeof(pin->gpu_uuid));
-	return ret;
-}
-
 /* The pin's GPU UUID (zeros where the provider gives none). */
 void gpupin_pin_uuid(const struct gpupin_pin_obj *pin, u8 uuid[16])
 {
 	memcpy(uuid, pin->gpu_uuid, 16);
-}
-
-/* nv-p2p's addrs: the pages' physical addresses. */
-static int gpupin_nvp2p_addrs(const struct gpupin_pin_obj *pin, u64 *addrs, u32 first, u32 count)
-{
-	u32 i;
-
-	for (i = 0; i < count; i++)
-		addrs[i] = pin->pt->pages[first + i]->physical_address;
-	return 0;
 }
 
 /*
@@ -940,21 +580,6 @@ u64 gpupin_pin_page_addr(const struct gpupin_pin_obj *pin, u32 idx)
 	if (idx >= pin->entries || pin->ops->addrs(pin, &addr, idx, 1))
 		return 0;
 	return addr;
-}
-
-/* PIN's result for @pin (gpupin_pin_req.fill): @out is its struct gpupin_pin. */
-static void gpupin_pin_fill(void *out, const struct gpupin_pin_obj *pin)
-{
-	struct gpupin_pin *arg = out;
-
-	BUILD_BUG_ON(sizeof(arg->gpu_uuid) != 16);
-	arg->handle = pin->handle;
-	arg->page_size = BIT(pin->page_shift);
-	arg->entries = pin->entries;
-	gpupin_pin_uuid(pin, arg->gpu_uuid);
-	arg->slot = pin->slot;
-	arg->pin_flags = pin->flags;
-	arg->valid_word = pin->handle;
 }
 
 /*
@@ -989,75 +614,6 @@ static int gpupin_pin_publish(struct gpupin_file *f, struct gpupin_pin_obj *pin,
 	return 0;
 }
 
-/* What gpupin_nvp2p_acquire() leaves in pin->pt for get_pages to overwrite. */
-#define GPUPIN_PT_UNSET ((struct nvidia_p2p_page_table *)ERR_PTR(-EINVAL))
-
-/*
- * A failed get_pages' error as PIN reports it.  NVIDIA's nv_p2p_get_pages
- * pins (rm_p2p_get_pages) and then arms the callback
- * (rm_p2p_register_callback), taking its API lock for each.  Memory freed
- * in between loses its mapping without a callback; the registration then
- * fails with -EINVAL, and the failure path's put_pages, finding nothing,
- * sets *page_table to NULL.  No other -EINVAL leaves NULL there: the
- * argument checks leave it as it was (GPUPIN_PT_UNSET), and RM refusing
- * the range leaves it pointing at the freed table.  So -EINVAL with @pt
- * NULL is memory freed while gpupin pinned it: -ENXIO, as when the callback
- * runs before get_pages returns.  (An MPS client torn down in that window,
- * losing its registration, looks the same: its memory is gone for it.)
- */
-static int gpupin_get_pages_err(int err, const struct nvidia_p2p_page_table *pt,
-				bool persistent)
-{
-	if (err == -EINVAL && !pt && !persistent)
-		return -ENXIO;
-	return gpupin_provider_err(err);
-}
-
-/*
- * nv-p2p's acquire: get_pages of [aligned_va, aligned_va + aligned_size),
- * persistent or with the free callback, whose data is the pin's id.  The
- * callback may run as soon as get_pages returns.
- */
-static int gpupin_nvp2p_acquire(struct gpupin_pin_obj *pin, void *req)
-{
-	bool persistent = pin->flags & GPUPIN_PIN_PERSISTENT;
-	int ret;
-
-	if (!persistent) {
-		ret = gpupin_cb_id_alloc(pin);
-		if (ret)
-			return ret;
-	}
-
-	pin->pt = GPUPIN_PT_UNSET;	/* see gpupin_get_pages_err() */
-	mutex_lock(&gpupin_p2p_tables);
-	if (persistent)
-		ret = nvidia_p2p_get_pages_persistent(pin->aligned_va, pin->aligned_size,
-						      &pin->pt, 0);
-	else
-		ret = nvidia_p2p_get_pages(0, 0, pin->aligned_va, pin->aligned_size,
-					   &pin->pt, gpupin_cb_free_callback,
-					   (void *)(unsigned long)pin->cb_id);
-	mutex_unlock(&gpupin_p2p_tables);
-	if (ret) {
-		gpupin_dbg("get_pages failed: %d\n", ret);
-		ret = gpupin_get_pages_err(ret, pin->pt, persistent);
-		pin->pt = NULL;
-	}
-	return ret;
-}
-
-/* The nv-p2p backend (gpupin.h: struct gpupin_pin_backend_ops). */
-static const struct gpupin_pin_backend_ops gpupin_nvp2p_backend = {
-	.acquire = gpupin_nvp2p_acquire,
-	.commit = gpupin_nvp2p_commit,
-	.release_here = gpupin_nvp2p_release_here,
-	.release = gpupin_nvp2p_release,
-	.teardown = gpupin_nvp2p_teardown,
-	.addrs = gpupin_nvp2p_addrs,
-	.unmap_in_use = true,
-};
-
 /*
  * The one way to a new pin, for PIN and PIN_DMABUF once they checked every
  * field of theirs: allocate and reserve it, let the backend take the memory
@@ -1089,47 +645,6 @@ long gpupin_pin_new(struct gpupin_file *f, const struct gpupin_pin_req *req)
 	}
 	req->fill(req->arg, pin);
 	return gpupin_pin_publish(f, pin, req->uarg, req->arg, req->len);
-}
-
-/* PIN: copy in, validate, then a new nv-p2p pin (gpupin_pin_new). */
-long gpupin_ioctl_pin(struct gpupin_file *f, struct gpupin_pin __user *uarg)
-{
-	struct gpupin_pin_req req;
-	struct gpupin_pin arg;
-	bool persistent;
-	int ret;
-
-	if (copy_from_user(&arg, uarg, sizeof(arg)))
-		return -EFAULT;
-	ret = gpupin_pin_validate(&arg);
-	if (ret)
-		return ret;
-	if (!gpupin_caller_owns(f))
-		return -EACCES;
-	persistent = (arg.flags & GPUPIN_PIN_PERSISTENT) || READ_ONCE(gpupin_default_persistent);
-	if (persistent && !(gpupin_caps & GPUPIN_CAP_PERSISTENT))
-		return -EOPNOTSUPP;
-#ifdef GPUPIN_NV_GET_PAGES_DOUBLE_FREE
-	/* NVIDIA's get_pages with a callback can double-free here: main.c says why. */
-	if (!persistent && !READ_ONCE(gpupin_nv_unsafe_get_pages))
-		return -EOPNOTSUPP;
-#endif
-	req = (struct gpupin_pin_req) {
-		.ops = &gpupin_nvp2p_backend,
-		.va = arg.va,
-		.size = arg.size,
-		.aligned_va = arg.aligned_va,
-		.aligned_size = arg.aligned_size,
-		.user_tag = arg.user_tag,
-		.page_shift = GPU_BOUND_SHIFT,
-		/* Non-persistent pages come with a free callback: NVIDIA revokes them. */
-		.flags = persistent ? GPUPIN_PIN_PERSISTENT : GPUPIN_PIN_REVOCABLE,
-		.fill = gpupin_pin_fill,
-		.arg = &arg,
-		.len = sizeof(arg),
-		.uarg = uarg,
-	};
-	return gpupin_pin_new(f, &req);
 }
 
 long gpupin_ioctl_unpin(struct gpupin_file *f, struct gpupin_unpin __user *uarg)
