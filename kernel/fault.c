@@ -46,9 +46,12 @@ void gpupin_fault_callback_tail(void)
 
 static unsigned int gpupin_fail_init_ms;
 module_param_named(fail_init_ms, gpupin_fail_init_ms, uint, 0444);
-MODULE_PARM_DESC(fail_init_ms, "Testing: module init pauses this long once everything is set up, then fails with -EAGAIN (a load that fails while a free callback is in gpupin; 0 = off)");
+MODULE_PARM_DESC(fail_init_ms, "Testing: module init pauses this long once the callback handler and the netlink family are set up, before the device exists, then fails with -EAGAIN (a load that fails while a free callback is in gpupin; 0 = off)");
 
-/* The end of module init: 0, or the injected failure after its pause. */
+/*
+ * Module init's last step before the device is registered (no pin can exist yet): 0, or the
+ * injected failure after its pause.
+ */
 int gpupin_fault_init_end(void)
 {
 	unsigned int ms = READ_ONCE(gpupin_fail_init_ms);
