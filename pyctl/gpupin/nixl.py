@@ -63,9 +63,10 @@ from .memory import MemoryProvider
 MEM_TYPES = ("VRAM", "DRAM")
 INSTALL = "pip install --no-deps nixl-cu13 numpy"
 
-# The protocol on NIXL notifications, version 3: one prefix, a kind byte, a fixed layout per kind
-# (HOLD, GRANT and XFER carry a count, then that many entries).  See NixlEndpoint.
-_PREFIX = b"gpupin-nixl/3:"
+# The protocol on NIXL notifications, version 4 (an incarnation is a start time, so ordered):
+# one prefix, a kind byte, a fixed layout per kind (HOLD, GRANT and XFER carry a count, then
+# that many entries).  See NixlEndpoint.
+_PREFIX = b"gpupin-nixl/4:"
 _HOLD, _GRANT, _XFER, _ACK, _REVOKE, _DROP = b"H", b"G", b"X", b"A", b"R", b"D"
 _MDASK, _MD = b"M", b"m"  # a target's current metadata, asked for and sent (its bytes follow the head)
 _DROPPED = b"d"  # a target has a closing initiator's drop (DROP's third field asks for it)
@@ -878,6 +879,14 @@ def _specs(
     return [(b[0], b[1], devid) for b in blocks], [(r.addr + off, size, r.devid) for _, size, r, off in blocks]
 
 
+def _incarnation() -> int:
+    """An endpoint's incarnation: its start time in microseconds, then 12 random bits.  A peer
+    restarted under its name has a larger one, so an initiator tells an earlier incarnation's
+    descriptor from a restart's, in whatever order it meets them (on one host; across hosts while
+    their clocks differ by less than the time a restart takes).  Fits 63 bits past 2200."""
+    return (time.time_ns() // 1000) << 12 | secrets.randbits(12)
+
+
 def _bounded(loaded: dict[int, None]) -> dict[int, None]:
     """A view's record of metadata loaded, its oldest entries let go past _LOADED_PER_PEER
     (loading one again costs a reload, no more)."""
@@ -956,7 +965,7 @@ class NixlEndpoint(Closable):
         start = secrets.randbits(62)
         self._seq = itertools.count(start)
         self._xids = itertools.count(secrets.randbits(62) | 1)
-        self.incarnation = secrets.randbits(63)  # this endpoint among others of its name (restarts)
+        self.incarnation = _incarnation()  # this endpoint among others of its name (restarts)
         self._incarnations: dict[str, int] = {}  # (initiator) peer -> the incarnation it talks to
         self._retired: dict[str, set[int]] = {}  # (initiator) peer -> its incarnations met and gone
         # _lock guards the protocol's state below; taken before the agent's lock (driver.lock),
@@ -1904,13 +1913,18 @@ class NixlEndpoint(Closable):
             raise InvalidArgument(f"post(): blocks for two incarnations of {peer} (it restarted): one transfer, one")
         with self._lock:
             # One decision per restart, under the lock: two threads meeting the new incarnation
-            # at once would both take it for a restart (the second retiring the live one).
+            # at once would both take it for a restart (the second retiring the live one).  An
+            # incarnation is a start time: a smaller one than the peer's current is an earlier
+            # one (a descriptor received before the restart and used after), never a restart.
+            current = self._incarnations.get(peer)
+            if current is not None and inc < current:
+                self._retired.setdefault(peer, set()).add(inc)
             if inc in self._retired.get(peer, ()):
                 raise StaleRemote(
                     f"NIXL transfer into {peer}'s buffer at {blocks[0][2].addr:#x}: the descriptor is of an earlier "
                     f"incarnation of {peer}, which restarted since; nothing was sent. Ask it to expose the buffer again"
                 )
-            if self._incarnations.get(peer, inc) != inc:
+            if current is not None and current != inc:  # a later incarnation: the peer restarted
                 self._new_incarnation(peer)  # (takes _lock again: it is reentrant)
                 self._retired.setdefault(peer, set()).add(self._incarnations[peer])
             self._incarnations[peer] = inc

@@ -397,10 +397,10 @@ def test_a_malformed_notification_loses_nothing() -> None:
     try:
         bad = [
             b"gpupin-nixl-ack/1:short",  # an older gpupin's
-            b"gpupin-nixl/3:H" + bytes(3),  # too short for its head
-            b"gpupin-nixl/3:G" + struct.pack("<QH", 1, 5),  # five entries announced, none there
-            b"gpupin-nixl/3:X" + struct.pack("<QH", 1, 60000) + bytes(16),  # over the entry limit
-            b"gpupin-nixl/3:Z" + bytes(8),  # no such kind
+            b"gpupin-nixl/4:H" + bytes(3),  # too short for its head
+            b"gpupin-nixl/4:G" + struct.pack("<QH", 1, 5),  # five entries announced, none there
+            b"gpupin-nixl/4:X" + struct.pack("<QH", 1, 60000) + bytes(16),  # over the entry limit
+            b"gpupin-nixl/4:Z" + bytes(8),  # no such kind
         ]
         with p.tgt.driver.lock:
             p.tgt.agent.send_notif("i-pair", b"app-1")
@@ -433,7 +433,7 @@ def test_a_message_whose_handling_fails_loses_nothing_else() -> None:
 
     try:
         with p.ini.driver.lock:
-            p.ini.agent.send_notif("t-pair", b"gpupin-nixl/3:M" + struct.pack("<Q", 7))  # a metadata request
+            p.ini.agent.send_notif("t-pair", b"gpupin-nixl/4:M" + struct.pack("<Q", 7))  # a metadata request
             p.ini.agent.send_notif("t-pair", b"app-after")
         p.tgt.agent.get_agent_metadata = refuse
         got: list[tuple[str, bytes]] = []
@@ -1666,7 +1666,7 @@ def test_leases_are_kept_or_given_back_never_dropped_silently() -> None:
         p.tgt.connect(p.ini.metadata())  # the initiator's forget_peer closed the connection both ways
         p.ini.write(src, 4096, rc)
         rd = p.tgt.expose(p.mt.alloc(MiB), MiB)
-        later = dataclasses.replace(rd, incarnation=rc.incarnation ^ 1)  # as if the target restarted
+        later = dataclasses.replace(rd, incarnation=rc.incarnation + 1)  # as if the target restarted
         p.ini.write(src, 4096, later)
         with pytest.raises(StaleRemote, match="earlier incarnation"):
             p.ini.write(src, 4096, rc)
@@ -2395,6 +2395,40 @@ def test_threads_meeting_a_restarted_peer_at_once_take_it_for_one_restart() -> N
         assert not errors, errors
         assert ra.incarnation not in e._retired.get("target", ()), "the live incarnation was retired"
         assert len(calls) == 1
+        e.write(src, 4096, RemoteBufferOf(t2, t2.call("alloc", MiB), MiB), timeout=10)
+    finally:
+        t1.kill()
+        if t2 is not None:
+            t2.kill()
+        with warnings.catch_warnings():  # the targets are dead: they hear no lease drop
+            warnings.simplefilter("ignore", RuntimeWarning)
+            e.close(timeout=0.5)
+        mem.close()
+
+
+def test_a_descriptor_of_an_earlier_incarnation_met_after_a_later_one_is_refused() -> None:
+    """A descriptor received before the target restarted and used after the initiator met the
+    restarted one: incarnations had no order, so the old one was taken for a restart: the live
+    incarnation's view and leases were forgotten without a drop and it was retired for good.
+    Incarnations are start times now: the earlier one is refused, the live peer goes on."""
+    mem = HostMemory(16 << 20)
+    e = NixlEndpoint("initiator", mem, mem_type="DRAM", auto_progress=True)
+    src = mem.alloc(MiB)
+    t1 = Target("host")
+    t2 = None
+    try:
+        t1.call("connect", e.metadata())
+        rb1 = RemoteBufferOf(t1, t1.call("alloc", MiB), MiB)  # received, not used yet
+        t1.kill()  # restarts under its name
+        t2 = Target("host")
+        t2.call("connect", e.metadata())
+        rb2 = RemoteBufferOf(t2, t2.call("alloc", MiB), MiB)
+        assert rb2.incarnation > rb1.incarnation
+        e.write(src, 4096, rb2, timeout=10)
+        with pytest.raises(StaleRemote, match="earlier incarnation"):
+            e.write(src, 4096, rb1, timeout=3)
+        assert e._lease_state("target", rb2.xid) == "held"
+        t2.call("unexpose", rb2.to_bytes(), 5.0)  # the live initiator gives its lease back
         e.write(src, 4096, RemoteBufferOf(t2, t2.call("alloc", MiB), MiB), timeout=10)
     finally:
         t1.kill()
