@@ -230,7 +230,9 @@ struct gpupin_event {
  * GPUPIN_PIN_DMABUF_PCI_DEV (EINVAL without).  A static exporter (NVIDIA's:
  * no pin/unpin, never move_notify, export holds the memory) never revokes:
  * cuMemFree frees nothing while the pin holds the buffer, and the pin is
- * never invalidated (no GPUPIN_PIN_REVOCABLE).
+ * never invalidated (no GPUPIN_PIN_REVOCABLE).  An exporter that revokes
+ * the buffer while PIN_DMABUF imports it (before the pin is made) fails the
+ * call with ENXIO; nothing is pinned.
  */
 struct gpupin_pin_dmabuf {
 	__s32 fd;
