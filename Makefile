@@ -138,7 +138,8 @@ test-native: pyext
 	$(VENV)/bin/python -m gpupin selftest --native --keep --require-modules $(if $(PEER_PCI),--pci $(PEER_PCI))
 	GPUPIN_NATIVE=1 GPUPIN_PEER_PCI=$(PEER_PCI) $(VENV)/bin/pytest -q tests/vm
 
-# The guest may run 80 min: the full counts took 28-36 min, the cache's thread stress adds 10.
+# The guest may run 80 min: on a 2-core machine it took 37 (test_sigkill_during_pin's 10,000
+# kills 14 of them, the cache's thread stress 10), after the host's 10 min of thread stress.
 test-long: setup pyext
 	GPUPIN_LONG=1 $(VENV)/bin/pytest -q tests/host/test_cache_threads.py
 	GPUPIN_LONG=1 GPUPIN_CYCLES=20 GPUPIN_TEST_TIMEOUT=1800 VM_TIMEOUT=$${VM_TIMEOUT:-4800} scripts/vm-run.sh test
