@@ -63,16 +63,16 @@ from .memory import MemoryProvider
 MEM_TYPES = ("VRAM", "DRAM")
 INSTALL = "pip install --no-deps nixl-cu13 numpy"
 
-# The protocol on NIXL notifications, version 4 (an incarnation is a start time, so ordered):
-# one prefix, a kind byte, a fixed layout per kind (HOLD, GRANT and XFER carry a count, then
-# that many entries).  See NixlEndpoint.
+# The protocol on NIXL notifications, version 4: one prefix, a kind byte, a fixed layout per kind
+# (HOLD, GRANT and XFER carry a count, then that many entries).  See NixlEndpoint.
 _PREFIX = b"gpupin-nixl/4:"
 _HOLD, _GRANT, _XFER, _ACK, _REVOKE, _DROP = b"H", b"G", b"X", b"A", b"R", b"D"
 _MDASK, _MD = b"M", b"m"  # a target's current metadata, asked for and sent (its bytes follow the head)
 _DROPPED = b"d"  # a target has a closing initiator's drop (DROP's third field asks for it)
+_WHO, _IAM = b"W", b"w"  # which incarnation a target runs now, asked for and said
 _HEAD = {
     _HOLD: "<QH", _GRANT: "<QH", _XFER: "<QH", _ACK: "<QBQ", _REVOKE: "<QB", _DROP: "<QQBQ", _MDASK: "<Q",
-    _MD: "<QQ", _DROPPED: "<Q",
+    _MD: "<QQ", _DROPPED: "<Q", _WHO: "<Q", _IAM: "<QQ",
 }  # fmt: skip
 # HOLD (xid, epoch); GRANT (xid, status, dereg, ptr, size): the exposure's range, which a
 # transfer's descriptor must name; XFER (xid, epoch).
@@ -566,7 +566,7 @@ class RemoteBuffer:
     metadata: bytes
 
     _FMT = "<4sQQQQQQqQQH"
-    _MAGIC = b"gprb"
+    _MAGIC = b"gpr4"  # the protocol's version: an older gpupin's descriptors are refused
 
     def to_bytes(self) -> bytes:
         name = self.agent.encode()
@@ -879,14 +879,6 @@ def _specs(
     return [(b[0], b[1], devid) for b in blocks], [(r.addr + off, size, r.devid) for _, size, r, off in blocks]
 
 
-def _incarnation() -> int:
-    """An endpoint's incarnation: its start time in microseconds, then 12 random bits.  A peer
-    restarted under its name has a larger one, so an initiator tells an earlier incarnation's
-    descriptor from a restart's, in whatever order it meets them (on one host; across hosts while
-    their clocks differ by less than the time a restart takes).  Fits 63 bits past 2200."""
-    return (time.time_ns() // 1000) << 12 | secrets.randbits(12)
-
-
 def _bounded(loaded: dict[int, None]) -> dict[int, None]:
     """A view's record of metadata loaded, its oldest entries let go past _LOADED_PER_PEER
     (loading one again costs a reload, no more)."""
@@ -965,7 +957,7 @@ class NixlEndpoint(Closable):
         start = secrets.randbits(62)
         self._seq = itertools.count(start)
         self._xids = itertools.count(secrets.randbits(62) | 1)
-        self.incarnation = _incarnation()  # this endpoint among others of its name (restarts)
+        self.incarnation = secrets.randbits(63)  # this endpoint among others of its name (restarts)
         self._incarnations: dict[str, int] = {}  # (initiator) peer -> the incarnation it talks to
         self._retired: dict[str, set[int]] = {}  # (initiator) peer -> its incarnations met and gone
         # _lock guards the protocol's state below; taken before the agent's lock (driver.lock),
@@ -995,6 +987,7 @@ class NixlEndpoint(Closable):
         self._drops: list[tuple[str, bytes, float, int]] = []
         self._unacked: set[tuple[str, int]] = set()  # (closing initiator) (peer, xid) drops not yet acknowledged
         self._md_asked: dict[int, tuple[str, int, bytes] | None] = {}  # request -> (peer, dereg, metadata)
+        self._who_asked: dict[int, tuple[str, int] | None] = {}  # request -> (peer, its incarnation)
         self.dropped_notifications = 0  # application messages let go: progress() was not called
         self.unanswered = 0  # (target) messages it could not answer (peer not connected, send failed)
         self.stale_transfers = 0  # (target) transfers whose arrival found their exposure changed
@@ -1347,6 +1340,14 @@ class NixlEndpoint(Closable):
         elif kind == _MD:
             if head[0] in self._md_asked:
                 self._md_asked[head[0]] = (peer, head[1], m[head[2] :])
+        elif kind == _WHO:
+            if peer in self._connected:  # as grants: to connected peers only
+                self._send(peer, _pack(_IAM, (head[0], self.incarnation)))
+            else:
+                self._not_connected(peer)
+        elif kind == _IAM:
+            if head[0] in self._who_asked:
+                self._who_asked[head[0]] = (peer, head[1])
         elif kind == _XFER:
             self._on_xfer(peer, head[0], entries)
         elif kind == _DROP:
@@ -1912,22 +1913,18 @@ class NixlEndpoint(Closable):
         if any(r.incarnation != inc for r in remotes.values()):
             raise InvalidArgument(f"post(): blocks for two incarnations of {peer} (it restarted): one transfer, one")
         with self._lock:
-            # One decision per restart, under the lock: two threads meeting the new incarnation
-            # at once would both take it for a restart (the second retiring the live one).  An
-            # incarnation is a start time: a smaller one than the peer's current is an earlier
-            # one (a descriptor received before the restart and used after), never a restart.
             current = self._incarnations.get(peer)
-            if current is not None and inc < current:
-                self._retired.setdefault(peer, set()).add(inc)
             if inc in self._retired.get(peer, ()):
                 raise StaleRemote(
-                    f"NIXL transfer into {peer}'s buffer at {blocks[0][2].addr:#x}: the descriptor is of an earlier "
-                    f"incarnation of {peer}, which restarted since; nothing was sent. Ask it to expose the buffer again"
+                    f"NIXL transfer into {peer}'s buffer at {blocks[0][2].addr:#x}: the descriptor is of an "
+                    f"incarnation of {peer} that is not the one it runs (it restarted since, or this one is older); "
+                    "nothing was sent. Ask it to expose the buffer again"
                 )
-            if current is not None and current != inc:  # a later incarnation: the peer restarted
-                self._new_incarnation(peer)  # (takes _lock again: it is reentrant)
-                self._retired.setdefault(peer, set()).add(self._incarnations[peer])
-            self._incarnations[peer] = inc
+            if current is None:
+                self._incarnations[peer] = inc
+        if current is not None and current != inc:
+            self._meet_incarnation(peer, current, blocks[0][2], deadline)
+        with self._lock:
             for r in remotes.values():
                 lease = self._leases.get((peer, r.xid))
                 if lease is not None and lease.broken:
@@ -2043,6 +2040,60 @@ class NixlEndpoint(Closable):
                 if lease.state == "granted":
                     lease.state = "held"
         return leases
+
+    def _meet_incarnation(self, peer: str, current: int, r: RemoteBuffer, deadline: float) -> None:
+        """A descriptor of another incarnation of ``peer`` than the one this endpoint talks to:
+        the peer restarted, or the descriptor is of an incarnation that does not run (made before
+        a restart, used after the restarted one was met).  Incarnations have no order: the peer
+        says which one it runs (a round trip, only here).  One that cannot be reached at all (its
+        process gone, or forget_peer() called) restarted; one that does not answer in time is
+        neither (NixlError, nothing changed).  Decided under the lock, once: a thread that finds
+        the decision made by another meanwhile asks again (_AskAgain)."""
+        inc = r.incarnation
+        live = self._ask_incarnation(peer, deadline)
+        with self._lock:
+            if self._incarnations.get(peer) != current:
+                raise _AskAgain
+            if live is not None and live != inc:  # the live one is another: this descriptor's runs no more
+                self._retired.setdefault(peer, set()).add(inc)
+                raise StaleRemote(
+                    f"NIXL transfer into {peer}'s buffer at {r.addr:#x}: the descriptor is of an incarnation of "
+                    f"{peer} that is not the one it runs (it restarted since, or this one is older); nothing was sent. "
+                    "Ask it to expose the buffer again"
+                )
+            self._new_incarnation(peer)  # (takes _lock again: it is reentrant)
+            self._retired.setdefault(peer, set()).add(current)
+            self._incarnations[peer] = inc
+
+    def _ask_incarnation(self, peer: str, deadline: float) -> int | None:
+        """The incarnation ``peer`` runs now, asked over NIXL's connection to it; None if NIXL
+        cannot send to it at all (it went away, or this endpoint forgot it)."""
+        with self._lock:
+            req = next(self._seq)
+            self._who_asked[req] = None
+        try:
+            with self.driver.lock:
+                try:
+                    self.agent.send_notif(peer, _pack(_WHO, (req,)))
+                except Exception:  # noqa: BLE001 - NIXL's classes: no connection to the peer
+                    self.driver.peer_failed()
+                    return None
+            while True:
+                with self._lock:
+                    got = self._who_asked.get(req)
+                if got is not None and got[0] == peer:
+                    return got[1]
+                if time.monotonic() > deadline:
+                    raise NixlError(
+                        f"{peer} sent a descriptor of another incarnation than the one this endpoint talks to, and the "
+                        f"one it talks to does not say which it runs (it must call progress()); if it died, "
+                        f"forget_peer({peer!r}) and try again"
+                    )
+                self._pump()
+                time.sleep(_NAP_MIN_S)
+        finally:
+            with self._lock:
+                self._who_asked.pop(req, None)
 
     def _new_incarnation(self, peer: str) -> None:
         """``peer`` restarted under its name: forget the old one (its leases, NIXL's view of it)
