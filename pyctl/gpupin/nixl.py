@@ -959,6 +959,7 @@ class NixlEndpoint(Closable):
         self._xids = itertools.count(secrets.randbits(62) | 1)
         self.incarnation = secrets.randbits(63)  # this endpoint among others of its name (restarts)
         self._incarnations: dict[str, int] = {}  # (initiator) peer -> the incarnation it talks to
+        self._inc_md: dict[str, bytes] = {}  # (initiator) peer -> that incarnation's metadata (to reach it)
         self._retired: dict[str, set[int]] = {}  # (initiator) peer -> its incarnations met and gone
         # _lock guards the protocol's state below; taken before the agent's lock (driver.lock),
         # never after.  _plock: one thread at a time takes NIXL's notifications.
@@ -1922,6 +1923,7 @@ class NixlEndpoint(Closable):
                 )
             if current is None:
                 self._incarnations[peer] = inc
+                self._inc_md[peer] = blocks[0][2].metadata
         if current is not None and current != inc:
             self._meet_incarnation(peer, current, blocks[0][2], deadline)
         with self._lock:
@@ -2045,9 +2047,9 @@ class NixlEndpoint(Closable):
         """A descriptor of another incarnation of ``peer`` than the one this endpoint talks to:
         the peer restarted, or the descriptor is of an incarnation that does not run (made before
         a restart, used after the restarted one was met).  Incarnations have no order: the peer
-        says which one it runs (a round trip, only here).  One that cannot be reached at all (its
-        process gone, or forget_peer() called) restarted; one that does not answer in time is
-        neither (NixlError, nothing changed).  Decided under the lock, once: a thread that finds
+        says which one it runs (a round trip, only here).  One that cannot be reached even over a
+        connection made afresh from its own metadata (its process gone) restarted; one that does
+        not answer in time is neither (NixlError, nothing changed).  Decided under the lock, once: a thread that finds
         the decision made by another meanwhile asks again (_AskAgain)."""
         inc = r.incarnation
         live = self._ask_incarnation(peer, deadline)
@@ -2064,20 +2066,33 @@ class NixlEndpoint(Closable):
             self._new_incarnation(peer)  # (takes _lock again: it is reentrant)
             self._retired.setdefault(peer, set()).add(current)
             self._incarnations[peer] = inc
+            self._inc_md[peer] = r.metadata
 
     def _ask_incarnation(self, peer: str, deadline: float) -> int | None:
-        """The incarnation ``peer`` runs now, asked over NIXL's connection to it; None if NIXL
-        cannot send to it at all (it went away, or this endpoint forgot it)."""
+        """The incarnation ``peer`` runs now, asked over NIXL's connection to the incarnation this
+        endpoint talks to; None only if that incarnation cannot be reached even over a connection
+        made afresh from its own metadata (its process is gone).  A send NIXL refuses proves
+        nothing by itself: NIXL may hold no connection to the peer (forget_peer(), another
+        thread's restart between its forgetting and its load) or a broken one while it lives."""
         with self._lock:
             req = next(self._seq)
             self._who_asked[req] = None
         try:
-            with self.driver.lock:
-                try:
-                    self.agent.send_notif(peer, _pack(_WHO, (req,)))
-                except Exception:  # noqa: BLE001 - NIXL's classes: no connection to the peer
-                    self.driver.peer_failed()
-                    return None
+            for fresh in (False, True):
+                md = self._inc_md.get(peer)
+                if (fresh or peer not in self._connected) and md is not None:
+                    try:
+                        self._reconnect(peer, md, deadline, fresh=True)
+                    except NixlError:  # NIXL cannot connect to it (UCX: refused): its process is gone
+                        return None
+                with self.driver.lock:
+                    try:
+                        self.agent.send_notif(peer, _pack(_WHO, (req,)))
+                        break
+                    except Exception:  # noqa: BLE001 - NIXL's classes: no (working) connection
+                        self.driver.peer_failed()
+            else:
+                return None
             while True:
                 with self._lock:
                     got = self._who_asked.get(req)
@@ -2085,9 +2100,9 @@ class NixlEndpoint(Closable):
                     return got[1]
                 if time.monotonic() > deadline:
                     raise NixlError(
-                        f"{peer} sent a descriptor of another incarnation than the one this endpoint talks to, and the "
-                        f"one it talks to does not say which it runs (it must call progress()); if it died, "
-                        f"forget_peer({peer!r}) and try again"
+                        f"a descriptor names another incarnation of {peer} than the one this endpoint talks to, and "
+                        f"that one does not say which it runs within the timeout (alive, but not calling progress()?); "
+                        "nothing changed: try again once it answers"
                     )
                 self._pump()
                 time.sleep(_NAP_MIN_S)
@@ -2207,11 +2222,14 @@ class NixlEndpoint(Closable):
 
         self._reload(peer, remote.metadata, deadline, plan)
 
-    def _reconnect(self, peer: str, metadata: bytes, deadline: float) -> None:
+    def _reconnect(self, peer: str, metadata: bytes, deadline: float, *, fresh: bool = False) -> None:
         """(a held lease, NIXL's view of the peer erased) Load metadata of unknown age, for the
-        connection a metadata request needs: no record (the next load replaces it)."""
+        connection a metadata request needs: no record (the next load replaces it).  ``fresh``:
+        NIXL's view of the peer is forgotten first, whatever it holds (a broken connection)."""
 
         def plan(view: tuple[int, dict[int, None]] | None) -> tuple[str, tuple[int, dict[int, None]] | None]:
+            if fresh:
+                return "renew", None
             if peer in self._connected:  # another thread connected it meanwhile
                 return "none", view
             return "add", None

@@ -2488,3 +2488,26 @@ def test_a_live_peer_that_does_not_say_its_incarnation_changes_nothing() -> None
         p.ini.write(src, 4096, ra)
     finally:
         p.close()
+
+
+def test_a_peer_forgotten_while_alive_is_asked_again_not_taken_for_restarted() -> None:
+    """NIXL refusing to send to the incarnation the initiator talks to was taken for proof that it
+    died: after forget_peer() of a peer that was only slow (no connection loaded any more), a
+    descriptor of another incarnation retired the live one for good.  The initiator now reaches
+    that incarnation afresh from its own metadata and asks it."""
+    p = Pair(auto_progress=True)
+    try:
+        src = p.mi.alloc(MiB)
+        ra = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        p.ini.write(src, 4096, ra)
+        p.ini.forget_peer(p.tgt.name, timeout=0.2)  # taken for dead (it is alive)
+        other = dataclasses.replace(ra, incarnation=ra.incarnation + 1, xid=ra.xid + 2)
+        with pytest.raises(StaleRemote, match="not the one it runs"):
+            p.ini.write(src, 4096, other)
+        assert ra.incarnation not in p.ini._retired.get(p.tgt.name, ())
+        p.tgt.forget_peer(p.ini.name)  # its lease on ra: the initiator gave it back unheard
+        p.tgt.connect(p.ini.metadata())  # (the initiator's forget_peer closed the connection both ways)
+        rb = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        p.ini.write(src, 4096, rb)  # the live incarnation goes on
+    finally:
+        p.close()
