@@ -1079,8 +1079,11 @@ class NixlEndpoint(Closable):
             self._forget_view(peer)
             # Its drops went out above and NIXL can send it nothing more: a late grant or
             # revocation from it gets no drop (until it is loaded again).  Its incarnation is
-            # kept: a descriptor of it, once a later one was met, is refused.
+            # kept: a descriptor of it, once a later one was met, is refused.  Its metadata goes:
+            # the application says it can transfer no more, so a descriptor of another
+            # incarnation is its restart (no connection to the forgotten one is tried again).
             self._forgotten.add(peer)
+            self._inc_md.pop(peer, None)
 
     def _refuse_if_busy(self, peer: str) -> None:
         if self._busy_with(peer):
@@ -2070,10 +2073,11 @@ class NixlEndpoint(Closable):
 
     def _ask_incarnation(self, peer: str, deadline: float) -> int | None:
         """The incarnation ``peer`` runs now, asked over NIXL's connection to the incarnation this
-        endpoint talks to; None only if that incarnation cannot be reached even over a connection
-        made afresh from its own metadata (its process is gone).  A send NIXL refuses proves
-        nothing by itself: NIXL may hold no connection to the peer (forget_peer(), another
-        thread's restart between its forgetting and its load) or a broken one while it lives."""
+        endpoint talks to; None if that incarnation cannot be reached even over a connection
+        made afresh from its own metadata (its process is gone), or was forgotten (forget_peer:
+        the application says it can transfer no more).  A send NIXL refuses proves nothing by
+        itself: NIXL may hold no connection to a live peer (another thread's restart between its
+        forgetting and its load) or a broken one."""
         with self._lock:
             req = next(self._seq)
             self._who_asked[req] = None
