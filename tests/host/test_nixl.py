@@ -2276,24 +2276,44 @@ def test_old_descriptors_of_live_exposures_need_no_renewal() -> None:
         p.close()
 
 
+@contextlib.contextmanager
+def _initiator_with_targets(*, auto_progress: bool = True) -> Iterator[tuple[NixlEndpoint, HostMemory, int, Any]]:
+    """An initiator endpoint (its memory and a 1 MiB source buffer) and ``target()``, which
+    starts a target process of agent name "target" (a restart under its name, when called
+    again); every target is killed and the endpoint closed however the test ends."""
+    mem = HostMemory(16 << 20)
+    e = NixlEndpoint("initiator", mem, mem_type="DRAM", auto_progress=auto_progress)
+    targets: list[Target] = []
+
+    def target() -> Target:
+        targets.append(Target("host"))
+        return targets[-1]
+
+    try:
+        yield e, mem, mem.alloc(MiB), target
+    finally:
+        for t in targets:
+            t.kill()  # (a stopped one too: SIGKILL)
+        with warnings.catch_warnings():  # the targets are dead: they hear no lease drop
+            warnings.simplefilter("ignore", RuntimeWarning)
+            e.close(timeout=0.5)
+        mem.close()
+
+
 def test_a_forgotten_peers_old_descriptor_never_retires_its_restarted_incarnation() -> None:
     """forget_peer() forgot the peer's incarnation too; after the peer restarted under its name
     and was reached again, one use of a descriptor of the dead incarnation was taken for a
     restart: the live incarnation's view and leases were forgotten without a drop and it was
     retired for good (every later descriptor of it refused, its unexpose() waiting for drops
     that never came).  The old descriptor is refused now, and the live peer goes on."""
-    mem = HostMemory(16 << 20)
-    e = NixlEndpoint("initiator", mem, mem_type="DRAM", auto_progress=True)
-    src = mem.alloc(MiB)
-    t1 = Target("host")
-    t2 = None
-    try:
+    with _initiator_with_targets() as (e, mem, src, target):
+        t1 = target()
         t1.call("connect", e.metadata())
         rb1 = RemoteBufferOf(t1, t1.call("alloc", MiB), MiB)
         e.write(src, 4096, rb1, timeout=10)
         t1.kill()
         e.forget_peer("target")  # the peer is dead: as the docs ask
-        t2 = Target("host")
+        t2 = target()
         t2.call("connect", e.metadata())
         rb2 = RemoteBufferOf(t2, t2.call("alloc", MiB), MiB)
         e.write(src, 4096, rb2, timeout=10)
@@ -2302,14 +2322,6 @@ def test_a_forgotten_peers_old_descriptor_never_retires_its_restarted_incarnatio
         assert e._lease_state("target", rb2.xid) == "held"
         t2.call("unexpose", rb2.to_bytes(), 5.0)  # the live initiator gives its lease back
         e.write(src, 4096, RemoteBufferOf(t2, t2.call("alloc", MiB), MiB), timeout=10)
-    finally:
-        t1.kill()
-        if t2 is not None:
-            t2.kill()
-        with warnings.catch_warnings():  # the targets are dead: they hear no lease drop
-            warnings.simplefilter("ignore", RuntimeWarning)
-            e.close(timeout=0.5)
-        mem.close()
 
 
 def test_a_transfer_failed_part_way_leaves_no_view_trusted_that_nixl_kept() -> None:
@@ -2363,16 +2375,12 @@ def test_threads_meeting_a_restarted_peer_at_once_take_it_for_one_restart() -> N
     restart, and the second retired the live incarnation (every later descriptor of it refused
     for the endpoint's life).  Now the check and its update are one step under the lock.  (The
     first thread to forget the old incarnation is delayed there for 0.2 s.)"""
-    mem = HostMemory(16 << 20)
-    e = NixlEndpoint("initiator", mem, mem_type="DRAM")
-    src = mem.alloc(MiB)
-    t1 = Target("host")
-    t2 = None
-    try:
+    with _initiator_with_targets(auto_progress=False) as (e, mem, src, target):
+        t1 = target()
         t1.call("connect", e.metadata())
         e.write(src, 4096, RemoteBufferOf(t1, t1.call("alloc", MiB), MiB), timeout=10)
         t1.kill()  # restarts under its name
-        t2 = Target("host")
+        t2 = target()
         t2.call("connect", e.metadata())
         ra, rb = (RemoteBufferOf(t2, t2.call("alloc", MiB), MiB) for _ in range(2))
         real, calls = e._new_incarnation, []
@@ -2395,14 +2403,6 @@ def test_threads_meeting_a_restarted_peer_at_once_take_it_for_one_restart() -> N
         assert ra.incarnation not in e._retired.get("target", ()), "the live incarnation was retired"
         assert len(calls) == 1
         e.write(src, 4096, RemoteBufferOf(t2, t2.call("alloc", MiB), MiB), timeout=10)
-    finally:
-        t1.kill()
-        if t2 is not None:
-            t2.kill()
-        with warnings.catch_warnings():  # the targets are dead: they hear no lease drop
-            warnings.simplefilter("ignore", RuntimeWarning)
-            e.close(timeout=0.5)
-        mem.close()
 
 
 def test_a_descriptor_of_an_earlier_incarnation_met_after_a_later_one_is_refused() -> None:
@@ -2411,16 +2411,12 @@ def test_a_descriptor_of_an_earlier_incarnation_met_after_a_later_one_is_refused
     incarnation's view and leases were forgotten without a drop and it was retired for good.
     Now the live peer says which incarnation it runs: the old one is refused, the live peer goes
     on."""
-    mem = HostMemory(16 << 20)
-    e = NixlEndpoint("initiator", mem, mem_type="DRAM", auto_progress=True)
-    src = mem.alloc(MiB)
-    t1 = Target("host")
-    t2 = None
-    try:
+    with _initiator_with_targets() as (e, mem, src, target):
+        t1 = target()
         t1.call("connect", e.metadata())
         rb1 = RemoteBufferOf(t1, t1.call("alloc", MiB), MiB)  # received, not used yet
         t1.kill()  # restarts under its name
-        t2 = Target("host")
+        t2 = target()
         t2.call("connect", e.metadata())
         rb2 = RemoteBufferOf(t2, t2.call("alloc", MiB), MiB)
         e.write(src, 4096, rb2, timeout=10)
@@ -2429,26 +2425,15 @@ def test_a_descriptor_of_an_earlier_incarnation_met_after_a_later_one_is_refused
         assert e._lease_state("target", rb2.xid) == "held"
         t2.call("unexpose", rb2.to_bytes(), 5.0)  # the live initiator gives its lease back
         e.write(src, 4096, RemoteBufferOf(t2, t2.call("alloc", MiB), MiB), timeout=10)
-    finally:
-        t1.kill()
-        if t2 is not None:
-            t2.kill()
-        with warnings.catch_warnings():  # the targets are dead: they hear no lease drop
-            warnings.simplefilter("ignore", RuntimeWarning)
-            e.close(timeout=0.5)
-        mem.close()
 
 
 def test_a_warm_spare_made_before_the_primary_takes_over_its_name() -> None:
     """Two processes of one agent name, the spare started first: when the primary dies, the
     spare's descriptors are the peer's (whatever the order their incarnations were made in):
     NIXL cannot reach the primary any more, so the initiator takes the spare for a restart."""
-    mem = HostMemory(16 << 20)
-    e = NixlEndpoint("initiator", mem, mem_type="DRAM", auto_progress=True)
-    src = mem.alloc(MiB)
-    spare = Target("host")
-    primary = Target("host")
-    try:
+    with _initiator_with_targets() as (e, mem, src, target):
+        spare = target()
+        primary = target()
         rs = RemoteBufferOf(spare, spare.call("alloc", MiB), MiB)  # made first, not used yet
         primary.call("connect", e.metadata())
         rp = RemoteBufferOf(primary, primary.call("alloc", MiB), MiB)
@@ -2459,13 +2444,6 @@ def test_a_warm_spare_made_before_the_primary_takes_over_its_name() -> None:
         e.write(src, 4096, rs, timeout=10)
         assert spare.call("read", rs.addr, 4096) == b"\x77" * 4096
         assert rp.incarnation in e._retired["target"]
-    finally:
-        primary.kill()
-        spare.kill()
-        with warnings.catch_warnings():  # the targets are dead: they hear no lease drop
-            warnings.simplefilter("ignore", RuntimeWarning)
-            e.close(timeout=0.5)
-        mem.close()
 
 
 def test_a_live_peer_that_does_not_say_its_incarnation_changes_nothing() -> None:
@@ -2498,16 +2476,12 @@ def test_a_silent_peer_forgotten_lets_its_restart_in() -> None:
     forgotten one from its stored metadata, and the replacement was refused for good."""
     import signal
 
-    mem = HostMemory(16 << 20)
-    e = NixlEndpoint("initiator", mem, mem_type="DRAM", auto_progress=True)
-    src = mem.alloc(MiB)
-    t1 = Target("host")
-    t2 = None
-    try:
+    with _initiator_with_targets() as (e, mem, src, target):
+        t1 = target()
         t1.call("connect", e.metadata())
         e.write(src, 4096, RemoteBufferOf(t1, t1.call("alloc", MiB), MiB), timeout=10)
         t1.proc.send_signal(signal.SIGSTOP)  # silent, its connections still accepted by the kernel
-        t2 = Target("host")
+        t2 = target()
         t2.call("connect", e.metadata())
         rb2 = RemoteBufferOf(t2, t2.call("alloc", MiB), MiB)
         with pytest.raises(NixlError, match="does not say which it runs"):
@@ -2516,12 +2490,3 @@ def test_a_silent_peer_forgotten_lets_its_restart_in() -> None:
             warnings.simplefilter("ignore", RuntimeWarning)
             e.forget_peer("target", timeout=0.2)
         e.write(src, 4096, rb2, timeout=10)
-    finally:
-        t1.proc.send_signal(signal.SIGCONT)
-        t1.kill()
-        if t2 is not None:
-            t2.kill()
-        with warnings.catch_warnings():  # the targets are dead: they hear no lease drop
-            warnings.simplefilter("ignore", RuntimeWarning)
-            e.close(timeout=0.5)
-        mem.close()
