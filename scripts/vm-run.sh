@@ -20,12 +20,15 @@ VM_MEM=${VM_MEM:-2560M}   # q35 keeps all RAM below 4 GiB up to 2.75 GiB: no bou
 # and prepares the unicast variant and the YNL tools only where the selection collects the
 # tests that use them (tests/vm/test_netlink.py, test_ynl.py; collected on the host, ~3 s).
 EXTRAS=1
+VM_FILES=
 if [ "$MODE" = test ] && [ -n "${VM_SELECT:-}" ]; then
 	# --verbosity after the selection: one node id a line whatever -q/-v it carries.
 	sel=$("$VENV/bin/python" -m pytest --collect-only -p no:cacheprovider tests/vm "${@:2}" --verbosity=-1 2>&1) ||
 		die "pytest selects no test of tests/vm with: ${*:2}"$'\n'"$sel"
 	grep -qE '^tests/vm/test_(netlink|ynl)\.py::' <<<"$sel" || EXTRAS=
 	echo "vm-run: $(grep -cE '^tests/vm/.*::' <<<"$sel") test(s) selected${EXTRAS:+ (with the netlink extras)}"
+	# The guest imports only these files (tests/vm/conftest.py: pytest_ignore_collect).
+	VM_FILES=$(grep -oE '^tests/vm/test_[A-Za-z0-9_]+\.py::' <<<"$sel" | sed 's|^tests/vm/||; s|::$||' | sort -u | tr '\n' ' ')
 fi
 
 echo "vm-run: building modules against $VM_KDIR"
@@ -85,7 +88,7 @@ VNG=(env PATH="$VENV/bin:$PATH" "${TMO[@]}" "${VM_TIMEOUT:-3000}" vng -r "$VM_KI
 		"GPUPIN_GCOV=${GPUPIN_GCOV:-}" "COVERAGE_PROCESS_START=${COVERAGE_PROCESS_START:-}" \
 		"COVERAGE_FILE=${COVERAGE_FILE:-}" "GPUPIN_EXPECT_FAULT_ATTR=${GPUPIN_EXPECT_FAULT_ATTR:-}" \
 		"GPUPIN_VGEM_KO=$VGEM_KO" "GPUPIN_YNL_DIR=$YNL_DIR" "GPUPIN_TTY_SIZE=$TTY_SIZE" "GPUPIN_TERM=${TERM:-xterm}" \
-		"VENV=$VENV" \
+		"VENV=$VENV" "GPUPIN_VM_FILES=$VM_FILES" \
 		"$ROOT/scripts/vm-guest.sh" "$MODE" "$RESULTS" "${@:2}")")
 if [ "$MODE" = shell ]; then
 	# Interactive: the terminal stays the guest's stdin, in raw mode so every key (Ctrl-C

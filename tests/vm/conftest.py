@@ -32,6 +32,20 @@ GPU_PAGE = 64 * KiB
 GPU_ALLOC = 2 * MiB if NATIVE else GPU_PAGE
 
 
+def pytest_ignore_collect(collection_path: Any, config: pytest.Config) -> bool | None:
+    """make vm-test T=...: import only the test files that hold a selected test.
+
+    vm-run.sh collects the selection on the host and names its files in GPUPIN_VM_FILES;
+    importing the other two dozen modules under software emulation takes most of a minute.
+    The selection itself still comes from the arguments pytest gets, unchanged.
+    """
+    files = os.environ.get("GPUPIN_VM_FILES")
+    name = collection_path.name
+    if not files or not (name.startswith("test_") and name.endswith(".py")):
+        return None
+    return name not in files.split() or None
+
+
 def raw(fd: int, cmd: int, ctype: str, /, **fields: Any) -> tuple[int, Any]:
     """Issue an ioctl with exactly the given field values; returns (-errno or 0, struct)."""
     c = ffi.new(f"{ctype} *")
