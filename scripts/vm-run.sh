@@ -77,9 +77,17 @@ TMO=(timeout)
 [ "$MODE" = shell ] && TMO+=(--foreground)
 # An ivshmem device: a PCI device with a 64 MiB memory BAR, into which the simulator's
 # bar_device parameter points page tables, as a GPU's BAR1 pages are (MMIO, not RAM).
-BAR_DEV=("--qemu-opts=-object memory-backend-ram,id=gpupinbar,size=64M -device ivshmem-plain,memdev=gpupinbar")
+BAR_DEV="-object memory-backend-ram,id=gpupinbar,size=64M -device ivshmem-plain,memdev=gpupinbar"
+# The host's root again, read-only, for what the guest only reads (Python, the venv, the
+# package and the tests): vm-guest.sh mounts it with the page and dentry caches on
+# (cache=loose) over those directories.  virtme-ng's root goes uncached to the host for every
+# stat and read, which under software emulation makes each Python start take seconds.
+RO_SHARE="-fsdev local,id=gpupinro,path=/,security_model=none,readonly=on -device virtio-9p-pci,fsdev=gpupinro,mount_tag=gpupinro"
+RO_DIRS="$("$VENV/bin/python" -c 'import sys; print(sys.base_prefix)') $VENV $ROOT/pyctl $ROOT/tests"
+# modprobe.blacklist: udev would load KVM for the emulated CPU (seconds under emulation; the
+# guest runs no VM).
 VNG=(env PATH="$VENV/bin:$PATH" "${TMO[@]}" "${VM_TIMEOUT:-3000}" vng -r "$VM_KIMAGE" --disable-kvm
-	--cpus 2 --memory "$VM_MEM" --append "slub_debug=FZPU panic_on_warn=0" "${BAR_DEV[@]}"
+	--cpus 2 --memory "$VM_MEM" --append "slub_debug=FZPU panic_on_warn=0 modprobe.blacklist=kvm,kvm_amd,kvm_intel" "--qemu-opts=$BAR_DEV $RO_SHARE"
 	--rwdir "$RESULTS" --cwd "$ROOT"
 	--exec "$(printf '%q ' env "GPUPIN_LONG=${GPUPIN_LONG:-}" "GPUPIN_TEST_TIMEOUT=${GPUPIN_TEST_TIMEOUT:-600}" \
 		"GPUPIN_CYCLES=${GPUPIN_CYCLES:-20}" "GPUPIN_CACHE_STRESS_S=${GPUPIN_CACHE_STRESS_S:-}" \
@@ -88,7 +96,7 @@ VNG=(env PATH="$VENV/bin:$PATH" "${TMO[@]}" "${VM_TIMEOUT:-3000}" vng -r "$VM_KI
 		"GPUPIN_GCOV=${GPUPIN_GCOV:-}" "COVERAGE_PROCESS_START=${COVERAGE_PROCESS_START:-}" \
 		"COVERAGE_FILE=${COVERAGE_FILE:-}" "GPUPIN_EXPECT_FAULT_ATTR=${GPUPIN_EXPECT_FAULT_ATTR:-}" \
 		"GPUPIN_VGEM_KO=$VGEM_KO" "GPUPIN_YNL_DIR=$YNL_DIR" "GPUPIN_TTY_SIZE=$TTY_SIZE" "GPUPIN_TERM=${TERM:-xterm}" \
-		"VENV=$VENV" "GPUPIN_VM_FILES=$VM_FILES" \
+		"VENV=$VENV" "GPUPIN_VM_FILES=$VM_FILES" "GPUPIN_RO_DIRS=$RO_DIRS" \
 		"$ROOT/scripts/vm-guest.sh" "$MODE" "$RESULTS" "${@:2}")")
 if [ "$MODE" = shell ]; then
 	# Interactive: the terminal stays the guest's stdin, in raw mode so every key (Ctrl-C
