@@ -63,19 +63,20 @@ from .memory import MemoryProvider
 MEM_TYPES = ("VRAM", "DRAM")
 INSTALL = "pip install --no-deps nixl-cu13 numpy"
 
-# The protocol on NIXL notifications, version 4: one prefix, a kind byte, a fixed layout per kind
+# The protocol on NIXL notifications, version 5: one prefix, a kind byte, a fixed layout per kind
 # (HOLD, GRANT and XFER carry a count, then that many entries).  See NixlEndpoint.
-_PREFIX = b"gpupin-nixl/4:"
+_PREFIX = b"gpupin-nixl/5:"
 _HOLD, _GRANT, _XFER, _ACK, _REVOKE, _DROP = b"H", b"G", b"X", b"A", b"R", b"D"
 _MDASK, _MD = b"M", b"m"  # a target's current metadata, asked for and sent (its bytes follow the head)
 _DROPPED = b"d"  # a target has a closing initiator's drop (DROP's third field asks for it)
 _WHO, _IAM = b"W", b"w"  # which incarnation a target runs now, asked for and said
 _HEAD = {
     _HOLD: "<QH", _GRANT: "<QH", _XFER: "<QH", _ACK: "<QBQ", _REVOKE: "<QB", _DROP: "<QQBQ", _MDASK: "<Q",
-    _MD: "<QQ", _DROPPED: "<Q", _WHO: "<Q", _IAM: "<QQ",
+    _MD: "<QQQ", _DROPPED: "<Q", _WHO: "<Q", _IAM: "<QQ",
 }  # fmt: skip
 # HOLD (xid, epoch); GRANT (xid, status, dereg, ptr, size): the exposure's range, which a
-# transfer's descriptor must name; XFER (xid, epoch).
+# transfer's descriptor must name; XFER (xid, epoch).  MD's head: (request, dropped
+# registrations, the answering endpoint's incarnation); the metadata follows.
 _ENTRY = {_HOLD: "<QQ", _GRANT: "<QBQQQ", _XFER: "<QQ"}
 _MAX_ENTRIES = 1024  # exposures one transfer (or one hold request) may name
 # A target's verdicts: on a hold request (GRANT), and on a transfer's arrival (ACK).
@@ -112,7 +113,7 @@ def _parse(m: bytes) -> tuple[bytes, tuple[int, ...], list[tuple[int, ...]]] | N
     head = struct.unpack_from(fmt, m, at)
     at += n
     entries: list[tuple[int, ...]] = []
-    if kind == _MD:  # (request, dropped registrations), then the metadata: handed on as bytes
+    if kind == _MD:  # (request, dropped registrations, incarnation), then the metadata: as bytes
         return kind, head + (at,), entries
     efmt = _ENTRY.get(kind)
     if efmt is None:
@@ -566,7 +567,7 @@ class RemoteBuffer:
     metadata: bytes
 
     _FMT = "<4sQQQQQQqQQH"
-    _MAGIC = b"gpr4"  # the protocol's version: an older gpupin's descriptors are refused
+    _MAGIC = b"gpr5"  # the protocol's version: an older gpupin's descriptors are refused
 
     def to_bytes(self) -> bytes:
         name = self.agent.encode()
@@ -987,7 +988,8 @@ class NixlEndpoint(Closable):
         # Lease drops whose sending failed: (peer, message, when to try again, tries so far).
         self._drops: list[tuple[str, bytes, float, int]] = []
         self._unacked: set[tuple[str, int]] = set()  # (closing initiator) (peer, xid) drops not yet acknowledged
-        self._md_asked: dict[int, tuple[str, int, bytes] | None] = {}  # request -> (peer, dereg, metadata)
+        # request -> (peer, dereg, incarnation, metadata)
+        self._md_asked: dict[int, tuple[str, int, int, bytes] | None] = {}
         self._who_asked: dict[int, tuple[str, int] | None] = {}  # request -> (peer, its incarnation)
         self.dropped_notifications = 0  # application messages let go: progress() was not called
         self.unanswered = 0  # (target) messages it could not answer (peer not connected, send failed)
@@ -1335,7 +1337,7 @@ class NixlEndpoint(Closable):
             self._on_hold(peer, head[0], entries)
         elif kind == _MDASK:
             if peer in self._connected:  # as grants: to connected peers only
-                md = _pack(_MD, (head[0], self.driver.deregistrations))
+                md = _pack(_MD, (head[0], self.driver.deregistrations, self.incarnation))
                 with self.driver.lock:
                     md += bytes(self.agent.get_agent_metadata())
                 self._send(peer, md)
@@ -1343,7 +1345,7 @@ class NixlEndpoint(Closable):
                 self._not_connected(peer)
         elif kind == _MD:
             if head[0] in self._md_asked:
-                self._md_asked[head[0]] = (peer, head[1], m[head[2] :])
+                self._md_asked[head[0]] = (peer, head[1], head[2], m[head[3] :])
         elif kind == _WHO:
             if peer in self._connected:  # as grants: to connected peers only
                 self._send(peer, _pack(_IAM, (head[0], self.incarnation)))
@@ -1961,7 +1963,7 @@ class NixlEndpoint(Closable):
         if regained:
             if peer not in self._connected:  # NIXL erased the peer: its connection, to ask for the metadata
                 self._reconnect(peer, next(iter(remotes.values())).metadata, deadline)
-            self._refresh(peer, deadline)
+            self._refresh(peer, deadline, inc)
         elif first_contact:  # nothing of the peer loaded: no descriptor of it to go stale
             self._load(peer, ask[0] if ask else next(iter(remotes.values())), deadline)
         asked: list[_Lease] = []
@@ -2150,18 +2152,22 @@ class NixlEndpoint(Closable):
         if r.dereg >= lease.dereg and not stale_view:
             self._load(peer, r, deadline)  # current: only registrations added since the view
             return
-        self._refresh(peer, deadline, also=r)
+        self._refresh(peer, deadline, r.incarnation, also=r)
 
-    def _refresh(self, peer: str, deadline: float, also: RemoteBuffer | None = None) -> None:
+    def _refresh(self, peer: str, deadline: float, inc: int, also: RemoteBuffer | None = None) -> None:
         """Replace NIXL's view of ``peer`` with its current metadata, asked for (a round trip):
-        every registration it holds now (each exposure's), none it dropped.  ``also``: a
+        every registration it holds now (each exposure's), none it dropped.  ``inc``: the
+        incarnation the caller's descriptors are of; the answer says which incarnation the name
+        reaches now, and metadata of another is never loaded for them (the leases they hold
+        were granted by one process, the view would route into another's memory).  ``also``: a
         descriptor whose own metadata then counts as loaded, if it holds nothing dropped.  A
         view recorded meanwhile from newer metadata (another thread's) stays: it is current
         too, and holds every exposure leased before it."""
-        dereg, md = self._current_metadata(peer, deadline)
+        answering, dereg, md = self._current_metadata(peer, deadline)
         key = hash(md)
 
         def plan(view: tuple[int, dict[int, None]] | None) -> tuple[str, tuple[int, dict[int, None]] | None]:
+            self._check_answering(peer, inc, answering, md)
             keys = {key: None}
             if also is not None and also.dereg >= dereg:  # its own metadata holds nothing dropped either
                 keys[hash(also.metadata)] = None
@@ -2174,8 +2180,32 @@ class NixlEndpoint(Closable):
 
         self._reload(peer, md, deadline, plan, current=True)
 
-    def _current_metadata(self, peer: str, deadline: float) -> tuple[int, bytes]:
-        """``peer``'s metadata now, and how many registrations it had dropped (a round trip)."""
+    def _check_answering(self, peer: str, inc: int, answering: int, md: bytes) -> None:
+        """(under _lock) A metadata answer came from incarnation ``answering`` for descriptors
+        of ``inc``.  Another one answering under the name: the peer restarted (or the
+        application connected another process under it), and the one this endpoint talked to is
+        not reached any more: its leases and NIXL's view go (no drop: the answering one never
+        granted them), and the descriptors are refused.  This endpoint changed its incarnation
+        since the caller looked: ask again (_AskAgain)."""
+        current = self._incarnations.get(peer)
+        if answering == inc:
+            if current != inc:
+                raise _AskAgain
+            return
+        if current == inc:
+            self._new_incarnation(peer)  # (no transfer with it runs: the caller loads in _while_idle)
+            self._retired.setdefault(peer, set()).add(inc)
+            self._incarnations[peer] = answering
+            self._inc_md[peer] = md
+        raise StaleRemote(
+            f"NIXL transfer into {peer}'s buffer: the descriptor is of an incarnation of {peer} that no longer "
+            "answers under its name (it restarted, or another process was connected under it); nothing was sent. "
+            "Ask it to expose the buffer again"
+        )
+
+    def _current_metadata(self, peer: str, deadline: float) -> tuple[int, int, bytes]:
+        """``peer``'s metadata now, how many registrations it had dropped and the incarnation
+        that answered (a round trip): (incarnation, dropped, metadata)."""
         with self._lock:
             req = next(self._seq)
             self._md_asked[req] = None
@@ -2186,7 +2216,7 @@ class NixlEndpoint(Closable):
                 with self._lock:
                     got = self._md_asked.get(req)
                 if got is not None and got[0] == peer:
-                    return got[1], got[2]
+                    return got[2], got[1], got[3]
                 if time.monotonic() > deadline:
                     raise NixlError(f"no answer from {peer} to a metadata request (it must call progress())")
                 self._pump()

@@ -397,10 +397,10 @@ def test_a_malformed_notification_loses_nothing() -> None:
     try:
         bad = [
             b"gpupin-nixl-ack/1:short",  # an older gpupin's
-            b"gpupin-nixl/4:H" + bytes(3),  # too short for its head
-            b"gpupin-nixl/4:G" + struct.pack("<QH", 1, 5),  # five entries announced, none there
-            b"gpupin-nixl/4:X" + struct.pack("<QH", 1, 60000) + bytes(16),  # over the entry limit
-            b"gpupin-nixl/4:Z" + bytes(8),  # no such kind
+            b"gpupin-nixl/5:H" + bytes(3),  # too short for its head
+            b"gpupin-nixl/5:G" + struct.pack("<QH", 1, 5),  # five entries announced, none there
+            b"gpupin-nixl/5:X" + struct.pack("<QH", 1, 60000) + bytes(16),  # over the entry limit
+            b"gpupin-nixl/5:Z" + bytes(8),  # no such kind
         ]
         with p.tgt.driver.lock:
             p.tgt.agent.send_notif("i-pair", b"app-1")
@@ -433,7 +433,7 @@ def test_a_message_whose_handling_fails_loses_nothing_else() -> None:
 
     try:
         with p.ini.driver.lock:
-            p.ini.agent.send_notif("t-pair", b"gpupin-nixl/4:M" + struct.pack("<Q", 7))  # a metadata request
+            p.ini.agent.send_notif("t-pair", b"gpupin-nixl/5:M" + struct.pack("<Q", 7))  # a metadata request
             p.ini.agent.send_notif("t-pair", b"app-after")
         p.tgt.agent.get_agent_metadata = refuse
         got: list[tuple[str, bytes]] = []
@@ -2490,3 +2490,70 @@ def test_a_silent_peer_forgotten_lets_its_restart_in() -> None:
             warnings.simplefilter("ignore", RuntimeWarning)
             e.forget_peer("target", timeout=0.2)
         e.write(src, 4096, rb2, timeout=10)
+
+
+def test_a_held_lease_of_a_dead_incarnation_never_writes_through_its_restart() -> None:
+    """The target dies while the initiator holds a lease on one of its exposures; a transfer
+    meets the disconnect (NIXL erases its view of the peer: invalidateRemoteData; the endpoint
+    keeps the lease, which the same incarnation granted).  The target restarts under its name,
+    the application connects the new process, which puts the memory at the old exposure's
+    address to other use.  A write with the old descriptor took the held lease as good, asked
+    the name for its current metadata (the new process answered) and wrote into that memory.
+    Now the answer says which incarnation gave it: the old descriptor is refused, nothing
+    lands.  (One process plays both incarnations, so that the second can own the first one's
+    memory; the disconnect is what the endpoint does on nixlRemoteDisconnectError.)"""
+    mt, mi = HostMemory(16 << 20), HostMemory(16 << 20)
+    ini = NixlEndpoint("initiator", mi, mem_type="DRAM", auto_progress=True)
+    old = NixlEndpoint("target", mt, mem_type="DRAM")
+    new: NixlEndpoint | None = None
+    stops: list[tuple[threading.Event, threading.Thread]] = []
+
+    def serve(ep: NixlEndpoint) -> None:
+        stop = threading.Event()
+        t = threading.Thread(target=lambda: ep.serve(60, stop.is_set))
+        t.start()
+        stops.append((stop, t))
+
+    try:
+        serve(old)
+        ini.connect(old.metadata())
+        old.connect(ini.metadata())
+        a, src = mt.alloc(MiB), mi.alloc(MiB)
+        r_old = old.expose(a, MiB)
+        ini.write(src, 4096, r_old, timeout=10)
+        assert ini._lease_state("target", r_old.xid) == "held"
+        stops[0][0].set()
+        stops[0][1].join()  # the old incarnation dies (no revocation)
+        with ini._lock, ini.driver.lock:
+            ini.agent.remove_remote_agent("target")
+            ini._view_erased("target")
+        for ex in list(old._exposures.values()):  # (dead: what it held goes, with no word)
+            ex.revoked = True
+            ex.holders.clear()
+            old._finish_if_settled(ex)
+        old._by_range.clear()
+        new = NixlEndpoint("target", mt, mem_type="DRAM")
+        serve(new)
+        new.connect(ini.metadata())
+        ini.connect(new.metadata())  # the application reaches the restarted peer
+        new.unexpose(new.expose(a, MiB, epoch=7))  # the memory is the new process's, used and let go
+        mt.write(a, bytes(4096))
+        mi.write(src, b"\xee" * 4096)
+        with pytest.raises(StaleRemote, match="no longer answers under its name"):
+            ini.write(src, 4096, r_old, timeout=5)
+        assert mt.read(a, 4096) == bytes(4096), "the old incarnation's lease wrote into the new one's memory"
+        assert ini._incarnations["target"] == new.incarnation
+        r_new = new.expose(a, MiB, epoch=8)
+        ini.write(src, 4096, r_new, timeout=10)  # the live incarnation goes on
+        assert mt.read(a, 4096) == b"\xee" * 4096
+    finally:
+        for stop, t in stops:
+            stop.set()
+            t.join()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            for ep in (ini, new, old):
+                if ep is not None:
+                    ep.close(timeout=0.5)
+        mi.close()
+        mt.close()
