@@ -2061,8 +2061,9 @@ class NixlEndpoint(Closable):
         with self._lock:
             if self._incarnations.get(peer) != current:
                 raise _AskAgain
-            if live is not None and live != inc:  # the live one is another: this descriptor's runs no more
-                self._retired.setdefault(peer, set()).add(inc)
+            if live is not None and live != inc:
+                # The live one is another: this descriptor's is refused now, not retired (it may be
+                # a warm spare that takes the name over later; asked again then, one round trip).
                 raise StaleRemote(
                     f"NIXL transfer into {peer}'s buffer at {r.addr:#x}: the descriptor is of an incarnation of "
                     f"{peer} that is not the one it runs (it restarted since, or this one is older); nothing was sent. "

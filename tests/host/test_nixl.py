@@ -2557,3 +2557,23 @@ def test_a_held_lease_of_a_dead_incarnation_never_writes_through_its_restart() -
                     ep.close(timeout=0.5)
         mi.close()
         mt.close()
+
+
+def test_a_warm_spare_refused_while_the_primary_runs_is_taken_once_it_dies() -> None:
+    """A descriptor of a warm spare used while the primary still runs is refused (the name
+    reaches the primary); the spare's incarnation was then refused for the endpoint's life,
+    also once the primary died and the spare took the name over.  Now it is asked about again."""
+    with _initiator_with_targets() as (e, mem, src, target):
+        spare = target()
+        primary = target()
+        primary.call("connect", e.metadata())
+        spare.call("connect", e.metadata())
+        rp = RemoteBufferOf(primary, primary.call("alloc", MiB), MiB)
+        rs = RemoteBufferOf(spare, spare.call("alloc", MiB), MiB)
+        e.write(src, 4096, rp, timeout=10)
+        with pytest.raises(StaleRemote, match="not the one it runs"):
+            e.write(src, 4096, rs, timeout=3)
+        primary.kill()
+        mem.write(src, b"\x5a" * 4096)
+        e.write(src, 4096, rs, timeout=10)
+        assert spare.call("read", rs.addr, 4096) == b"\x5a" * 4096
