@@ -899,6 +899,7 @@ _PUMP_EVERY_S = 0.001  # a post takes notifications itself at most this often
 _DROP_TRIES = 64  # sendings of a lease drop before giving up (2 ms apart at first, then 1 s: about a minute)
 _SPIN_S = 100e-6  # a transfer's wait polls without sleeping this long (a small one is done by then)
 _NAP_MIN_S, _NAP_MAX_S = 20e-6, 1e-3
+_WHO_AGAIN_S = 0.005  # an unanswered incarnation question is sent again after this, then doubling to 1 s
 
 
 class NixlEndpoint(Closable):
@@ -2080,42 +2081,76 @@ class NixlEndpoint(Closable):
         made afresh from its own metadata (its process is gone), or was forgotten (forget_peer:
         the application says it can transfer no more).  A send NIXL refuses proves nothing by
         itself: NIXL may hold no connection to a live peer (another thread's restart between its
-        forgetting and its load) or a broken one."""
+        forgetting and its load) or a broken one; a refusal after a fresh connection does.
+
+        Between hosts, UCX makes a connection without reaching the peer, and a send to a dead
+        one is taken (queued) and fails later: the question is sent again while no answer came
+        (every _WHO_AGAIN_S, doubling), so that the failure shows as a refused send."""
         with self._lock:
             req = next(self._seq)
             self._who_asked[req] = None
         try:
-            for fresh in (False, True):
+            fresh = False
+            again = _WHO_AGAIN_S
+            while True:
                 md = self._inc_md.get(peer)
-                if (fresh or peer not in self._connected) and md is not None:
-                    try:
-                        self._reconnect(peer, md, deadline, fresh=True)
-                    except NixlError:  # NIXL cannot connect to it (UCX: refused): its process is gone
+                if not fresh and peer not in self._connected and md is not None:
+                    if not self._reconnect_to_ask(peer, md, deadline):
                         return None
+                    fresh = True
                 with self.driver.lock:
                     try:
                         self.agent.send_notif(peer, _pack(_WHO, (req,)))
-                        break
+                        sent = True
                     except Exception:  # noqa: BLE001 - NIXL's classes: no (working) connection
                         self.driver.peer_failed()
-            else:
-                return None
-            while True:
-                with self._lock:
-                    got = self._who_asked.get(req)
-                if got is not None and got[0] == peer:
-                    return got[1]
-                if time.monotonic() > deadline:
-                    raise NixlError(
-                        f"a descriptor names another incarnation of {peer} than the one this endpoint talks to, and "
-                        f"that one does not say which it runs within the timeout (alive, but not calling progress()?); "
-                        "nothing changed: try again once it answers"
-                    )
-                self._pump()
-                time.sleep(_NAP_MIN_S)
+                        sent = False
+                if not sent:
+                    if fresh or md is None:
+                        return None
+                    if not self._reconnect_to_ask(peer, md, deadline):
+                        return None
+                    fresh = True
+                    continue
+                until = min(deadline, time.monotonic() + again)
+                again = min(again * 2, 1.0)
+                while True:
+                    with self._lock:
+                        got = self._who_asked.get(req)
+                    if got is not None and got[0] == peer:
+                        return got[1]
+                    now = time.monotonic()
+                    if now > deadline:
+                        raise NixlError(
+                            f"a descriptor names another incarnation of {peer} than the one this endpoint talks to, "
+                            "and that one does not say which it runs within the timeout (alive, but not calling "
+                            "progress()?); nothing changed: try again once it answers"
+                        )
+                    if now > until:
+                        break  # asked again
+                    self._pump()
+                    time.sleep(_NAP_MIN_S)
         finally:
             with self._lock:
                 self._who_asked.pop(req, None)
+
+    def _reconnect_to_ask(self, peer: str, md: bytes, deadline: float) -> bool:
+        """(_ask_incarnation) A connection made afresh from the current incarnation's metadata;
+        False where NIXL cannot make one (its backend: UCX finds the process gone).  NIXL
+        refusing the metadata itself (NOT_ALLOWED, INVALID_PARAM: a live peer on VRAM after
+        forgetting it) says nothing of the process: raised."""
+        try:
+            self._reconnect(peer, md, deadline, fresh=True)
+        except InUse as exc:
+            raise NixlError(
+                f"a descriptor names another incarnation of {peer} than the one this endpoint talks to, and asking "
+                f"which one runs needs a new connection while transfers with it run ({exc}); nothing changed"
+            ) from None
+        except NixlError as exc:
+            if exc.status == "nixlBackendError":
+                return False
+            raise
+        return True
 
     def _new_incarnation(self, peer: str) -> None:
         """``peer`` restarted under its name: forget the old one (its leases, NIXL's view of it)

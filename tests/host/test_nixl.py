@@ -2577,3 +2577,106 @@ def test_a_warm_spare_refused_while_the_primary_runs_is_taken_once_it_dies() -> 
         mem.write(src, b"\x5a" * 4096)
         e.write(src, 4096, rs, timeout=10)
         assert spare.call("read", rs.addr, 4096) == b"\x5a" * 4096
+
+
+def test_a_dead_incarnation_that_takes_the_question_is_found_by_asking_again() -> None:
+    """Between hosts, UCX makes a connection to a dead process without reaching it, and takes
+    the first notification (queued; its failure comes later): the initiator waited for an
+    answer to its one question until the transfer's timeout, on every transfer with the
+    restarted peer.  Now the question is sent again while unanswered, and the refused send that
+    follows (after a fresh connection) is the dead incarnation's.  Modelled on one host: the
+    connection to the dead process is made without contacting it, its first notification is
+    taken and lost, the later ones are refused as UCX refuses them once the endpoint failed."""
+    import nixl_cu13._bindings as bind
+
+    from gpupin.nixl import _PREFIX, _WHO
+
+    WHO = _PREFIX + _WHO
+    with _initiator_with_targets() as (e, mem, src, target):
+        t1 = target()
+        t1.call("connect", e.metadata())
+        rb1 = RemoteBufferOf(t1, t1.call("alloc", MiB), MiB)
+        e.write(src, 4096, rb1, timeout=10)
+        t1.kill()
+        t2 = target()
+        t2.call("connect", e.metadata())
+        rb2 = RemoteBufferOf(t2, t2.call("alloc", MiB), MiB)
+        agent = e.agent
+        cls = type(agent)
+        ref = weakref.ref(agent)
+        sends: list[bytes] = []
+
+        def add(md: bytes) -> Any:
+            if md == rb1.metadata:  # the dead one's: a connection that reaches nobody yet
+                return b"target"
+            return cls.add_remote_agent(ref(), md)
+
+        def send(peer: str, msg: bytes) -> None:
+            if msg.startswith(WHO):  # the incarnation question, to the dead one
+                sends.append(msg)
+                if len(sends) > 1:
+                    raise bind.nixlRemoteDisconnectError("NIXL_ERR_REMOTE_DISCONNECT")
+                return  # taken, never arrives
+            cls.send_notif(ref(), peer, msg)
+
+        with e._lock, e.driver.lock:  # the dead one's connection broke: NIXL forgot it
+            cls.remove_remote_agent(agent, "target")
+            e._connected.discard("target")
+            e._views.pop("target", None)
+        agent.add_remote_agent = add
+        agent.send_notif = send
+        try:
+            start = time.monotonic()
+            e.write(src, 4096, rb2, timeout=10)
+            took = time.monotonic() - start
+        finally:
+            del agent.add_remote_agent, agent.send_notif
+        assert len(sends) == 2 and took < 5, (sends, took)
+        assert e._incarnations["target"] == rb2.incarnation
+
+
+def test_a_live_peer_whose_metadata_nixl_refuses_is_not_taken_for_restarted() -> None:
+    """Asking which incarnation runs may need a fresh connection to the current one; NIXL
+    refusing its metadata (NOT_ALLOWED: it says nothing of the process, e.g. a VRAM peer NIXL
+    will not load again) was taken for the process being gone: the live incarnation was retired
+    and its leases forgotten without a drop.  Now only a connection NIXL's backend cannot make
+    counts; the refusal is raised and nothing changes."""
+    import nixl_cu13._bindings as bind
+
+    from gpupin.nixl import _PREFIX, _WHO
+
+    WHO = _PREFIX + _WHO
+    p = Pair(auto_progress=True)
+    try:
+        src = p.mi.alloc(MiB)
+        ra = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        p.ini.write(src, 4096, ra)
+        agent = p.ini.agent
+        cls = type(agent)
+        ref = weakref.ref(agent)
+        first = [True]
+
+        def add(md: bytes) -> Any:
+            raise bind.nixlNotAllowedError("NIXL_ERR_NOT_ALLOWED")
+
+        def send(peer: str, msg: bytes) -> None:
+            if msg.startswith(WHO) and first[0]:  # a broken connection: refused once
+                first[0] = False
+                raise bind.nixlRemoteDisconnectError("NIXL_ERR_REMOTE_DISCONNECT")
+            cls.send_notif(ref(), peer, msg)
+
+        other = dataclasses.replace(ra, incarnation=ra.incarnation + 1, xid=ra.xid + 2)
+        agent.add_remote_agent = add
+        agent.send_notif = send
+        try:
+            with pytest.raises(NixlError, match="NIXL will not load") as got:
+                p.ini.write(src, 4096, other, timeout=2)
+        finally:
+            del agent.add_remote_agent, agent.send_notif
+        assert got.value.status == "nixlNotAllowedError"
+        assert p.ini._incarnations[p.tgt.name] == ra.incarnation
+        assert not p.ini._retired.get(p.tgt.name)
+        p.ini.connect(p.tgt.metadata())
+        p.ini.write(src, 4096, ra, timeout=10)  # the live incarnation goes on
+    finally:
+        p.close()
