@@ -971,6 +971,7 @@ class NixlEndpoint(Closable):
         self._by_range: dict[tuple[int, int], int] = {}  # (ptr, size) -> xid (target)
         self._connected: set[str] = set()  # peers whose metadata this endpoint loaded (answered)
         self._forgotten: set[str] = set()  # (initiator) peers forget_peer() dropped, not loaded since
+        self._forgetting: set[str] = set()  # peers a forget_peer() runs for: no lease is asked for meanwhile
         self._leases: dict[tuple[str, int], _Lease] = {}  # (peer, xid) -> lease (initiator)
         self._holds: dict[int, list[_Lease]] = {}  # hold request -> leases asked for
         # (peer, seq) -> a posted confirm=True transfer whose verdict has not come: weak, so one
@@ -1057,7 +1058,20 @@ class NixlEndpoint(Closable):
         while UCX may still move its bytes): ``settle()`` first.  Transfers NIXL lost track of
         (their wait() says so) are let go here, with their buffers and leases."""
         with self._lock:
+            if peer in self._forgetting:
+                raise InUse(f"forget_peer({peer!r}): another thread forgets {peer} now")
             self._refuse_if_busy(peer)
+            self._forgetting.add(peer)
+        try:
+            self._forget_peer(peer, timeout)
+        finally:
+            with self._lock:
+                self._forgetting.discard(peer)
+
+    def _forget_peer(self, peer: str, timeout: float) -> None:
+        """(forget_peer, the peer marked as being forgotten: no transfer with it starts)"""
+        with self._lock:
+            self._refuse_if_busy(peer)  # (one that started before the mark)
             for t in [t for t in self._lost if t._leases[0].peer == peer]:
                 self._complete(t, "ERR")  # lost with the peer: the caller says it transfers no more
             for ex in list(self._exposures.values()):
@@ -1078,7 +1092,7 @@ class NixlEndpoint(Closable):
             time.sleep(_NAP_MIN_S)
         with self._lock:
             self._unacked = {u for u in self._unacked if u[0] != peer}
-            self._refuse_if_busy(peer)  # none can have started: its leases are gone
+            self._refuse_if_busy(peer)  # none can have started: its leases are gone, new ones refused
             self._forget_view(peer)
             # Its drops went out above and NIXL can send it nothing more: a late grant or
             # revocation from it gets no drop (until it is loaded again).  Its incarnation is
@@ -1757,6 +1771,8 @@ class NixlEndpoint(Closable):
                         why = (
                             f"an earlier transfer was found stale on arrival ({lease.broken})"
                             if lease.broken
+                            else f"forget_peer({peer!r}) dropped it"
+                            if peer in self._forgetting
                             else "the target took it back (unexpose)"
                         )
                         raise StaleRemote(
@@ -1920,6 +1936,8 @@ class NixlEndpoint(Closable):
         if any(r.incarnation != inc for r in remotes.values()):
             raise InvalidArgument(f"post(): blocks for two incarnations of {peer} (it restarted): one transfer, one")
         with self._lock:
+            if peer in self._forgetting:
+                raise NixlError(f"NIXL transfer into {peer}'s buffer: forget_peer({peer!r}) runs; nothing was sent")
             current = self._incarnations.get(peer)
             if inc in self._retired.get(peer, ()):
                 raise StaleRemote(

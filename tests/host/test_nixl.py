@@ -2635,6 +2635,36 @@ def test_a_dead_incarnation_that_takes_the_question_is_found_by_asking_again() -
         assert e._incarnations["target"] == rb2.incarnation
 
 
+def test_no_lease_is_asked_for_while_forget_peer_waits_for_its_drops() -> None:
+    """forget_peer() lets go of the lock while it waits for the peer to acknowledge its drops;
+    another thread's transfer asked for a new lease meanwhile, which the forget then deleted
+    without a drop (the target's unexpose waiting for it in vain) or refused the forget half
+    done.  Now no transfer with the peer starts while it is being forgotten."""
+    p = Pair(auto_progress=True)
+    try:
+        src = p.mi.alloc(MiB)
+        ra = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        rb = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        p.ini.write(src, 4096, ra)
+        p.stop.set()
+        p.pump.join()  # the target takes no notification: the drop is not acknowledged
+        errors: list[str] = []
+        forget = _writer("forget", lambda: p.ini.forget_peer(p.tgt.name, timeout=1.5), errors)
+        time.sleep(0.3)
+        with pytest.raises(NixlError, match="forget_peer.*runs; nothing was sent"):
+            p.ini.write(src, 4096, rb, timeout=0.5)
+        forget.join()
+        assert not errors, errors
+        assert not any(k[0] == p.tgt.name for k in p.ini._leases)
+        p.serve_again()
+        p.tgt.forget_peer(p.ini.name)
+        p.ini.connect(p.tgt.metadata())
+        p.tgt.connect(p.ini.metadata())
+        p.ini.write(src, 4096, rb, timeout=10)  # reached again once forgotten
+    finally:
+        p.close()
+
+
 def test_a_live_peer_whose_metadata_nixl_refuses_is_not_taken_for_restarted() -> None:
     """Asking which incarnation runs may need a fresh connection to the current one; NIXL
     refusing its metadata (NOT_ALLOWED: it says nothing of the process, e.g. a VRAM peer NIXL
