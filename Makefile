@@ -35,7 +35,7 @@ help:
 	@echo "make check       check-version, check-netlink, check-kernel, check-py"
 	@echo "make check-version  the DKMS configurations, gpupin.h and __init__.py carry pyproject.toml's version"
 	@echo "make check-netlink  the committed netlink header and kernel policies/ops are what the YNL spec generates"
-	@echo "make check-kernel   W=1 (and the unicast-events variant), sparse, checkpatch --strict"
+	@echo "make check-kernel   W=1 (+ unicast variant, examples/peer alone, drivers gpupin refuses), sparse, checkpatch --strict"
 	@echo "make check-py       ruff (lint, format), mypy, gcc -fanalyzer on the package's C"
 	@echo "make netlink-header generate include/uapi/gpupin_netlink.h and kernel/netlink-gen.[ch] from"
 	@echo "                    Documentation/netlink/specs/gpupin.yaml"

@@ -1,5 +1,7 @@
 #!/bin/bash
-# Kernel-side checks: a W=1 build with no warnings, sparse (C=2) clean, and
+# Kernel-side checks: a W=1 build with no warnings (the unicast-events variant too),
+# the example peer built on its own, a driver without the persistent API refused, the
+# get_pages double free told from the driver's source, sparse (C=2) clean, and
 # checkpatch --strict with no errors.  Usage: check-kernel.sh KDIR
 set -uo pipefail
 KDIR=$1
