@@ -52,7 +52,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ._closable import Closable
 from ._dlopen import flush_c_stdio, load
@@ -899,6 +899,7 @@ _PUMP_EVERY_S = 0.001  # a post takes notifications itself at most this often
 _DROP_TRIES = 64  # sendings of a lease drop before giving up (2 ms apart at first, then 1 s: about a minute)
 _SPIN_S = 100e-6  # a transfer's wait polls without sleeping this long (a small one is done by then)
 _NAP_MIN_S, _NAP_MAX_S = 20e-6, 1e-3
+_T = TypeVar("_T")
 _WHO_AGAIN_S = 0.005  # an unanswered incarnation question is sent again after this, then doubling to 1 s
 
 
@@ -1115,7 +1116,7 @@ class NixlEndpoint(Closable):
         waits for this) harms it no further."""
         return any(lease.inflight > lease.lost for (p, _), lease in self._leases.items() if peer is None or p == peer)
 
-    def _while_idle(self, peer: str | None, work: Callable[[], str], deadline: float, what: str) -> str:
+    def _while_idle(self, peer: str | None, work: Callable[[], _T], deadline: float, what: str) -> _T:
         """``work()`` under _lock once no transfer with ``peer`` (None: any) runs.  post() holds
         _lock while it posts, so none starts before ``work`` returns.  The lock is let go between
         polls: the threads whose transfers are waited for take it to end them."""
@@ -2076,7 +2077,7 @@ class NixlEndpoint(Closable):
         not answer in time is neither (NixlError, nothing changed).  Decided under the lock, once: a thread that finds
         the decision made by another meanwhile asks again (_AskAgain)."""
         inc = r.incarnation
-        live = self._ask_incarnation(peer, deadline)
+        live = self._ask_incarnation(peer, current, deadline)
         with self._lock:
             if self._incarnations.get(peer) != current:
                 raise _AskAgain
@@ -2093,7 +2094,7 @@ class NixlEndpoint(Closable):
             self._incarnations[peer] = inc
             self._inc_md[peer] = r.metadata
 
-    def _ask_incarnation(self, peer: str, deadline: float) -> int | None:
+    def _ask_incarnation(self, peer: str, current: int, deadline: float) -> int | None:
         """The incarnation ``peer`` runs now, asked over NIXL's connection to the incarnation this
         endpoint talks to; None if that incarnation cannot be reached even over a connection
         made afresh from its own metadata (its process is gone), or was forgotten (forget_peer:
@@ -2107,28 +2108,38 @@ class NixlEndpoint(Closable):
         with self._lock:
             req = next(self._seq)
             self._who_asked[req] = None
+            md = self._inc_md.get(peer)
         try:
-            fresh = False
+            fresh: int | None = None  # NIXL's view serial just after this thread connected afresh
             again = _WHO_AGAIN_S
             while True:
-                md = self._inc_md.get(peer)
-                if not fresh and peer not in self._connected and md is not None:
-                    if not self._reconnect_to_ask(peer, md, deadline):
+                if fresh is None and peer not in self._connected and md is not None:
+                    fresh = self._reconnect_to_ask(peer, current, md, deadline)
+                    if fresh < 0:
                         return None
-                    fresh = True
-                with self.driver.lock:
+                # Sent under _lock, where every change of NIXL's view is made: a refusal is of the
+                # view this thread saw (another thread's reload between its remove and its load
+                # would refuse a send to a live peer).
+                with self._lock, self.driver.lock:
                     try:
                         self.agent.send_notif(peer, _pack(_WHO, (req,)))
                         sent = True
                     except Exception:  # noqa: BLE001 - NIXL's classes: no (working) connection
                         self.driver.peer_failed()
                         sent = False
+                    mine = fresh is not None and fresh == self._view_serial
                 if not sent:
-                    if fresh or md is None:
+                    if md is None or mine:  # forgotten, or refused over this thread's own connection
                         return None
-                    if not self._reconnect_to_ask(peer, md, deadline):
+                    if time.monotonic() > deadline:
+                        raise NixlError(
+                            f"a descriptor names another incarnation of {peer} than the one this endpoint talks "
+                            "to, and NIXL's view of it kept changing while this endpoint asked which one runs; "
+                            "nothing changed: try again"
+                        )
+                    fresh = self._reconnect_to_ask(peer, current, md, deadline)
+                    if fresh < 0:
                         return None
-                    fresh = True
                     continue
                 until = min(deadline, time.monotonic() + again)
                 again = min(again * 2, 1.0)
@@ -2152,13 +2163,25 @@ class NixlEndpoint(Closable):
             with self._lock:
                 self._who_asked.pop(req, None)
 
-    def _reconnect_to_ask(self, peer: str, md: bytes, deadline: float) -> bool:
-        """(_ask_incarnation) A connection made afresh from the current incarnation's metadata;
-        False where NIXL cannot make one (its backend: UCX finds the process gone).  NIXL
-        refusing the metadata itself (NOT_ALLOWED, INVALID_PARAM: a live peer on VRAM after
-        forgetting it) says nothing of the process: raised."""
+    def _reconnect_to_ask(self, peer: str, current: int, md: bytes, deadline: float) -> int:
+        """(_ask_incarnation) A connection made afresh from the metadata of ``current``, the
+        incarnation this endpoint talks to; NIXL's view serial after it, or -1 where NIXL cannot
+        make one (its backend: UCX finds the process gone).  NIXL refusing the metadata itself
+        (NOT_ALLOWED, INVALID_PARAM: a live peer on VRAM after forgetting it) says nothing of the
+        process: raised.  Made only while ``current`` is still the one, with that metadata, and
+        the peer is not being forgotten (else _AskAgain)."""
+
+        def still() -> None:
+            if (
+                self._incarnations.get(peer) != current
+                or self._inc_md.get(peer) is not md
+                or peer in self._forgetting
+                or peer in self._forgotten
+            ):
+                raise _AskAgain
+
         try:
-            self._reconnect(peer, md, deadline, fresh=True)
+            return self._reconnect(peer, md, deadline, fresh=True, check=still)
         except InUse as exc:
             raise NixlError(
                 f"a descriptor names another incarnation of {peer} than the one this endpoint talks to, and asking "
@@ -2166,9 +2189,8 @@ class NixlEndpoint(Closable):
             ) from None
         except NixlError as exc:
             if exc.status == "nixlBackendError":
-                return False
+                return -1
             raise
-        return True
 
     def _new_incarnation(self, peer: str) -> None:
         """``peer`` restarted under its name: forget the old one (its leases, NIXL's view of it)
@@ -2310,19 +2332,31 @@ class NixlEndpoint(Closable):
 
         self._reload(peer, remote.metadata, deadline, plan)
 
-    def _reconnect(self, peer: str, metadata: bytes, deadline: float, *, fresh: bool = False) -> None:
+    def _reconnect(
+        self,
+        peer: str,
+        metadata: bytes,
+        deadline: float,
+        *,
+        fresh: bool = False,
+        check: Callable[[], None] | None = None,
+    ) -> int:
         """(a held lease, NIXL's view of the peer erased) Load metadata of unknown age, for the
         connection a metadata request needs: no record (the next load replaces it).  ``fresh``:
-        NIXL's view of the peer is forgotten first, whatever it holds (a broken connection)."""
+        NIXL's view of the peer is forgotten first, whatever it holds (a broken connection).
+        ``check()``: raises in the hold that loads if the load is no longer wanted.  Returns
+        NIXL's view serial after the load."""
 
         def plan(view: tuple[int, dict[int, None]] | None) -> tuple[str, tuple[int, dict[int, None]] | None]:
+            if check is not None:
+                check()
             if fresh:
                 return "renew", None
             if peer in self._connected:  # another thread connected it meanwhile
                 return "none", view
             return "add", None
 
-        self._reload(peer, metadata, deadline, plan)
+        return self._reload(peer, metadata, deadline, plan)
 
     def _reload(
         self,
@@ -2332,7 +2366,7 @@ class NixlEndpoint(Closable):
         plan: Callable[[tuple[int, dict[int, None]] | None], tuple[str, tuple[int, dict[int, None]] | None]],
         *,
         current: bool = False,
-    ) -> str:
+    ) -> int:
         """Load ``peer``'s metadata once no transfer with it runs, with none posted in between
         (post() waits for _lock).  ``plan(view)`` decides in the hold of _lock that loads, from
         the record of the view then (another thread may have changed it since its caller
@@ -2347,13 +2381,13 @@ class NixlEndpoint(Closable):
         peer.  Then the peer is forgotten (remove_remote_agent) and its metadata loaded afresh,
         once; unless it is ``current`` metadata, the view is then not recorded (it lacks what
         newer exposures registered).  What NIXL still refuses after that is raised, and tried
-        again at the next transfer.
+        again at the next transfer.  Returns NIXL's view serial after the load (in its hold).
         """
 
-        def load() -> str:
+        def load() -> int:
             how, record = plan(self._views.get(peer))
             if how == "none":
-                return how
+                return self._view_serial
             if how == "renew":
                 self._remove_view(peer)
             try:
@@ -2367,7 +2401,7 @@ class NixlEndpoint(Closable):
                     self._views.pop(peer, None)
                 else:
                     self._views[peer] = record
-                return how
+                return self._view_serial
             # NIXL keeps refusing what it knew of the peer (on VRAM, a registration at an address
             # an earlier one had): it forgets the peer, this endpoint's leases stay (the same
             # incarnation holds them: a restart is met in _leases_for, before any load).
@@ -2385,7 +2419,7 @@ class NixlEndpoint(Closable):
             if current and record is not None:  # NIXL's view is this metadata alone now
                 self._views[peer] = (record[0], {hash(metadata): None})
             # else not recorded: held leases load the peer's current metadata first (regained)
-            return how
+            return self._view_serial
 
         return self._while_idle(peer, load, deadline, f"loading {peer}'s new metadata")
 

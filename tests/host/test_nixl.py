@@ -1853,12 +1853,13 @@ def test_connect_from_another_thread_never_slips_between_a_load_and_its_record()
         p.ini.connect(ra.metadata)  # the next write renews
         real_reload, fired = p.ini._reload, []
 
-        def reload_then_connect(peer: str, md: bytes, deadline: float, plan: Any, **k: Any) -> str:
-            how = real_reload(peer, md, deadline, plan, **k)
-            if how == "renew" and not fired:
+        def reload_then_connect(peer: str, md: bytes, deadline: float, plan: Any, **k: Any) -> int:
+            before = p.ini.renewals
+            serial = real_reload(peer, md, deadline, plan, **k)
+            if p.ini.renewals > before and not fired:  # a renewal
                 fired.append(1)
                 p.ini.connect(ra.metadata)
-            return how
+            return serial
 
         p.ini._reload = reload_then_connect  # type: ignore[method-assign]
         renewals = p.ini.renewals
@@ -1872,7 +1873,7 @@ def test_connect_from_another_thread_never_slips_between_a_load_and_its_record()
         assert not rc.addr <= beyond.addr < rc.addr + rc.size
         fired = []
 
-        def connect_then_reload(peer: str, md: bytes, deadline: float, plan: Any, **k: Any) -> str:
+        def connect_then_reload(peer: str, md: bytes, deadline: float, plan: Any, **k: Any) -> int:
             if not k.get("current") and p.ini._views.get(peer) is not None and not fired:
                 fired.append(1)
                 p.ini.connect(ra.metadata)
@@ -2710,3 +2711,94 @@ def test_a_live_peer_whose_metadata_nixl_refuses_is_not_taken_for_restarted() ->
         p.ini.write(src, 4096, ra, timeout=10)  # the live incarnation goes on
     finally:
         p.close()
+
+
+def test_a_live_peer_is_not_taken_for_gone_when_a_reload_races_the_question() -> None:
+    """The primary runs and answers.  The application loaded a warm spare's metadata under the
+    name (NIXL refuses it: NOT_ALLOWED; the endpoint no longer counts the primary connected).
+    Thread A meets the spare's descriptor: it reconnects the primary afresh to ask which
+    incarnation runs.  Thread B, holding a lease on the primary, finds the view record that
+    A's fresh reconnect dropped and renews it (remove_remote_agent, then add_remote_agent,
+    under _lock).  A sends its question with only the agent's lock: landing between B's
+    remove and add, the send was refused, and A took the refusal "after a fresh connection"
+    for the primary's death: the live primary was retired and its held leases forgotten without
+    a drop.  Now the question is sent under the lock every view change takes, and a refusal
+    counts only over the view A connected.  (B's window is widened to 0.3 s.)"""
+    p = Pair(auto_progress=True)
+    ms = HostMemory(16 << 20)
+    spare = NixlEndpoint(p.tgt.name, ms, mem_type="DRAM")
+    name = p.tgt.name
+    try:
+        src = p.mi.alloc(MiB)
+        ra = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        p.ini.write(src, 4096, ra, timeout=10)
+        rs = spare.expose(ms.alloc(MiB), MiB)
+        with pytest.raises(NixlError):  # NOT_ALLOWED: NIXL keeps the primary's connection
+            p.ini.connect(spare.metadata())
+        assert name not in p.ini._connected
+        in_window = threading.Event()
+        real_remove = p.ini._remove_view
+        real_reconnect = p.ini._reconnect_to_ask
+        b_errors: list[BaseException] = []
+
+        def remove_view(peer: str) -> None:
+            real_remove(peer)
+            if threading.current_thread().name == "B":
+                in_window.set()
+                time.sleep(0.3)  # between B's remove_remote_agent and its add_remote_agent
+
+        def b() -> None:
+            try:
+                p.ini.write(src, 4096, ra, timeout=10)
+            except BaseException as exc:  # noqa: BLE001
+                b_errors.append(exc)
+
+        tb = threading.Thread(target=b, name="B")
+        real_ask = p.ini._ask_incarnation
+
+        def reconnect_to_ask(peer: str, current: int, md: bytes, deadline: float) -> int:
+            ok = real_reconnect(peer, current, md, deadline)
+            if threading.current_thread().name == "A":
+                tb.start()
+                assert in_window.wait(5)
+            return ok
+
+        def ask_incarnation(peer: str, current: int, deadline: float) -> int | None:
+            live = real_ask(peer, current, deadline)
+            if threading.current_thread().name == "A" and tb.ident is not None:
+                tb.join()  # B's 4 KiB write is over by now in practice (else A finds it running: NixlError)
+            return live
+
+        p.ini._ask_incarnation = ask_incarnation  # type: ignore[method-assign]
+
+        p.ini._remove_view = remove_view  # type: ignore[method-assign]
+        p.ini._reconnect_to_ask = reconnect_to_ask  # type: ignore[method-assign]
+        got: list[BaseException] = []
+
+        def a() -> None:
+            try:
+                p.ini.write(src, 4096, rs, timeout=5)
+            except BaseException as exc:  # noqa: BLE001
+                got.append(exc)
+
+        ta = threading.Thread(target=a, name="A")
+        ta.start()
+        ta.join()
+        time.sleep(0.5)
+        del p.ini._remove_view, p.ini._reconnect_to_ask, p.ini._ask_incarnation
+        print("A got:", got, "B got:", b_errors)
+        retired = ra.incarnation in p.ini._retired.get(name, ())
+        assert got and isinstance(got[0], StaleRemote) and "not the one it runs" in str(got[0]), (
+            f"the live primary was taken for restarted: A got {got!r}; primary retired: {retired}"
+        )
+        assert p.ini._incarnations[name] == ra.incarnation and not retired
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            try:
+                p.close()  # (InUse when the primary's unexpose waits for the drop the retirement never sent)
+            except Exception as exc:  # noqa: BLE001
+                print("teardown:", type(exc).__name__, exc)
+            finally:
+                spare.close(timeout=0.5)
+                ms.close()
