@@ -1980,6 +1980,12 @@ class NixlEndpoint(Closable):
             view = self._views.get(peer)
             held = [lease for x in remotes if (lease := self._leases.get((peer, x))) and lease.state == "held"]
             regained = bool(held) and (view is None or any(lease.dereg > view[0] for lease in held))
+            # No view while leases of other exposures are held (NIXL erased it): the view loaded
+            # next must hold their registrations too, which only the peer's current metadata
+            # does (this descriptor's may predate them).
+            regained = regained or (
+                view is None and any(k[0] == peer and lease.state == "held" for k, lease in self._leases.items())
+            )
         if regained:
             if peer not in self._connected:  # NIXL erased the peer: its connection, to ask for the metadata
                 self._reconnect(peer, next(iter(remotes.values())).metadata, deadline)

@@ -2802,3 +2802,35 @@ def test_a_live_peer_is_not_taken_for_gone_when_a_reload_races_the_question() ->
             finally:
                 spare.close(timeout=0.5)
                 ms.close()
+
+
+def test_a_first_contact_after_an_erased_view_leaves_no_view_lacking_a_held_lease() -> None:
+    """NIXL's view of the peer is gone with a lease still held (what the endpoint does on a
+    lost transfer's NOT_FOUND or a refused load that erased the peer: _view_erased).  The next
+    transfer goes into an exposure with no lease yet: no held lease of its own, so not
+    "regained" but a first contact, and its descriptor's own metadata is loaded and recorded as
+    the view.  That metadata predates the other exposure, whose lease is held: the post check
+    (lease.dereg <= view dereg) passed, and every transfer into it failed in NIXL (NOT_FOUND),
+    again and again, until something renewed the view.  Now any held lease of the peer makes the
+    load the peer's current metadata."""
+    p = Pair(auto_progress=True)
+    try:
+        x = p.tgt.expose(p.mt.alloc(MiB), MiB)  # its metadata lacks y's registration
+        y = p.tgt.expose(p.mt.alloc(2 * MiB), 2 * MiB)
+        src = p.mi.alloc(MiB)
+        p.ini.write(src, 4096, y)
+        name = p.tgt.name
+        with p.ini._lock, p.ini.driver.lock:
+            p.ini.agent.remove_remote_agent(name)
+            p.ini._view_erased(name)
+        p.ini.write(src, 4096, x, timeout=5)  # first contact: x's metadata alone
+        fails = 0
+        for _ in range(3):
+            try:
+                p.ini.write(src, 4096, y, timeout=5)
+            except NixlError as exc:
+                fails += 1
+                last = exc
+        assert fails == 0, f"{fails} of 3 writes into y failed: {last}"
+    finally:
+        p.close()
