@@ -1988,7 +1988,12 @@ class NixlEndpoint(Closable):
             )
         if regained:
             if peer not in self._connected:  # NIXL erased the peer: its connection, to ask for the metadata
-                self._reconnect(peer, next(iter(remotes.values())).metadata, deadline)
+
+                def still() -> None:  # a restart met meanwhile: this descriptor's is not the peer's
+                    if self._incarnations.get(peer) != inc:
+                        raise _AskAgain
+
+                self._reconnect(peer, next(iter(remotes.values())).metadata, deadline, check=still)
             self._refresh(peer, deadline, inc)
         elif first_contact:  # nothing of the peer loaded: no descriptor of it to go stale
             self._load(peer, ask[0] if ask else next(iter(remotes.values())), deadline)
@@ -2322,6 +2327,8 @@ class NixlEndpoint(Closable):
                 return
 
         def plan(view: tuple[int, dict[int, None]] | None) -> tuple[str, tuple[int, dict[int, None]] | None]:
+            if self._incarnations.get(peer) != remote.incarnation:  # a restart met meanwhile
+                raise _AskAgain
             if view is not None and (mdkey in view[1] or view[0] > dereg):
                 return "none", view
             if view is not None and view[0] == dereg:  # nothing dropped between them: the union is clean

@@ -2834,3 +2834,40 @@ def test_a_first_contact_after_an_erased_view_leaves_no_view_lacking_a_held_leas
         assert fails == 0, f"{fails} of 3 writes into y failed: {last}"
     finally:
         p.close()
+
+
+def test_a_grant_loaded_after_a_restart_was_met_is_asked_about_again() -> None:
+    """A thread got its lease granted by the incarnation it knows, and before it loaded the
+    registration another thread met a restart of the peer (the endpoint now talks to another
+    incarnation, whose view it forgot).  The load went ahead: the old incarnation's metadata
+    was recorded as the peer's view, and the name's connection led back to the old process.
+    Now a load is made only for the incarnation the endpoint talks to: the thread asks again
+    (here the old incarnation is in fact the live one, and says so)."""
+    p = Pair(auto_progress=True)
+    try:
+        src = p.mi.alloc(MiB)
+        ra = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        p.ini.write(src, 4096, ra)
+        rb = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        name = p.tgt.name
+        real, fired = p.ini._load_granted, []
+
+        def restart_met_first(peer: str, r: RemoteBuffer, lease: Any, deadline: float) -> None:
+            if not fired:  # what _meet_incarnation does on meeting another incarnation
+                fired.append(1)
+                with p.ini._lock:  # (not retired: the live one is asked about below)
+                    p.ini._new_incarnation(peer)
+                    p.ini._incarnations[peer] = ra.incarnation + 1
+                    p.ini._inc_md[peer] = ra.metadata
+            real(peer, r, lease, deadline)
+
+        p.ini._load_granted = restart_met_first  # type: ignore[method-assign]
+        try:
+            p.ini.write(src, 4096, rb, timeout=10)
+        finally:
+            del p.ini._load_granted
+        assert fired and p.ini._incarnations[name] == ra.incarnation
+        assert p.ini._lease_state(name, rb.xid) == "held"
+        p.tgt.forget_peer(p.ini.name)  # (the lease on ra the hook forgot gets no drop)
+    finally:
+        p.close()
