@@ -119,7 +119,7 @@ test-host: pyext
 # test on a quiet 2-core machine, the build already done)
 # make host-test T='-k shell -x'
 host-test: pyext
-	$(VENV)/bin/pytest -q tests/host $(T)
+	$(VENV)/bin/pytest -q $(if $(filter tests/%,$(T)),,tests/host) $(T)
 
 vm-test: setup pyext
 	VM_SELECT=1 scripts/vm-run.sh test $(T)

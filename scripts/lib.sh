@@ -192,3 +192,14 @@ build_wheel() {
 project_version() {
 	sed -n 's/^version = "\(.*\)"$/\1/p' "$ROOT/pyproject.toml"
 }
+
+# suite_args DIR ARGS...: DIR, unless ARGS name tests themselves (a path under tests/): pytest
+# given both would run the whole of DIR.
+suite_args() {
+	local dir=$1 a
+	shift
+	for a in "$@"; do
+		case "$a" in tests/*) return 0 ;; esac
+	done
+	echo "$dir"
+}

@@ -31,8 +31,9 @@ fi
 # (the venv's gpupin-coverage.pth, written by scripts/ci/coverage.sh).
 case "$MODE" in
 test)
+	# shellcheck disable=SC2046  # (one word, or none)
 	python -m pytest -q -rP -p no:cacheprovider -o junit_family=xunit2 --timeout="${GPUPIN_TEST_TIMEOUT:-600}" \
-		--junitxml="$RESULTS/junit.xml" tests/vm "$@" 2>&1 | tee "$RESULTS/pytest.txt"
+		--junitxml="$RESULTS/junit.xml" $(suite_args tests/vm "$@") "$@" 2>&1 | tee "$RESULTS/pytest.txt"
 	rc=${PIPESTATUS[0]}
 	;;
 installed)

@@ -23,7 +23,9 @@ EXTRAS=1
 VM_FILES=
 if [ "$MODE" = test ] && [ -n "${VM_SELECT:-}" ]; then
 	# --verbosity after the selection: one node id a line whatever -q/-v it carries.
-	sel=$("$VENV/bin/python" -m pytest --collect-only -p no:cacheprovider tests/vm "${@:2}" --verbosity=-1 2>&1) ||
+	# shellcheck disable=SC2046  # (one word, or none)
+	sel=$("$VENV/bin/python" -m pytest --collect-only -p no:cacheprovider $(suite_args tests/vm "${@:2}") "${@:2}" \
+		--verbosity=-1 2>&1) ||
 		die "pytest selects no test of tests/vm with: ${*:2}"$'\n'"$sel"
 	grep -qE '^tests/vm/test_(netlink|ynl)\.py::' <<<"$sel" || EXTRAS=
 	echo "vm-run: $(grep -cE '^tests/vm/.*::' <<<"$sel") test(s) selected${EXTRAS:+ (with the netlink extras)}"
