@@ -238,7 +238,8 @@ static int gpupin_nl_fill_pin(struct sk_buff *skb, struct gpupin_pin_obj *pin, u
 	    nla_put_u32(skb, GPUPIN_NL_PIN_A_PAGE_SIZE, BIT(pin->page_shift)) ||
 	    nla_put_u64_64bit(skb, GPUPIN_NL_PIN_A_CREATED_NS, pin->created_ns,
 			      GPUPIN_NL_PIN_A_PAD) ||
-	    nla_put_u64_64bit(skb, GPUPIN_NL_PIN_A_USER_TAG, pin->user_tag, GPUPIN_NL_PIN_A_PAD))
+	    nla_put_u64_64bit(skb, GPUPIN_NL_PIN_A_USER_TAG, pin->user_tag, GPUPIN_NL_PIN_A_PAD) ||
+	    nla_put(skb, GPUPIN_NL_PIN_A_GPU_UUID, sizeof(pin->gpu_uuid), pin->gpu_uuid))
 		goto cancel;
 	if ((pin->flags & GPUPIN_PIN_PERSISTENT) && nla_put_flag(skb, GPUPIN_NL_PIN_A_PERSISTENT))
 		goto cancel;

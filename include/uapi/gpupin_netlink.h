@@ -112,6 +112,9 @@ enum gpupin_nl_attr {
  *   is DMA-mapped for, once per mapping.
  * @GPUPIN_NL_PIN_A_REASON: (u32, enum gpupin_nl_reason) Events only.
  * @GPUPIN_NL_PIN_A_PAD: (pad)
+ * @GPUPIN_NL_PIN_A_GPU_UUID: (binary) The UUID of the GPU the pages are on, 16
+ *   bytes, as NVIDIA's page table gives it (nvidia-smi prints it as
+ *   GPU-xxxxxxxx-...); zeros where the provider names no GPU (dma-buf pins).
  */
 enum gpupin_nl_pin_attr {
 	GPUPIN_NL_PIN_A_UNSPEC,
@@ -131,6 +134,7 @@ enum gpupin_nl_pin_attr {
 	GPUPIN_NL_PIN_A_DMA_PEER,
 	GPUPIN_NL_PIN_A_REASON,
 	GPUPIN_NL_PIN_A_PAD,
+	GPUPIN_NL_PIN_A_GPU_UUID,
 
 	__GPUPIN_NL_PIN_A_MAX
 };

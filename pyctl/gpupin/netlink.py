@@ -81,6 +81,7 @@ class gpupinmsg(genlmsg):  # type: ignore[misc]  # noqa: N801 - pyroute2 naming
                 lib.GPUPIN_NL_PIN_A_USER_TAG: "uint64",
                 lib.GPUPIN_NL_PIN_A_DMA_PEER: "asciiz",
                 lib.GPUPIN_NL_PIN_A_REASON: "uint32",
+                lib.GPUPIN_NL_PIN_A_GPU_UUID: "cdata",
             },
         )
 
@@ -131,6 +132,17 @@ class NlPin:
     user_tag: int
     dma_peers: list[str] = field(default_factory=list)
     reason: str | None = None
+    # The GPU as nvidia-smi names it (GPU-xxxxxxxx-...); "" where the provider names none
+    # (dma-buf pins) or the module predates the attribute.
+    gpu_uuid: str = ""
+
+
+def gpu_uuid_text(raw: bytes | None) -> str:
+    """A GPU's 16-byte UUID as nvidia-smi prints it; "" for none (absent or all zeros)."""
+    if not raw or not any(raw):
+        return ""
+    h = bytes(raw).hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 def _pin_of(msg: Any) -> NlPin:
@@ -160,6 +172,7 @@ def _pin_of(msg: Any) -> NlPin:
         user_tag=g("USER_TAG"),
         dma_peers=peers,
         reason=None if reason is None else REASON_NAMES.get(reason, str(reason)),
+        gpu_uuid=gpu_uuid_text(p.get_attr("GPUPIN_NL_PIN_A_GPU_UUID")),
     )
 
 

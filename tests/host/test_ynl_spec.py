@@ -31,7 +31,7 @@ SPEC = ROOT / SPEC_REL
 # The generated files, relative to the tree (their #include lines name each other so).
 GENERATED = ("include/uapi/gpupin_netlink.h", "kernel/netlink-gen.c", "kernel/netlink-gen.h")
 CHECK = ROOT / "scripts/ci/check-netlink.sh"
-PYROUTE2_TYPE = {"u32": "uint32", "u64": "uint64", "string": "asciiz", "flag": "flag"}
+PYROUTE2_TYPE = {"u32": "uint32", "u64": "uint64", "string": "asciiz", "flag": "flag", "binary": "cdata"}
 
 
 def c_name(prefix: str, name: str) -> str:

@@ -48,6 +48,7 @@ def test_event_order_and_content(device: Device, memory: MemoryProvider, pci: st
     for e in evs:
         assert e["pid"] == os.getpid() and e["handle"] == pin.handle and e["user_tag"] == 0x5EED
         assert e["va"] == va + 100 and e["aligned_va"] == va and e["aligned_size"] == 2 * GPU_PAGE
+        assert e["gpu_uuid"] == netlink.gpu_uuid_text(pin.gpu_uuid) != ""
     assert evs[0]["state"] == "pinned" and evs[0]["reason"] is None
     assert evs[1]["reason"] == "freed" and evs[1]["state"] == "invalidated"
     assert evs[1]["dma_peers"] == []  # the callback took the mapping away first
@@ -104,6 +105,8 @@ def test_get_pin_and_stats(device: Device, memory: MemoryProvider, pci: str) -> 
     with netlink.Netlink() as nl:
         p = nl.get_pin(os.getpid(), pin.handle)
         assert p.handle == pin.handle and p.persistent and p.dma_peers == [pci] and p.entries == 16
+        # The GPU the ioctl named, as nvidia-smi prints it: the dump says it too.
+        assert p.gpu_uuid == netlink.gpu_uuid_text(pin.gpu_uuid) and p.gpu_uuid.startswith("GPU-")
         with pytest.raises(gpupin.UnknownHandle, match="no pin with that handle"):
             nl.get_pin(os.getpid(), pin.handle + 1000)
         before = nl.stats()
