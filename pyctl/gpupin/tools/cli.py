@@ -344,6 +344,27 @@ def cmd_stats(s: Session, a: argparse.Namespace) -> Result:
     return netlink.stats()
 
 
+def cmd_top(s: Session, a: argparse.Namespace) -> Result:
+    from . import top
+
+    once = a.once or a.json  # JSON is one snapshot: the live view is for a terminal
+    if not (a.interval >= 0 if once else a.interval > 0) or a.interval != a.interval or a.interval > 3600:
+        raise UsageError(
+            f"top: --interval {a.interval} is out of range: give seconds between "
+            f"{'0 (no rates)' if once else '0.1'} and 3600"
+        )
+    try:
+        if once:
+            view = top.run_once(a.interval)
+            return Report(top.view_json(view), "\n".join(top.render(view, top.width_of_terminal())))
+        if not (sys.stdin.isatty() and sys.stdout.isatty()):
+            raise UsageError("top: the live view needs a terminal; use --once for text, --once --json for scripts")
+        top.run_live(max(a.interval, 0.1))
+    except KeyboardInterrupt:  # Ctrl-C quits; curses has restored the terminal
+        pass
+    return None
+
+
 def cmd_doctor(s: Session, a: argparse.Namespace) -> Result:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs at INFO on stdout by default
     rows = [asdict(c) for c in doctor_mod.run_all(quick=a.quick)]
@@ -508,6 +529,20 @@ def build_parser() -> _Parser:
     sp.add_argument("--all", action="store_true")
     sp.add_argument("--background", action="store_true", help="shell: keep watching while you type")
     add("stats", cmd_stats, "global counters of gpupin.ko (through netlink; detached pins and their bytes too)")
+    sp = add(
+        "top",
+        cmd_top,
+        "live view of pinned GPU memory: BAR1 bytes per process and GPU, the budget in force, counters, "
+        "invalidations/s (q or Ctrl-C quits)",
+    )
+    sp.add_argument(
+        "--interval",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="between refreshes (default 1); with --once the window the rates are measured over (0: no rates)",
+    )
+    sp.add_argument("--once", action="store_true", help="print one snapshot and exit (--json implies it)")
     sp = add("doctor", cmd_doctor, "check IOMMU, ACS, PCIe topology, drivers and BAR1 for GPUDirect RDMA")
     sp.add_argument("--quick", action="store_true", help="leave NIXL out (its import and one-transfer selftest)")
     sp = add(
