@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -142,3 +145,143 @@ def test_shell_pins_through_a_dmabuf(gpupin_loaded: None, leakcheck: None) -> No
     # NVIDIA's exporter (the simulator's default) holds the memory: the free invalidates nothing.
     assert r.stdout.count('"state": "pinned"') == 2 and '"state": "invalidated"' not in r.stdout
     assert '"revocable": false' in r.stdout
+
+
+# A process of its own that pins 100,000 bytes 100 bytes into an allocation, so 2 GPU pages;
+# a line on stdin frees the memory (an invalidation), the next one unpins, the next ends it.
+PINNER = """
+import sys
+import gpupin
+with gpupin.Device() as dev, gpupin.SimMemory() as mem:
+    va = mem.alloc(1 << 20)
+    pin = dev.pin(va + 100, 100000, user_tag=0x70B)
+    print(pin.handle, pin.aligned_size, flush=True)
+    for step in ("free", "unpin"):
+        sys.stdin.readline()
+        mem.free(va) if step == "free" else dev.unpin(pin)
+        print(step, flush=True)
+    sys.stdin.readline()
+"""
+
+
+def _mine(snap: dict, pid: int) -> list[dict]:  # type: ignore[type-arg]
+    return [p for p in snap["processes"] if p["pid"] == pid]
+
+
+def _step(child: subprocess.Popen[str], what: str) -> None:
+    assert child.stdin is not None and child.stdout is not None
+    child.stdin.write("\n")
+    child.stdin.flush()
+    assert child.stdout.readline().strip() == what
+
+
+def test_top_reports_another_process_pin_until_it_unpins(gpupin_loaded: None, leakcheck: None) -> None:
+    from gpupin.tools import top
+
+    child = subprocess.Popen([sys.executable, "-c", PINNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        handle, aligned = map(int, child.stdout.readline().split())
+        assert aligned == 2 * 65536  # 100 + 100,000 bytes widened to 64 KiB GPU pages
+        comm = open(f"/proc/{child.pid}/comm").read().strip()
+        snap = js("top", "--once", "--interval", "0.2")
+        assert snap["version"] == 1 and snap["module"]["provider"] == "nvp2p_sim"  # type: ignore[index]
+        assert snap["budget"] == {  # type: ignore[index]
+            "mechanism": "none",
+            "limit_bytes": None,
+            "used_bytes": snap["stats"]["bytes_now"],  # type: ignore[index]
+            "detail": "no limit in force (gpupin max_pinned_bytes=0; no per-process, per-GPU or cgroup limit)",
+        }
+        assert snap["events"] == "subscribed"  # type: ignore[index]
+        assert _mine(snap, child.pid) == [  # type: ignore[arg-type]
+            {
+                "pid": child.pid,
+                "comm": comm,
+                "pins": 1,
+                "detached": 0,
+                "invalidated": 0,
+                "bar1_bytes": aligned,
+                "requested_bytes": 100000,
+                "gpus": 1,
+                "invalidations_per_s": 0.0,
+            }
+        ]
+        (gpu,) = snap["gpus"]  # type: ignore[index]
+        assert gpu["gpu"].startswith("GPU-") and gpu["bar1_bytes"] >= aligned
+        # Text, for a 60-column terminal: cut, not wrapped.
+        env = {**os.environ, "COLUMNS": "60", "GPUPIN_HISTORY": os.devnull}
+        r = subprocess.run(
+            [sys.executable, "-m", "gpupin", "top", "--once", "--interval", "0"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120 * SLOW,
+        )
+        assert r.returncode == 0, r.stdout + r.stderr
+        lines = r.stdout.splitlines()
+        assert lines[0].startswith("gpupin top") and max(map(len, lines)) <= 60, r.stdout
+        assert any(line.split()[:3] == [str(child.pid), comm[:16], "1"] for line in lines if line.strip()), r.stdout
+        # The memory freed within the window: an invalidation, by this owner, and no BAR1 left.
+        timer = threading.Timer(0.5, _step, (child, "free"))
+        timer.start()
+        view = top.run_once(3.0)
+        timer.join()
+        (row,) = [p for p in view.processes if p.pid == child.pid]
+        assert (row.invalidated, row.bar1_bytes) == (1, 0)
+        assert row.invalidations_per_s and row.invalidations_per_s > 0
+        assert view.rates.invalidations_per_s and view.rates.invalidations_per_s > 0
+        _step(child, "unpin")
+        snap = js("top", "--once", "--interval", "0")
+        assert _mine(snap, child.pid) == [] and snap["interval_s"] is None  # type: ignore[arg-type, index]
+    finally:
+        child.kill()
+        child.wait()
+
+
+def _top_on_a_pty(keys: bytes) -> tuple[bytes, int]:
+    """``gpupin top`` on a 30x100 pseudo-terminal under bash, which then prints its exit
+    status and the terminal's settings: what the terminal showed, and top's status."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    script = f"trap : INT; {sys.executable} -m gpupin top --interval 0.5; echo top-rc=$?; stty -a; echo top-end"
+    pid, fd = pty.fork()
+    if pid == 0:
+        try:
+            os.environ.update(TERM="xterm", GPUPIN_HISTORY=os.devnull)
+            os.execvp("bash", ["bash", "-c", script])
+        finally:
+            os._exit(127)  # public, despite the underscore: exit without cleanup
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+    out, shown = b"", 0.0
+    deadline = time.monotonic() + 120 * SLOW
+    while b"top-end" not in out and time.monotonic() < deadline:
+        if not shown and b"BAR1" in out:
+            shown = time.monotonic()
+        if shown and time.monotonic() > shown + 1.5:  # after a redraw or two
+            os.write(fd, keys)
+            shown = float("inf")
+        if select.select([fd], [], [], 0.5)[0]:
+            try:
+                out += os.read(fd, 65536)
+            except OSError:
+                break
+    os.waitpid(pid, 0)
+    os.close(fd)
+    m = re.search(rb"top-rc=(\d+)", out)
+    assert m and b"top-end" in out, out[-3000:]
+    return out, int(m.group(1))
+
+
+@pytest.mark.parametrize("keys", [b"q", b"\x03"], ids=["q", "ctrl-c"])
+def test_top_on_a_terminal_quits_and_restores_it(gpupin_loaded: None, keys: bytes) -> None:
+    out, rc = _top_on_a_pty(keys)
+    assert rc == 0, out[-3000:]
+    assert b"gpupin top" in out and b"budget: none" in out
+    settings = out[out.index(b"top-rc=") :]
+    # The line discipline as it was: canonical input and echo back on, the cursor shown.
+    assert re.search(rb"(?<!-)icanon", settings) and re.search(rb"(?<![-\w])echo\b", settings), settings
+    assert b"Traceback" not in out, out[-3000:]
