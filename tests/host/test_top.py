@@ -247,3 +247,17 @@ def test_usage_errors() -> None:
     assert r.returncode == 1 and "--interval 0.0 is out of range" in r.stdout
     r = run("top", "--once", "--interval", "-1")
     assert r.returncode == 1 and "out of range" in r.stdout
+
+
+def test_a_limit_and_missing_events_fit_100_columns() -> None:
+    """With a budget in force, and events unavailable or lost, the status lines still fit 100
+    columns whole (a newcomer's terminal): nothing of the budget or of why is cut."""
+    limited = {**INFO, "max_pinned_bytes": 1000 * 1024**3}
+    a, b = sample(mono=10.0, info=limited), sample(mono=12.0, info=limited)
+    for events, why in (("unavailable", "needs CAP_NET_ADMIN"), ("lost", "some lost: INVAL/S undercounts")):
+        lines = top.render(top.build_view(b, top.rates_between(a, b, None, events, why), comm), 1000)
+        assert lines[1].startswith("budget: gpupin max_pinned_bytes: ") and lines[1].endswith(
+            "(all processes together)"
+        )
+        assert lines[3].endswith(f"events: {events} ({why})")
+        assert all(len(line) <= 100 for line in lines), [line for line in lines if len(line) > 100]

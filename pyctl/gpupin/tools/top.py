@@ -63,8 +63,7 @@ def budget_of(info: Mapping[str, Any], stats: Mapping[str, int]) -> Budget:
             "gpupin max_pinned_bytes",
             limit,
             used,
-            f"module-wide, all processes together: {human(used)} of {human(limit)} "
-            "(no per-process, per-GPU or cgroup limit)",
+            f"{human(used)} of {human(limit)} (all processes together)",
         )
     return Budget(
         "none",
@@ -305,10 +304,11 @@ class EventCounter:
         self.nl: Netlink | None = Netlink()
         try:
             self.nl.subscribe()
-        except PermissionDenied as exc:
+        except PermissionDenied:
             self.nl.close()
             self.nl = None
-            self.reason = f"{exc}; per-process INVAL/S not shown"
+            # Short, for the invalidations line (the exception says more than a line holds).
+            self.reason = "needs CAP_NET_ADMIN"
 
     def fileno(self) -> int | None:
         return None if self.nl is None else self.nl.sock.fileno()
@@ -333,7 +333,7 @@ class EventCounter:
         counts, self.counts = self.counts, {}
         if self.lost:
             self.lost = False
-            return counts, "lost", "some events were lost (ENOBUFS): per-process INVAL/S undercounts"
+            return counts, "lost", "some lost: INVAL/S undercounts"
         return counts, "subscribed", "INVALIDATED events counted by owner"
 
     def close(self) -> None:
