@@ -18,9 +18,10 @@ freed allocation.  Here:
   NIXL's prepped lists) take it.  Prevention: an initiator transfers into an exposure only
   under a lease the target granted, and ``unexpose`` (which the provider's free waits for)
   revokes the leases and returns once every holder's transfers are over; a refused lease
-  raises :class:`StaleRemote` before any byte moves.  Detection, the backstop: the target
-  checks each transfer's exposure, epoch and buffer id when its check message arrives
-  (``wait(confirm=True)`` waits for that answer).  Documentation/gds-nixl.md says which
+  raises :class:`StaleRemote` before any byte moves.  Detection, the backstop: the target's
+  watch finds an exposed buffer freed behind the provider's hold, and checks the exposure,
+  epoch and buffer id of a transfer posted with ``confirm=True`` when its check message
+  arrives (``wait(confirm=True)`` waits for that answer).  Documentation/gds-nixl.md says which
   guarantee is which and what the application promises.
 
 - :func:`probe` says what NIXL can do on this host (``gpupin nixl status``, ``gpupin doctor``):
@@ -918,13 +919,15 @@ class NixlEndpoint(Closable):
     Prevention: before its first transfer into an exposure an initiator asks the target for a
     *lease* (one round trip per exposure, not per transfer).  ``unexpose`` revokes the leases
     and returns only when every holder has said that its transfers under the lease are over
-    (NIXL reported each DONE or failed) and the target has received each one's check message;
-    only then is the registration let go and the free hold dropped.  A lease refused raises
-    StaleRemote before any byte moves.  Detection, the backstop: after NIXL finishes a
-    transfer the initiator sends the target a check (not waited for); the target compares the
-    exposure, epoch and buffer id and answers; a bad answer is counted (``stale_transfers``,
-    ``stale_answers``), raised by ``wait(confirm=True)``, and breaks the lease (the next
-    transfer into that exposure raises StaleRemote).  See Documentation/gds-nixl.md for
+    (NIXL reported each DONE or failed) and the target has received the check messages the
+    holder says it sent; only then is the registration let go and the free hold dropped.  A
+    lease refused raises StaleRemote before any byte moves.  Detection, the backstop: the
+    target's watch in ``progress()`` (every ``watch_interval``) finds an exposed buffer freed
+    behind the provider's hold and revokes its leases; and a transfer posted with
+    ``confirm=True`` sends the target a check once NIXL finished it, which the target answers
+    after comparing the exposure, epoch and buffer id: a bad answer is counted
+    (``stale_transfers``, ``stale_answers``), raised by ``wait(confirm=True)``, and breaks the lease (the
+    next transfer into that exposure raises StaleRemote).  See Documentation/gds-nixl.md for
     what the application must promise.
     """
 
