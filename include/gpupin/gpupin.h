@@ -145,8 +145,8 @@ int gpupin_ref_info(struct gpupin_ref *ref, struct gpupin_ref_info *info);
  * Context: process context; may sleep; may take NVIDIA's RM lock.  Do not
  * call it inside the access section of any reference, nor with a lock that
  * any of your notifiers takes.
- * Return: 0, -ENODEV when the memory is gone or going, -ENOSPC past the
- * per-pin mapping limit, -EOPNOTSUPP (no peer-to-peer path; or the
+ * Return: 0, -EINVAL for a NULL @pdev, -ENODEV when the memory is gone or
+ * going, -ENOSPC past the per-pin mapping limit, -EOPNOTSUPP (no peer-to-peer path; or the
  * provider's -ENOTSUPP, which user space cannot name), -ENOMEM, -EPROTO for
  * an NVIDIA DMA mapping of a version gpupin cannot read (given back), or
  * the provider's error.

@@ -1,7 +1,8 @@
 """gpupin: pin NVIDIA GPU memory for third-party devices.
 
-``Device`` wraps /dev/gpupin (gpupin.ko); ``SimMemory`` and ``CudaMemory``
-provide device memory; ``gpupin.kmod`` loads the modules.
+``Device`` wraps /dev/gpupin (gpupin.ko); ``SimMemory`` (here) and
+``gpupin.cuda.CudaMemory`` provide device memory; ``gpupin.kmod`` (imported on
+its own) loads the modules.
 """
 
 from __future__ import annotations
