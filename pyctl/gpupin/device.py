@@ -492,7 +492,8 @@ class Device(Closable):
         )
 
     def get_pages(self, handle: int | Pin, first: int = 0, count: int | None = None) -> list[int]:
-        """Physical addresses of the pin's 64 KiB pages: only in the process that opened the
+        """Physical addresses of the pin's 64 KiB pages (a dma-buf pin's: the bus addresses of
+        its exporter's pages, see pin_dmabuf): only in the process that opened the
         Device, and only if it had CAP_SYS_ADMIN (PermissionDenied, or ForkedDevice in a fork
         child, otherwise)."""
         h = handle.handle if isinstance(handle, Pin) else handle
