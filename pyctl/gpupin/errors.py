@@ -125,7 +125,7 @@ _HINTS = {
     errno.EOPNOTSUPP: (
         "the provider does not support this (a peer mapping or a dma-buf import needs a PCI path that"
         " allows peer-to-peer; gpupin reads 64 KiB GPU pages only; on an NVIDIA driver whose get_pages"
-        " can double-free, 525.47 to 535.113, gpupin refuses non-persistent pins: update the driver,"
+        " can double-free (525.47 to 535.113, and 545.23), gpupin refuses non-persistent pins: update the driver,"
         " pin persistent, or see nv_unsafe_get_pages in the kernel log)"
     ),
 }
