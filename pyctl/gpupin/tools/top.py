@@ -15,6 +15,7 @@ pin has given its pages back and counts 0 until its owner unpins it.
 
 from __future__ import annotations
 
+import os
 import select
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -412,12 +413,22 @@ def run_once(interval: float, comm: Callable[[int], str] = proc_comm) -> View:
 
 
 def run_live(interval: float) -> None:
-    """The full-screen view until ``q`` (or Ctrl-C, which the caller sees as
-    KeyboardInterrupt after curses restored the terminal)."""
+    """The full-screen view until ``q`` or Ctrl-C.  Ctrl-C is taken as a key while the view
+    runs (a handler wakes the loop through a pipe), not as a KeyboardInterrupt: one raised
+    at an arbitrary point (inside a netlink read, curses' restore) could leave a traceback
+    behind instead of quitting."""
     import curses
+    import signal
 
     with Source() as src:
         view = src.view()  # the first reading: errors come before the screen changes
+        interrupted: list[int] = []
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_r, False)
+        os.set_blocking(wake_w, False)
+
+        def on_int(signum: int, frame: Any) -> None:
+            interrupted.append(signum)
 
         def keys(scr: Any) -> tuple[bool, bool]:
             """Read the keys typed: (quit, resized)."""
@@ -445,19 +456,27 @@ def run_live(interval: float) -> None:
                 scr.refresh()
                 deadline = time.monotonic() + interval
                 resized = False
-                while not resized and (left := deadline - time.monotonic()) > 0:
-                    if not src.wait(left, (0,)):
+                while not resized and not interrupted and (left := deadline - time.monotonic()) > 0:
+                    if not src.wait(left, (0, wake_r)):
                         break
                     quit_, resized = keys(scr)
                     if quit_:
                         return
                 quit_, resized_now = keys(scr)  # a resize is a key curses makes on its next read
-                if quit_:
+                if quit_ or interrupted:
                     return
                 if not (resized or resized_now):
                     view = src.view()
 
-        curses.wrapper(loop)
+        old_handler = signal.signal(signal.SIGINT, on_int)
+        old_wakeup = signal.set_wakeup_fd(wake_w)
+        try:
+            curses.wrapper(loop)
+        finally:
+            signal.set_wakeup_fd(old_wakeup)
+            signal.signal(signal.SIGINT, old_handler)
+            os.close(wake_r)
+            os.close(wake_w)
 
 
 def width_of_terminal() -> int:
