@@ -20,8 +20,11 @@ command -v dkms >/dev/null || die "dkms is missing (make setup installs it)"
 "$ROOT/packaging/make-deb.sh"
 VER=$(project_version)
 for name in gpupin-dkms gpupin-sim-dkms; do
-	dpkg-deb --fsys-tarfile "$ROOT/dist/${name}_${VER}_all.deb" | tar -xO "./usr/share/doc/$name/copyright" |
-		grep -q "^License: GPL-2 or Expat" || die "$name ships no copyright file naming its licenses"
+	# Read whole, then searched: grep -q leaving a pipe early kills tar with SIGPIPE, which
+	# pipefail reports as this check failing.
+	copyright=$(dpkg-deb --fsys-tarfile "$ROOT/dist/${name}_${VER}_all.deb" | tar -xO "./usr/share/doc/$name/copyright") ||
+		die "$name ships no copyright file"
+	grep -q "^License: GPL-2 or Expat" <<<"$copyright" || die "$name's copyright file names no GPL-2 or Expat license"
 done
 
 if ! ls /usr/src/nvidia-*/nvidia/nv-p2p.h >/dev/null 2>&1; then
