@@ -25,6 +25,7 @@ from .errors import (
     NotRevocable,
     PermissionDenied,
     PinInvalidated,
+    QuotaExceeded,
     TransferAborted,
     UnknownHandle,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "AllocationRange",
     "BarExhausted",
     "BudgetExceeded",
+    "QuotaExceeded",
     "Device",
     "DmaMapping",
     "DriverNotLoaded",

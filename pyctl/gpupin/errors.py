@@ -59,6 +59,12 @@ class BudgetExceeded(GpupinError):
     """gpupin's own limit (max_pinned_bytes or max_pins_per_file) was reached (ENOSPC)."""
 
 
+class QuotaExceeded(BudgetExceeded):
+    """A pin would pass the caller's share (EDQUOT): its cgroup's dmem.max for the GPU's
+    ``gpupin/<pci device>/bar1`` region, or gpupin's max_file_pinned_bytes for the open file.
+    A kind of :class:`BudgetExceeded`: a registration cache evicts idle pins and retries."""
+
+
 class PermissionDenied(GpupinError):
     """EPERM/EACCES: the call needs CAP_SYS_ADMIN, or the file belongs to another process."""
 
@@ -117,6 +123,11 @@ _HINTS = {
     errno.ENXIO: "the GPU memory was freed: unpin the handle and pin again",
     errno.ENOMEM: "the GPU BAR is exhausted: unpin unused regions and retry",
     errno.ENOSPC: "gpupin's budget is used up: unpin, or raise max_pinned_bytes/max_pins_per_file",
+    errno.EDQUOT: (
+        "this process's share of GPU BAR1 is used up: unpin, or raise its cgroup's dmem.max for the"
+        " GPU's gpupin/<pci device>/bar1 region (or gpupin's max_file_pinned_bytes; `gpupin doctor` says"
+        " which limit is in force)"
+    ),
     errno.EPERM: "this needs CAP_SYS_ADMIN (run as root)",
     errno.EACCES: "this file was opened by another process: open /dev/gpupin in this one",
     errno.ENODEV: "no such PCI device",
@@ -136,6 +147,7 @@ _CLASSES: dict[int, type[GpupinError]] = {
     errno.ENXIO: PinInvalidated,
     errno.ENOMEM: BarExhausted,
     errno.ENOSPC: BudgetExceeded,
+    errno.EDQUOT: QuotaExceeded,
     errno.EPERM: PermissionDenied,
     errno.EACCES: PermissionDenied,
 }

@@ -21,6 +21,7 @@ from gpupin.errors import from_errno
         (errno.ENXIO, gpupin.PinInvalidated),
         (errno.ENOMEM, gpupin.BarExhausted),
         (errno.ENOSPC, gpupin.BudgetExceeded),
+        (errno.EDQUOT, gpupin.QuotaExceeded),
         (errno.EPERM, gpupin.PermissionDenied),
         (errno.EACCES, gpupin.PermissionDenied),
         (errno.EIO, gpupin.GpupinError),
@@ -39,6 +40,10 @@ def test_messages_say_what_to_do() -> None:
     assert "CAP_SYS_ADMIN" in str(from_errno(errno.EPERM, "GET_PAGES"))
     assert "another process" in str(from_errno(errno.EACCES, "PIN"))
     assert "max_pinned_bytes" in str(from_errno(errno.ENOSPC, "PIN"))
+    quota = from_errno(errno.EDQUOT, "PIN")
+    assert "dmem.max" in str(quota) and "max_file_pinned_bytes" in str(quota)
+    # A cache evicts idle registrations on either: EDQUOT is a kind of budget exhaustion.
+    assert isinstance(quota, gpupin.BudgetExceeded)
 
 
 def test_not_gpu_memory_is_an_invalid_argument() -> None:

@@ -16,6 +16,7 @@ from ..errors import (
     InvalidArgument,
     NotGpuMemory,
     NotRevocable,
+    QuotaExceeded,
     UnknownHandle,
 )
 from ._registration import _Entry
@@ -166,7 +167,13 @@ class _Policy(_State):
                 st.pin_failures += 1
                 self._drain_locked()
                 if not self._evict_lru():
-                    kind = "BAR space" if isinstance(exc, BarExhausted) else "gpupin budget"
+                    kind = (
+                        "BAR space"
+                        if isinstance(exc, BarExhausted)
+                        else "this process's BAR1 share: its cgroup's dmem.max or max_file_pinned_bytes"
+                        if isinstance(exc, QuotaExceeded)
+                        else "gpupin budget"
+                    )
                     raise type(exc)(
                         f"pin of {size} bytes at {start:#x} failed ({kind} exhausted) and nothing is "
                         f"evictable: {st.bytes_pinned} bytes pinned in {st.regions} regions, "
