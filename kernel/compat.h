@@ -84,4 +84,43 @@ static inline void gpupin_fault_attr_put_dname(struct fault_attr *attr)
 }
 #endif
 
+/*
+ * 6.14: the dmem cgroup controller (include/linux/cgroup_dmem.h; its calls are
+ * stubs where CONFIG_CGROUP_DMEM is off).  Before, the same stubs here.
+ */
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 14, 0)
+#include <linux/cgroup_dmem.h>
+#else
+struct dmem_cgroup_region;
+struct dmem_cgroup_pool_state;
+
+static inline __printf(2, 3) struct dmem_cgroup_region *
+dmem_cgroup_register_region(u64 size, const char *name_fmt, ...)
+{
+	return NULL;
+}
+
+static inline void dmem_cgroup_unregister_region(struct dmem_cgroup_region *region)
+{
+}
+
+static inline int dmem_cgroup_try_charge(struct dmem_cgroup_region *region, u64 size,
+					 struct dmem_cgroup_pool_state **ret_pool,
+					 struct dmem_cgroup_pool_state **ret_limit_pool)
+{
+	*ret_pool = NULL;
+	if (ret_limit_pool)
+		*ret_limit_pool = NULL;
+	return 0;
+}
+
+static inline void dmem_cgroup_uncharge(struct dmem_cgroup_pool_state *pool, u64 size)
+{
+}
+
+static inline void dmem_cgroup_pool_state_put(struct dmem_cgroup_pool_state *pool)
+{
+}
+#endif
+
 #endif /* GPUPIN_COMPAT_H */

@@ -18,6 +18,9 @@
  *       the free callback.
  *   gpupin_topo_lock (mutex, topo.c) - the kept topology verdicts.  Taken
  *       alone, never across an NVIDIA call.
+ *   gpupin_bar1_lock (mutex, budget.c) - the GPUs' BAR1 dmem regions.
+ *       Taken alone (module load and unload, the PIN ioctl after the pin is
+ *       PINNED), never across an NVIDIA call, never by the free callback.
  *   gpupin_files_lock (mutex) - the list of open files, for netlink dumps.
  *   gpupin_file.read_lock (mutex) - serialises readers of invalidation
  *       records, so a record leaves the queue only once it was copied out.
@@ -107,6 +110,7 @@ extern atomic_t gpupin_callbacks_running;
 
 /* Module parameters (main.c) */
 extern unsigned long gpupin_max_pinned_bytes;
+extern unsigned long gpupin_max_file_pinned_bytes;	/* budget.c */
 extern unsigned int gpupin_max_pins_per_file;
 extern bool gpupin_default_persistent;
 extern bool gpupin_debug;
@@ -233,6 +237,7 @@ struct gpupin_file {
 	struct xarray pins;		/* handle -> pin, under lock */
 	u64 next_handle;		/* last handle given, under lock */
 	atomic_t nr_pins;		/* pins holding a slot */
+	atomic64_t pinned_bytes;	/* held of max_file_pinned_bytes (budget.c) */
 	struct pid *owner;		/* thread group that opened the file */
 	bool admin;			/* opener had CAP_SYS_ADMIN (f_cred) */
 
@@ -393,6 +398,7 @@ struct gpupin_pin_obj {
 	struct nvidia_p2p_page_table *pt;	/* nv-p2p pins */
 	unsigned long cb_id;		/* nv-p2p pins with a callback: its data (nvp2p.c), or 0 */
 	u8 gpu_uuid[16];		/* copied from the page table while PINNING */
+	u64 bar_addr;			/* nv-p2p: page 0's physical address, copied likewise */
 	struct dma_buf *dmabuf;		/* dma-buf pins: a reference */
 	struct pci_dev *dmabuf_pdev;	/* dma-buf pins: importing device (a reference) or NULL */
 	struct gpupin_dmabuf_att att;	/* dma-buf pins: the import for dmabuf_pdev */
@@ -406,6 +412,9 @@ struct gpupin_pin_obj {
 	struct list_head maps;		/* gpupin_map, under lock */
 	u32 next_map_id;		/* under lock */
 	struct gpupin_event_rec *ev;	/* queued on invalidation */
+	/* budget.c: what the pin holds of the budgets, under lock */
+	bool budget_held;		/* its bytes in gpupin_pinned_bytes and its file's */
+	struct dmem_cgroup_pool_state *dmem_pool;	/* charged there, or NULL */
 
 	struct mutex refs_lock;		/* see top of file */
 	struct list_head refs;		/* gpupin_ref (kapi.c), under refs_lock */
@@ -467,6 +476,14 @@ int gpupin_pin_use(struct gpupin_pin_obj *pin);
 void gpupin_pin_unuse(struct gpupin_pin_obj *pin);
 void gpupin_file_release_pins(struct gpupin_file *f, u32 reason);
 void gpupin_pin_destroy_now(struct gpupin_file *f, struct gpupin_pin_obj *pin, u32 reason);
+
+/* Budgets (budget.c) */
+struct dmem_cgroup_pool_state;
+int gpupin_budget_reserve(struct gpupin_file *f, struct gpupin_pin_obj *pin);
+int gpupin_budget_charge_gpu(struct gpupin_pin_obj *pin);
+void gpupin_budget_release(struct gpupin_pin_obj *pin);
+void gpupin_budget_init(void);
+void gpupin_budget_exit(void);
 bool gpupin_caller_owns(struct gpupin_file *f);
 bool gpupin_may_read_addrs(struct gpupin_file *f);
 void gpupin_file_put(struct gpupin_file *f);

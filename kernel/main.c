@@ -143,9 +143,10 @@ static int __init gpupin_init(void)
 	ret = gpupin_fault_init_end();	/* before the device: no pin can exist */
 	if (ret)
 		goto err_nl;
+	gpupin_budget_init();	/* the GPUs' dmem regions, before any pin */
 	ret = gpupin_file_init();
 	if (ret)
-		goto err_nl;
+		goto err_budget;
 #ifdef GPUPIN_NV_GET_PAGES_DOUBLE_FREE
 	pr_warn("this NVIDIA driver double-frees in nvidia_p2p_get_pages when memory is freed during a pin: non-persistent pins are %s (update the driver to 535.129.03 or later)\n",
 		gpupin_nv_unsafe_get_pages ? "allowed (nv_unsafe_get_pages=1)" : "refused");
@@ -153,6 +154,8 @@ static int __init gpupin_init(void)
 	pr_info("version %s ready, provider %s\n", GPUPIN_VERSION, gpupin_provider);
 	return 0;
 
+err_budget:
+	gpupin_budget_exit();
 err_nl:
 	gpupin_nl_exit();
 err_fault:
@@ -174,6 +177,7 @@ static void __exit gpupin_exit(void)
 	synchronize_rcu_tasks();
 	gpupin_cb_ids_exit();
 	gpupin_file_exit();
+	gpupin_budget_exit();
 	gpupin_nl_exit();
 	gpupin_fault_exit();
 	gpupin_topo_forget();

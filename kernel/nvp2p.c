@@ -194,14 +194,20 @@ static int gpupin_check_table(struct gpupin_pin_obj *pin)
 	return 0;
 }
 
-/* nv-p2p's commit: check the page table and keep its GPU UUID. */
+/*
+ * nv-p2p's commit: check the page table and keep its GPU UUID and the first
+ * page's address (which GPU's BAR1 the pin takes: budget.c).
+ */
 static int gpupin_nvp2p_commit(struct gpupin_pin_obj *pin)
 {
 	int ret = gpupin_check_table(pin);
 
-	if (!ret && pin->pt->gpu_uuid)
+	if (ret)
+		return ret;
+	if (pin->pt->gpu_uuid)
 		memcpy(pin->gpu_uuid, pin->pt->gpu_uuid, sizeof(pin->gpu_uuid));
-	return ret;
+	pin->bar_addr = pin->pt->pages[0]->physical_address;
+	return 0;
 }
 
 /* nv-p2p's addrs: the pages' physical addresses. */

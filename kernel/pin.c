@@ -181,7 +181,7 @@ static bool gpupin_pin_invalidate(struct gpupin_pin_obj *pin, bool always)
 	if (prev == GPUPIN_PIN_DETACHED) {
 		/* Nobody is left to tell: let the pin, its file and the module go. */
 		gpupin_detached_del(pin);
-		atomic64_sub(pin->aligned_size, &gpupin_pinned_bytes);
+		gpupin_budget_release(pin);
 		gpupin_dbg("detached pin %llu released by its free callback\n", pin->handle);
 		gpupin_set_state(pin, GPUPIN_PIN_INVALIDATED);
 		gpupin_pin_put(pin);
@@ -192,7 +192,7 @@ static bool gpupin_pin_invalidate(struct gpupin_pin_obj *pin, bool always)
 
 	/* Unpin (RELEASING) and a failed PIN (PINNING) account for themselves. */
 	if (prev == GPUPIN_PIN_PINNED) {
-		atomic64_sub(pin->aligned_size, &gpupin_pinned_bytes);
+		gpupin_budget_release(pin);
 		rec = pin->ev;
 		pin->ev = NULL;
 		rec->ev.handle = pin->handle;
@@ -351,8 +351,7 @@ static bool gpupin_pin_release_pages(struct gpupin_pin_obj *pin, enum gpupin_pin
 		if (ops->release && ops->release(pin, claimed) &&
 		    gpupin_pin_detach_unreleased(pin, claimed))
 			return false;
-		if (from == GPUPIN_PIN_PINNED)
-			atomic64_sub(pin->aligned_size, &gpupin_pinned_bytes);
+		gpupin_budget_release(pin);
 	}
 	/* put_pages returns only after a racing callback finished. */
 	wait_event(pin->wq, gpupin_pin_settled(pin));
@@ -441,19 +440,6 @@ static void gpupin_count_failure(int err)
 	}
 }
 
-/* Reserve @size bytes of the module-wide budget; -ENOSPC past it. */
-static int gpupin_budget_get(u64 size)
-{
-	unsigned long max = READ_ONCE(gpupin_max_pinned_bytes);
-	s64 now = atomic64_add_return(size, &gpupin_pinned_bytes);
-
-	if (max && now > max) {
-		atomic64_sub(size, &gpupin_pinned_bytes);
-		return -ENOSPC;
-	}
-	return 0;
-}
-
 /* A new pin in state PINNING, not yet reserved; NULL (counted in fail_enomem) if out of memory. */
 static struct gpupin_pin_obj *gpupin_pin_alloc(struct gpupin_file *f,
 					       const struct gpupin_pin_req *req)
@@ -517,13 +503,13 @@ static int gpupin_pin_account(struct gpupin_file *f, struct gpupin_pin_obj *pin)
  */
 static int gpupin_pin_reserve(struct gpupin_file *f, struct gpupin_pin_obj *pin)
 {
-	int ret = gpupin_budget_get(pin->aligned_size);
+	int ret = gpupin_budget_reserve(f, pin);
 
 	if (!ret) {
 		ret = gpupin_pin_account(f, pin);
 		if (!ret)
 			return 0;
-		atomic64_sub(pin->aligned_size, &gpupin_pinned_bytes);
+		gpupin_budget_release(pin);
 	}
 	if (ret == -ENOSPC)
 		gpupin_nl_budget_event(f, pin->aligned_size);
@@ -532,11 +518,16 @@ static int gpupin_pin_reserve(struct gpupin_file *f, struct gpupin_pin_obj *pin)
 	return ret;
 }
 
-/* Undo gpupin_pin_reserve() for a pin that failed with @err; frees it. */
-static void gpupin_pin_unreserve(struct gpupin_file *f, struct gpupin_pin_obj *pin, int err)
+/*
+ * Undo gpupin_pin_reserve() for a pin that failed with @err; frees it.  A
+ * detached pin's budget stays held: its free callback gives it back.
+ */
+static void gpupin_pin_unreserve(struct gpupin_file *f, struct gpupin_pin_obj *pin, int err,
+				 bool detached)
 {
 	gpupin_pin_unaccount(f, pin);
-	atomic64_sub(pin->aligned_size, &gpupin_pinned_bytes);
+	if (!detached)
+		gpupin_budget_release(pin);
 	gpupin_count_failure(err);
 	gpupin_pin_put(pin);
 }
@@ -623,6 +614,7 @@ static int gpupin_pin_publish(struct gpupin_file *f, struct gpupin_pin_obj *pin,
  */
 long gpupin_pin_new(struct gpupin_file *f, const struct gpupin_pin_req *req)
 {
+	enum gpupin_pin_state from = GPUPIN_PIN_PINNING;
 	struct gpupin_pin_obj *pin;
 	int ret;
 
@@ -636,11 +628,14 @@ long gpupin_pin_new(struct gpupin_file *f, const struct gpupin_pin_req *req)
 	/* -ENXIO: the memory went (free callback, revocation) while it was taken. */
 	if (!ret)
 		ret = gpupin_pin_mark_pinned(f, pin);
+	/* The GPU is known now: its dmem charge (EDQUOT past the caller's cgroup's limit). */
+	if (!ret) {
+		from = GPUPIN_PIN_PINNED;
+		ret = gpupin_budget_charge_gpu(pin);
+	}
 	if (ret) {
 		/* Detached (put_pages failed): its callback gives the bytes back, not unreserve. */
-		if (!gpupin_pin_release_pages(pin, GPUPIN_PIN_PINNING))
-			atomic64_add(pin->aligned_size, &gpupin_pinned_bytes);
-		gpupin_pin_unreserve(f, pin, ret);
+		gpupin_pin_unreserve(f, pin, ret, !gpupin_pin_release_pages(pin, from));
 		return ret;
 	}
 	req->fill(req->arg, pin);

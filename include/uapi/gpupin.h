@@ -68,7 +68,12 @@ struct gpupin_info {
  * Pin [va, va + size), widened to 64 KiB GPU pages.  EINVAL: the range is
  * not GPU memory of the calling process (or spans allocations).  ENXIO: the
  * memory was freed while it was being pinned, also where the free came
- * between NVIDIA's pinning and the arming of its free callback.
+ * between NVIDIA's pinning and the arming of its free callback.  ENOMEM: the
+ * GPU's BAR1 is full.  ENOSPC: gpupin's module-wide max_pinned_bytes (or the
+ * file's max_pins_per_file) would be passed.  EDQUOT: the caller's share
+ * would be: its cgroup's dmem.max for the GPU's gpupin/<pci device>/bar1
+ * region, or gpupin's max_file_pinned_bytes for this file
+ * (Documentation/budgets.md).  A failed PIN holds nothing.
  */
 struct gpupin_pin {
 	__u64 va;

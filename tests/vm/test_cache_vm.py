@@ -99,21 +99,48 @@ def test_invalidated_while_in_use_is_reported(device: Device, memory: MemoryProv
     assert device.info().file_pins == 0 and cache.stats().unpins == 1
 
 
-@pytest.mark.simonly(reason="sets the simulator's BAR size (bar_size)")
-def test_bar_smaller_than_working_set(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
-    sim_params(bar_size=BAR1_RESERVE + 16 * MiB)  # NVIDIA keeps 36 MiB of BAR1 free
-    cache = RegistrationCache(device, sim, validate="both")
-    bufs = [sim.alloc(2 * MiB) for _ in range(32)]  # 64 MiB working set
-    rng = random.Random(3)
-    for _ in range(400):
+def _over_working_set(
+    device: Device, memory: MemoryProvider, buffers: int, acquires: int, seed: int
+) -> tuple[RegistrationCache, list[int]]:
+    """A cache over ``buffers`` allocations of 2 MiB, acquired and released at random
+    ``acquires`` times: each valid, the stats showing evictions for pressure and nothing else
+    failing.  The cache and the allocations, for the caller to check and free."""
+    cache = RegistrationCache(device, memory, validate="both")
+    bufs = [memory.alloc(2 * MiB) for _ in range(buffers)]
+    rng = random.Random(seed)
+    for _ in range(acquires):
         with cache.acquire(rng.choice(bufs), 4096) as r:
             assert r.valid
     st = cache.stats()
     assert st.evictions_pressure > 0 and st.pin_failures == st.evictions_pressure
-    assert st.peak_bytes <= 16 * MiB and sim_stats().bar_bytes <= 16 * MiB
+    return cache, bufs
+
+
+@pytest.mark.simonly(reason="sets the simulator's BAR size (bar_size)")
+def test_bar_smaller_than_working_set(device: Device, sim: SimMemory, sim_params) -> None:  # type: ignore[no-untyped-def]
+    sim_params(bar_size=BAR1_RESERVE + 16 * MiB)  # NVIDIA keeps 36 MiB of BAR1 free
+    cache, bufs = _over_working_set(device, sim, 32, 400, seed=3)  # 64 MiB working set
+    assert cache.stats().peak_bytes <= 16 * MiB and sim_stats().bar_bytes <= 16 * MiB
     cache.purge()
     for b in bufs:
         sim.free(b)
+
+
+def test_file_budget_smaller_than_working_set(device: Device, memory: MemoryProvider, sim_params) -> None:  # type: ignore[no-untyped-def]
+    """A share (EDQUOT: max_file_pinned_bytes here, a cgroup's dmem.max on a kernel with the
+    controller) a quarter of the working set: the cache evicts idle registrations, least
+    recently used first, and retries; every acquire succeeds and the stats say so."""
+    sim_params("gpupin", max_file_pinned_bytes=8 * MiB)
+    cache, bufs = _over_working_set(device, memory, 16, 200, seed=5)  # 32 MiB working set
+    assert cache.stats().peak_bytes <= 8 * MiB and device.info().pinned_bytes <= 8 * MiB
+    held = [cache.acquire(b, 4096) for b in bufs[:4]]  # the whole share in use
+    with pytest.raises(gpupin.QuotaExceeded, match="dmem.max or max_file_pinned_bytes"):
+        cache.acquire(bufs[4], 4096)
+    for r in held:
+        r.release()
+    cache.purge()
+    for b in bufs:
+        memory.free(b)
 
 
 @pytest.mark.simonly(reason="sets the simulator's BAR size (bar_size)")

@@ -82,6 +82,57 @@ def test_budget_released_by_invalidation(device: Device, memory: MemoryProvider,
     memory.free(vb)
 
 
+def test_file_budget_is_edquot(memory: MemoryProvider, sim_params) -> None:  # type: ignore[no-untyped-def]
+    """max_file_pinned_bytes, the per-process budget where the kernel has no dmem controller:
+    each open file's own share, EDQUOT (QuotaExceeded) past it, another file unaffected, and
+    given back by unpin, by the free callback and by close."""
+    sim_params("gpupin", max_file_pinned_bytes=2 * MiB)
+    va = memory.alloc(8 * MiB)
+    with Device() as a, Device() as b:
+        p1 = a.pin(va, 2 * MiB)
+        with pytest.raises(gpupin.QuotaExceeded) as ei:
+            a.pin(va + 2 * MiB, GPU_PAGE)
+        assert ei.value.errno == errno.EDQUOT and "dmem.max" in str(ei.value)
+        assert a.info().pinned_bytes == 2 * MiB and a.info().file_pins == 1
+        q = b.pin(va + 2 * MiB, 2 * MiB)  # another file: a share of its own
+        a.unpin(p1)
+        p2 = a.pin(va + 4 * MiB, 2 * MiB)  # the unpin gave the share back
+        assert a.info().pinned_bytes == 4 * MiB
+        b.close()  # close gives q's bytes back (b's share goes with the file)
+        assert a.info().pinned_bytes == 2 * MiB
+        a.unpin(p2)
+        del q
+    vb = memory.alloc(2 * MiB)
+    with Device() as c:
+        c.pin(vb, 2 * MiB)
+        memory.free(vb)  # the free callback gives the share back
+        assert c.info().pinned_bytes == 0
+        vc = memory.alloc(2 * MiB)
+        c.unpin(c.pin(vc, 2 * MiB))
+        memory.free(vc)
+    memory.free(va)
+    assert Device().info().pinned_bytes == 0
+
+
+def test_global_budget_stays_enospc_under_a_file_budget(memory: MemoryProvider, sim_params) -> None:  # type: ignore[no-untyped-def]
+    """The module-wide max_pinned_bytes is checked first and keeps its ENOSPC: a pin past both
+    says the global one; a failed pin holds nothing of either."""
+    sim_params("gpupin", max_pinned_bytes=2 * MiB, max_file_pinned_bytes=1 * MiB)
+    va = memory.alloc(4 * MiB)
+    with Device() as a, Device() as b:
+        pa = a.pin(va, 1 * MiB)
+        pb = b.pin(va + 1 * MiB, 1 * MiB)
+        with pytest.raises(gpupin.BudgetExceeded) as ei:
+            a.pin(va + 2 * MiB, GPU_PAGE)
+        assert ei.value.errno == errno.ENOSPC and not isinstance(ei.value, gpupin.QuotaExceeded)
+        b.unpin(pb)
+        with pytest.raises(gpupin.QuotaExceeded):  # room globally, none in a's share
+            a.pin(va + 2 * MiB, GPU_PAGE)
+        assert a.info().pinned_bytes == 1 * MiB
+        a.unpin(pa)
+    memory.free(va)
+
+
 ENOTSUPP = 524  # kernel-internal: NVIDIA's answer for NV_ERR_NOT_SUPPORTED
 
 

@@ -1,0 +1,262 @@
+// SPDX-License-Identifier: (GPL-2.0 OR MIT)
+/*
+ * gpupin: budgets - who may keep how much pinned.
+ *
+ * Three limits, each checked when a pin is made, in the pinning process's
+ * PIN ioctl, and given back exactly once when the pin's pages go (unpin,
+ * close, the free callback, a detached pin's callback, a failed pin):
+ *
+ *  - max_pinned_bytes (main.c): all files together; ENOSPC past it.
+ *  - max_file_pinned_bytes: each open file of /dev/gpupin; EDQUOT past it.
+ *  - the dmem cgroup controller (Linux 6.14 on, CONFIG_CGROUP_DMEM): one
+ *    region per GPU, "gpupin/<pci device>/bar1", for the BAR1 bytes that
+ *    third-party pins take; a pin is charged to the pinning task's cgroup
+ *    and fails with EDQUOT where that cgroup (or a parent) would pass its
+ *    dmem.max.  Its capacity is what NVIDIA lets third parties map: the
+ *    BAR less the 36 MiB NVIDIA keeps free (CLI_THIRD_PARTY_P2P_BAR1_RESERVE,
+ *    _isSpaceAvailableForBar1P2PMapping in src/nvidia/src/kernel/gpu/bus/p2p.c).
+ *
+ * Which GPU a pin is on: the PCI device whose memory BAR holds the pin's
+ * first page (its physical address from the page table, read under
+ * pin->lock while PINNING by nv-p2p's commit).  NVIDIA's GPUs (vendor
+ * 0x10de, display class) get their regions when the module loads, so an
+ * administrator can set limits before anything is pinned; another device
+ * that holds a pin's pages (the simulator's bar_device) gets its region at
+ * the first pin on it.  Pages at no device's BAR (a coherent GPU's memory,
+ * the simulator's host pages) take no BAR1 and are charged to no region;
+ * neither are dma-buf pins, whose exporter gives bus addresses, not BAR1
+ * physical ones.
+ *
+ * Locks: gpupin_bar1_lock (a mutex) guards gpupin_bar1_list; taken in the
+ * PIN ioctl (process context, no other gpupin lock held) and at load and
+ * unload.  A pin's charge (budget_held, dmem_pool) is under pin->lock, so
+ * that the charge made after PINNED and the release made by whoever takes
+ * the pin out of PINNED meet exactly once.
+ */
+#define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
+
+#include <linux/list.h>
+#include <linux/moduleparam.h>
+#include <linux/mutex.h>
+#include <linux/pci.h>
+#include <linux/slab.h>
+#include "compat.h"
+#include "gpupin.h"
+
+unsigned long gpupin_max_file_pinned_bytes;
+module_param_named(max_file_pinned_bytes, gpupin_max_file_pinned_bytes, ulong, 0644);
+MODULE_PARM_DESC(max_file_pinned_bytes, "Bytes each open file may keep pinned; beyond it PIN fails with EDQUOT (0 = unlimited)");
+
+static bool gpupin_dmem = IS_ENABLED(CONFIG_CGROUP_DMEM);
+module_param_named(dmem, gpupin_dmem, bool, 0444);
+MODULE_PARM_DESC(dmem, "Whether pins are charged to the dmem cgroup controller (read-only: set when the kernel has CONFIG_CGROUP_DMEM)");
+
+/* NVIDIA keeps this much of BAR1 free of third-party mappings. */
+#define GPUPIN_BAR1_RESERVE (36ULL << 20)
+
+struct gpupin_bar1 {
+	struct list_head node;
+	struct pci_dev *pdev;		/* a reference */
+	resource_size_t start, end;	/* the memory BAR pins land in */
+	struct dmem_cgroup_region *region;
+};
+
+static LIST_HEAD(gpupin_bar1_list);
+static DEFINE_MUTEX(gpupin_bar1_lock);	/* guards gpupin_bar1_list */
+
+/* Register @pdev's BAR @bar as a region; under gpupin_bar1_lock.  NULL on failure. */
+static struct gpupin_bar1 *gpupin_bar1_add(struct pci_dev *pdev, int bar)
+{
+	resource_size_t len = pci_resource_len(pdev, bar);
+	struct gpupin_bar1 *b;
+	struct dmem_cgroup_region *region;
+
+	lockdep_assert_held(&gpupin_bar1_lock);
+	if (len <= GPUPIN_BAR1_RESERVE) {
+		pr_warn_ratelimited("%s: BAR%d of %llu bytes leaves nothing past NVIDIA's reserve: no dmem region\n",
+				    pci_name(pdev), bar, (u64)len);
+		return NULL;
+	}
+	region = dmem_cgroup_register_region(len - GPUPIN_BAR1_RESERVE, "gpupin/%s/bar1",
+					     pci_name(pdev));
+	if (IS_ERR_OR_NULL(region)) {
+		pr_warn_ratelimited("no dmem region for %s: %d\n", pci_name(pdev),
+				    (int)PTR_ERR_OR_ZERO(region));
+		return NULL;
+	}
+	b = gpupin_kzalloc(sizeof(*b), GFP_KERNEL);
+	if (!b) {
+		dmem_cgroup_unregister_region(region);
+		return NULL;
+	}
+	b->pdev = pci_dev_get(pdev);
+	b->start = pci_resource_start(pdev, bar);
+	b->end = pci_resource_end(pdev, bar);
+	b->region = region;
+	list_add_tail(&b->node, &gpupin_bar1_list);
+	return b;
+}
+
+/* The memory BAR of @pdev that holds @addr, or -1. */
+static int gpupin_bar_holding(struct pci_dev *pdev, u64 addr)
+{
+	int i;
+
+	for (i = 0; i < PCI_STD_NUM_BARS; i++) {
+		if ((pci_resource_flags(pdev, i) & IORESOURCE_MEM) &&
+		    pci_resource_len(pdev, i) && addr >= pci_resource_start(pdev, i) &&
+		    addr <= pci_resource_end(pdev, i))
+			return i;
+	}
+	return -1;
+}
+
+/*
+ * The region of the BAR holding @addr, registered on first sight; NULL where
+ * no device's BAR holds it, ERR_PTR(-ENOMEM) where one does but its region
+ * could not be made (the pin fails rather than go uncharged).
+ */
+static struct dmem_cgroup_region *gpupin_bar1_region(u64 addr)
+{
+	struct dmem_cgroup_region *region = NULL;
+	struct pci_dev *pdev = NULL;
+	struct gpupin_bar1 *b;
+	int bar;
+
+	mutex_lock(&gpupin_bar1_lock);
+	list_for_each_entry(b, &gpupin_bar1_list, node) {
+		if (addr >= b->start && addr <= b->end) {
+			region = b->region;
+			goto out;
+		}
+	}
+	for_each_pci_dev(pdev) {
+		bar = gpupin_bar_holding(pdev, addr);
+		if (bar >= 0) {
+			b = gpupin_bar1_add(pdev, bar);
+			region = b ? b->region : ERR_PTR(-ENOMEM);
+			pci_dev_put(pdev);	/* the loop's reference; b holds its own */
+			break;
+		}
+	}
+out:
+	mutex_unlock(&gpupin_bar1_lock);
+	return region;
+}
+
+/*
+ * The global and per-file budgets for a new pin, before its memory is
+ * taken: ENOSPC past max_pinned_bytes, EDQUOT past max_file_pinned_bytes.
+ */
+int gpupin_budget_reserve(struct gpupin_file *f, struct gpupin_pin_obj *pin)
+{
+	unsigned long max = READ_ONCE(gpupin_max_pinned_bytes);
+	unsigned long fmax = READ_ONCE(gpupin_max_file_pinned_bytes);
+	u64 size = pin->aligned_size;
+	s64 now = atomic64_add_return(size, &gpupin_pinned_bytes);
+
+	if (max && now > max) {
+		atomic64_sub(size, &gpupin_pinned_bytes);
+		return -ENOSPC;
+	}
+	now = atomic64_add_return(size, &f->pinned_bytes);
+	if (fmax && now > fmax) {
+		atomic64_sub(size, &f->pinned_bytes);
+		atomic64_sub(size, &gpupin_pinned_bytes);
+		return -EDQUOT;
+	}
+	pin->budget_held = true;	/* nobody else knows the pin yet */
+	return 0;
+}
+
+/*
+ * Charge a PINNED pin's BAR1 bytes to the caller's dmem cgroup, in its PIN
+ * ioctl; EDQUOT past a dmem.max.  Where the pin left PINNED meanwhile (its
+ * free callback ran and gave back what it held), the charge is undone here
+ * and the pin fails as freed (ENXIO).
+ */
+int gpupin_budget_charge_gpu(struct gpupin_pin_obj *pin)
+{
+	struct dmem_cgroup_pool_state *pool, *limit = NULL;
+	struct dmem_cgroup_region *region;
+	bool kept = false;
+	int ret;
+
+	if (!IS_ENABLED(CONFIG_CGROUP_DMEM) || !pin->bar_addr)
+		return 0;
+	region = gpupin_bar1_region(pin->bar_addr);
+	if (IS_ERR_OR_NULL(region))
+		return PTR_ERR_OR_ZERO(region);
+	ret = dmem_cgroup_try_charge(region, pin->aligned_size, &pool, &limit);
+	dmem_cgroup_pool_state_put(limit);
+	if (ret == -EAGAIN)
+		return -EDQUOT;
+	if (ret)
+		return ret;
+	spin_lock(&pin->lock);
+	if (pin->state == GPUPIN_PIN_PINNED) {
+		pin->dmem_pool = pool;
+		kept = true;
+	}
+	spin_unlock(&pin->lock);
+	if (!kept) {
+		dmem_cgroup_uncharge(pool, pin->aligned_size);
+		return -ENXIO;
+	}
+	return 0;
+}
+
+/*
+ * Give back everything @pin holds of every budget; the second and later
+ * calls find nothing.  Process context, pin->lock not held.  The file is
+ * alive: an open file holds it, and so does a detached pin.
+ */
+void gpupin_budget_release(struct gpupin_pin_obj *pin)
+{
+	struct dmem_cgroup_pool_state *pool;
+	bool held;
+
+	spin_lock(&pin->lock);
+	held = pin->budget_held;
+	pin->budget_held = false;
+	pool = pin->dmem_pool;
+	pin->dmem_pool = NULL;
+	spin_unlock(&pin->lock);
+	if (held) {
+		atomic64_sub(pin->aligned_size, &pin->file->pinned_bytes);
+		atomic64_sub(pin->aligned_size, &gpupin_pinned_bytes);
+	}
+	if (pool)
+		dmem_cgroup_uncharge(pool, pin->aligned_size);
+}
+
+/* Regions for NVIDIA's GPUs (BAR1), before anything is pinned. */
+void gpupin_budget_init(void)
+{
+	struct pci_dev *pdev = NULL;
+
+	if (!IS_ENABLED(CONFIG_CGROUP_DMEM))
+		return;
+	mutex_lock(&gpupin_bar1_lock);
+	for_each_pci_dev(pdev) {
+		if (pdev->vendor == PCI_VENDOR_ID_NVIDIA &&
+		    (pdev->class >> 16) == PCI_BASE_CLASS_DISPLAY)
+			gpupin_bar1_add(pdev, 1);
+	}
+	mutex_unlock(&gpupin_bar1_lock);
+}
+
+/* At unload: no pin is left, so nothing is charged to a region. */
+void gpupin_budget_exit(void)
+{
+	struct gpupin_bar1 *b, *n;
+
+	mutex_lock(&gpupin_bar1_lock);
+	list_for_each_entry_safe(b, n, &gpupin_bar1_list, node) {
+		list_del(&b->node);
+		dmem_cgroup_unregister_region(b->region);
+		pci_dev_put(b->pdev);
+		kfree(b);
+	}
+	mutex_unlock(&gpupin_bar1_lock);
+}
