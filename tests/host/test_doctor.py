@@ -268,3 +268,20 @@ def test_bar1_without_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml([], init_error=9))
     (c,) = doctor.check_bar1()
     assert c.status == "warn" and c.detail.startswith("NVML present but nvmlInit failed")
+
+
+def test_budget_says_which_limits_are_in_force(tmp_path: Path) -> None:
+    assert [c.detail for c in doctor.check_budget(tmp_path / "absent")] == [
+        "gpupin.ko is not loaded: its limits are its parameters once it is"
+    ]
+    params = tmp_path / "parameters"
+    params.mkdir()
+    for name, value in (("dmem", "N"), ("max_pinned_bytes", str(1 << 30)), ("max_file_pinned_bytes", "0")):
+        (params / name).write_text(value + "\n")
+    checks = doctor.check_budget(params)
+    assert {c.status for c in checks} == {"info"} and {c.name for c in checks} == {"budget"}
+    assert [c.detail for c in checks] == [
+        "module-wide: 1.0 GiB (max_pinned_bytes; ENOSPC past it)",
+        "per process: no dmem controller here (6.14+ with CONFIG_CGROUP_DMEM has one); "
+        "no per-file limit (max_file_pinned_bytes=0)",
+    ]

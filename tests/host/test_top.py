@@ -6,11 +6,12 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from gpupin.netlink import NlPin, gpu_uuid_text
-from gpupin.tools import top
+from gpupin.tools import _budget, top
 
 K64 = 64 << 10
 GPU_A = gpu_uuid_text(bytes(range(1, 17)))
@@ -124,6 +125,44 @@ def test_budget_says_which_mechanism_is_in_force() -> None:
     b = top.budget_of({**INFO, "max_pinned_bytes": 1 << 30}, STATS)
     assert (b.mechanism, b.limit_bytes, b.used_bytes) == ("gpupin max_pinned_bytes", 1 << 30, 5 * K64)
     assert "320.0 KiB of 1.0 GiB" in b.detail
+    # The per-process share: gpupin's per-file limit without a dmem controller, else dmem.max.
+    shares = _budget.Budgets(0, 64 << 20, False, "/user.slice", ())
+    b = top.budget_of(INFO, STATS, shares)
+    assert (b.mechanism, b.limit_bytes) == ("gpupin max_file_pinned_bytes", None)
+    assert b.detail == "64.0 MiB per open file"
+    b = top.budget_of({**INFO, "max_pinned_bytes": 1 << 30}, STATS, _budget.Budgets(1 << 30, 0, True, "/a", ()))
+    assert b.mechanism == "gpupin max_pinned_bytes + dmem cgroup" and "dmem.max" in b.detail
+    b = top.budget_of(INFO, STATS, _budget.Budgets(0, 0, False, "/", ()))
+    assert b.mechanism == "none" and "no dmem controller" in b.detail
+
+
+def _tree(tmp_path: Path, dmem: str, cgroup: str = "0::/box\n") -> tuple[Path, Path, Path]:
+    params, cg = tmp_path / "params", tmp_path / "cgroup"
+    params.mkdir(parents=True)
+    (params / "dmem").write_text(dmem + "\n")
+    (params / "max_pinned_bytes").write_text("0\n")
+    (params / "max_file_pinned_bytes").write_text(f"{32 << 20}\n")
+    (cg / "box").mkdir(parents=True)
+    (cg / "dmem.capacity").write_text("drm/0000:03:00.0/vram0 8589934592\ngpupin/0000:03:00.0/bar1 230686720\n")
+    (cg / "box" / "dmem.current").write_text("drm/0000:03:00.0/vram0 0\ngpupin/0000:03:00.0/bar1 4194304\n")
+    (cg / "box" / "dmem.max").write_text("drm/0000:03:00.0/vram0 max\ngpupin/0000:03:00.0/bar1 8388608\n")
+    proc = tmp_path / "self-cgroup"
+    proc.write_text(cgroup)
+    return params, cg, proc
+
+
+def test_budgets_read_from_sysfs_and_the_callers_cgroup(tmp_path: Path) -> None:
+    b = _budget.read_budgets(*_tree(tmp_path, "Y"))
+    assert (b.mechanism, b.cgroup, b.file_max) == ("dmem", "/box", 32 << 20)
+    # gpupin's own regions only (a DRM driver's VRAM region is not ours to show)
+    assert b.regions == (_budget.Region("gpupin/0000:03:00.0/bar1", 230686720, 4 << 20, 8 << 20),)
+    text = "\n".join(b.describe())
+    assert "cgroup /box" in text and "charged here 4.0 MiB, dmem.max 8.0 MiB" in text
+    b = _budget.read_budgets(*_tree(tmp_path / "n", "N"))
+    assert b.mechanism == "file" and b.regions == ()
+    assert "32.0 MiB per open file (max_file_pinned_bytes; EDQUOT)" in "\n".join(b.describe())
+    b = _budget.read_budgets(*_tree(tmp_path / "root", "Y", "0::/\n"))  # the root has no dmem.max
+    assert b.regions[0].current is None and b.regions[0].limit is None
 
 
 def test_text_at_100_columns() -> None:

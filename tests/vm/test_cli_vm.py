@@ -186,11 +186,14 @@ def test_top_reports_another_process_pin_until_it_unpins(gpupin_loaded: None, le
         comm = open(f"/proc/{child.pid}/comm").read().strip()
         snap = js("top", "--once", "--interval", "0.2")
         assert snap["version"] == 1 and snap["module"]["provider"] == "nvp2p_sim"  # type: ignore[index]
+        dmem = open("/sys/module/gpupin/parameters/dmem").read().strip() == "Y"
         assert snap["budget"] == {  # type: ignore[index]
-            "mechanism": "none",
+            "mechanism": "dmem cgroup" if dmem else "none",
             "limit_bytes": None,
             "used_bytes": snap["stats"]["bytes_now"],  # type: ignore[index]
-            "detail": "no limit in force (gpupin max_pinned_bytes=0; no per-process, per-GPU or cgroup limit)",
+            "detail": "no limit in force (max_pinned_bytes=0; max_file_pinned_bytes=0, no dmem controller)"
+            if open("/sys/module/gpupin/parameters/dmem").read().strip() == "N"
+            else "each cgroup's dmem.max of gpupin/<pci device>/bar1",
         }
         assert snap["events"] == "subscribed"  # type: ignore[index]
         assert _mine(snap, child.pid) == [  # type: ignore[arg-type]

@@ -604,6 +604,13 @@ def check_nixl(status: NixlStatus | None = None) -> list[Check]:
     return out
 
 
+def check_budget(params: Path = Path("/sys/module/gpupin/parameters")) -> list[Check]:
+    """The limits on what may be pinned, and what the caller's cgroup has charged."""
+    from ._budget import summary
+
+    return [Check("info", "budget", line.strip()) for line in summary(params)]
+
+
 def run_all(*, quick: bool = False) -> list[Check]:
     """Every check; ``quick``: NIXL's left out (importing it and its one-transfer selftest take
     about a second on a workstation, much longer in an emulated VM)."""
@@ -614,6 +621,7 @@ def run_all(*, quick: bool = False) -> list[Check]:
         *check_topology(),
         *check_modules(),
         *check_bar1(),
+        *check_budget(),
         *check_gds(),
         *check_async(),
         *nixl,

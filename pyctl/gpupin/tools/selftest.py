@@ -589,6 +589,7 @@ def facts(pci: str | None, provider: str) -> dict[str, str]:
         "GPU": gpu.replace("\n", "; ") or "none seen by nvidia-smi",
         "driver": version or "nvidia.ko not loaded",
         "BAR1": "; ".join(c.detail for c in doctor.check_bar1()),  # NVML, every GPU
+        "budget": "; ".join(c.detail for c in doctor.check_budget()),
         "IOMMU": f"{doctor.check_iommu().detail}; group type {kind}",
         "provider": provider,
         "peer device": pci_name(pci) if pci else "none: name one with --pci",

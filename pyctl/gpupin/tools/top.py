@@ -24,6 +24,7 @@ from typing import Any
 
 from ..errors import EventsLost, PermissionDenied
 from ..netlink import Netlink, NlPin
+from ._budget import Budgets, human, read_budgets
 
 # The JSON shape's version (Documentation/cli.md#top): a change that renames or removes a
 # key, or changes a value's meaning, takes the next number; new keys keep it.
@@ -50,28 +51,28 @@ class Budget:
     detail: str
 
 
-def budget_of(info: Mapping[str, Any], stats: Mapping[str, int]) -> Budget:
-    """The budget in force, from GET_INFO's answer and the counters.
-
-    Today the one mechanism gpupin has is the module-wide ``max_pinned_bytes`` parameter
-    (0: unlimited): every process's pins together, no per-process or per-GPU share.  A
-    later change adds the cgroup dmem controller's limits and gpupin's own per-owner
-    limits here; until then nothing else limits what is pinned."""
+def budget_of(info: Mapping[str, Any], stats: Mapping[str, int], shares: Budgets | None = None) -> Budget:
+    """The budgets in force, from GET_INFO's answer, the counters and (``shares``, where read)
+    the per-process ones: the module-wide ``max_pinned_bytes`` (0: unlimited; every process's
+    pins together, ENOSPC past it) and a process's share, EDQUOT past it: its cgroup's
+    ``dmem.max`` where gpupin charges the dmem controller, else gpupin's
+    ``max_file_pinned_bytes`` per open file.  ``limit_bytes`` is the module-wide limit."""
     used = int(stats.get("bytes_now", info.get("pinned_bytes", 0)))
     limit = int(info.get("max_pinned_bytes") or 0)
+    names, details = [], []
     if limit:
-        return Budget(
-            "gpupin max_pinned_bytes",
-            limit,
-            used,
-            f"{human(used)} of {human(limit)} (all processes together)",
-        )
-    return Budget(
-        "none",
-        None,
-        used,
-        "no limit in force (gpupin max_pinned_bytes=0; no per-process, per-GPU or cgroup limit)",
-    )
+        names.append("gpupin max_pinned_bytes")
+        details.append(f"{human(used)} of {human(limit)} (all processes together)")
+    if shares is not None and shares.dmem:
+        names.append("dmem cgroup")
+        details.append("each cgroup's dmem.max of gpupin/<pci device>/bar1")
+    elif shares is not None and shares.file_max:
+        names.append("gpupin max_file_pinned_bytes")
+        details.append(f"{human(shares.file_max)} per open file")
+    if not names:
+        per = "no per-process limit" if shares is None or shares.dmem else "max_file_pinned_bytes=0, no dmem controller"
+        return Budget("none", None, used, f"no limit in force (max_pinned_bytes=0; {per})")
+    return Budget(" + ".join(names), limit or None, used, "; ".join(details))
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class Sample:
     info: dict[str, Any]
     stats: dict[str, int]
     pins: list[NlPin]
+    shares: Budgets | None = None  # the per-process budgets, where read
 
 
 @dataclass(frozen=True)
@@ -182,7 +184,7 @@ def build_view(sample: Sample, rates: Rates, comm: Callable[[int], str] = proc_c
         "detached": sum(r.detached for r in processes),
         "invalidated": sum(r.invalidated for r in processes),
     }
-    return View(sample, rates, budget_of(sample.info, sample.stats), processes, gpus, totals)
+    return View(sample, rates, budget_of(sample.info, sample.stats, sample.shares), processes, gpus, totals)
 
 
 def rates_between(
@@ -198,18 +200,6 @@ def rates_between(
 
 
 # -- text --------------------------------------------------------------------
-def human(n: int) -> str:
-    """Bytes in binary units: 512 B, 64.0 KiB, 1.5 GiB."""
-    if n < 1024:
-        return f"{n} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        value /= 1024
-        if value < 1024 or unit == "TiB":
-            break
-    return f"{value:.1f} {unit}"
-
-
 def _n(count: int, word: str) -> str:
     return f"{count} {word}" if count == 1 else f"{count} {word}{'es' if word.endswith('s') else 's'}"
 
@@ -362,7 +352,7 @@ class Source:
         stats = self.nl.stats()
         info = self.nl.info()
         pins = self.nl.list_pins()
-        return Sample(time.time(), time.monotonic(), info, stats, pins)
+        return Sample(time.time(), time.monotonic(), info, stats, pins, read_budgets())
 
     def view(self) -> View:
         """A new sample, with the rates since the previous one."""
