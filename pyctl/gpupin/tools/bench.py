@@ -18,6 +18,9 @@ Figures are ratios measured in one run (these machines are shared and noisy):
   ``bench_nixl_endpoint``): a blocking write against raw NIXL on the same agents at 4 KiB to
   4 MiB, a 64-block scatter write, a confirmed write, and a churn trace (the target frees and
   reallocates exposed buffers between writes: false deliveries and stale bytes, goal 0);
+- budget (``--only-vm``, `make bench`'s VM part): the registration cache over gpupin.ko with
+  a 16 MiB share (max_file_pinned_bytes: EDQUOT past it) and a 64 MiB working set: hit rate,
+  evictions, failed acquires (goal 0) and peak pinned bytes over the share (goal <= 1);
 - floor (``--vm``/``--only-vm`` for SimMemory, ``--cuda`` for CudaMemory): a
   buffer-id hit against the provider's query in C called in a C loop, the
   least a validated hit can cost (goal: 2x).
@@ -62,6 +65,8 @@ TARGETS = {
     "scale_100k_over_100": 1.5,
     "purge_100k_over_10k": 1.5,
     "pressure_failed_acquires": 0,
+    "budget_failed_acquires": 0,
+    "budget_peak_over_budget": 1.0,
     "threads_16_over_1": 2.0,
     "vm_pin_unpin_many_over_100": 1.3,
     "vm_query_many_over_100": 1.3,
@@ -423,6 +428,50 @@ def bench_vm(reps: int) -> dict[str, Any]:
             out[f"vm_pin_unpin_{label}_us"] = statistics.median(samples)
             sim.free(va)
     return out
+
+
+def bench_budget(acquires: int, seed: int, budget: int = 16 * MiB) -> dict[str, Any]:
+    """The registration cache under a share (EDQUOT): gpupin.ko's max_file_pinned_bytes of
+    ``budget`` bytes, a random trace over a working set four times that (2 MiB buffers of the
+    simulator), one acquire and release each.  The cache evicts idle registrations for each
+    miss past the share: every acquire succeeds, and the hit rate is what a quarter of the
+    working set buys."""
+    from ..device import Device
+    from ..sim import SimMemory, module_param
+
+    rng = random.Random(seed)
+    size = 2 * MiB
+    with (
+        module_param("nvp2p_sim", "pin_latency_us", 0),
+        module_param("gpupin", "max_file_pinned_bytes", budget),
+        SimMemory() as sim,
+        Device() as dev,
+    ):
+        bufs = [sim.alloc(size) for _ in range(4 * budget // size)]
+        cache = RegistrationCache(dev, sim, validate="both")
+        failed = 0
+        t = time.perf_counter_ns()
+        for _ in range(acquires):
+            try:
+                cache.acquire(rng.choice(bufs), 4096).release()
+            except GpupinError:
+                failed += 1
+        elapsed = time.perf_counter_ns() - t
+        st = cache.stats()
+        peak = st.peak_bytes
+        cache.close()
+        for b in bufs:
+            sim.free(b)
+    return {
+        "budget_mib": budget // MiB,
+        "budget_working_set_mib": 4 * budget // MiB,
+        "budget_acquires": acquires,
+        "budget_failed_acquires": failed,
+        "budget_hit_rate": st.hits / max(st.hits + st.misses, 1),
+        "budget_evictions": st.evictions_pressure,
+        "budget_peak_over_budget": peak / budget,
+        "budget_acquire_us": elapsed / acquires / 1e3,
+    }
 
 
 class _PythonQuery:
@@ -1182,6 +1231,8 @@ def run(
         res.update(bench_vm(5 if quick else 50))
         progress("bench: the simulator's buffer-id hit against its floor")
         res.update(bench_sim_hit(reps, n))
+        progress("bench: the registration cache under a 16 MiB share, a 64 MiB working set")
+        res.update(bench_budget(500 if quick else 5000, seed))
         res.update(vmscale.run(10_000 if quick else 100_000, 10 if quick else 50))
         res["targets"] = _targets(res, lambda k: k in res)
         return res
