@@ -14,7 +14,7 @@ PY := $(VENV)/bin/python
 KMAKE = $(MAKE) -C $(KDIR) M=$(CURDIR) $(if $(NVIDIA_SRC),NVIDIA_SRC=$(NVIDIA_SRC))
 
 .PHONY: all modules clean setup pyext check check-version check-netlink netlink-header check-kernel check-py test test-host test-vm \
-	test-gpu test-vm-6.12 test-native test-long test-debug coverage check-newest check-nvidia deb wheel test-deb check-fresh bench demo install help \
+	test-gpu test-vm-6.12 test-vm-dmem test-native test-long test-debug coverage check-newest check-nvidia deb wheel test-deb check-fresh bench demo install help \
 	host-test vm-test
 
 all: modules
@@ -30,7 +30,8 @@ help:
 	@echo "                 SETUP_PROFILE=demo|check|test (the default) installs what those commands need"
 	@echo "make pyext       compile the Python package's cffi extensions into the tree"
 	@echo "make demo        build, load (in a VM if needed) and show pinning end to end"
-	@echo "make test        check, check-nvidia, check-newest, test-host, test-vm, test-vm-6.12, test-deb, check-fresh (+ test-gpu):"
+	@echo "make test        check, check-nvidia, check-newest, test-host, test-vm, test-vm-6.12, test-vm-dmem, test-deb,"
+	@echo "                 check-fresh (+ test-gpu):"
 	@echo "                 every leg runs even after one failed; a table of them ends the run"
 	@echo "make check       check-version, check-netlink, check-kernel, check-py"
 	@echo "make check-version  the DKMS configurations, gpupin.h and __init__.py carry pyproject.toml's version"
@@ -46,7 +47,7 @@ help:
 	@echo "make check-newest  W=1 -Werror against Debian unstable's newest kernel headers (chroot)"
 	@echo "make coverage      kernel (gcov) and Python coverage of the host and VM suites: results/coverage/"
 	@echo "make install       modules_install (for NVIDIA: gpupin.ko, gpupin_cb.ko), depmod, udev rule, gpupin group"
-	@echo "make test-host | test-vm | test-vm-6.12 | test-gpu | test-native | test-long | test-debug | bench"
+	@echo "make test-host | test-vm | test-vm-6.12 | test-vm-dmem | test-gpu | test-native | test-long | test-debug | bench"
 	@echo "make vm-test T='-k NAME'   the VM tests pytest selects with T (host-test T=... likewise)"
 
 # With NVIDIA's driver sources under /usr/src (and no NVIDIA_SRC=), build the way DKMS does:
@@ -135,6 +136,18 @@ test-vm-6.12: setup pyext
 		scripts/ci/check-kernel.sh /usr/src/linux-headers-$$kver && \
 		VM_KVER=$$kver RESULTS=$(CURDIR)/results/6.12 scripts/vm-run.sh test
 
+# The budget leg: Debian's newest kernel built with the dmem cgroup controller, which Debian's
+# own builds leave out (scripts/debug-kernel.sh dmem: 20-30 min once on 2 cores, cached in /var/cache/gpupin);
+# the modules W=1 -Werror against it (the dmem calls compile only there; Debian 12's sparse is
+# too old for its headers), then the per-cgroup budget tests, which fail there rather than
+# skip, and the fallback limits.
+DMEM_TESTS := tests/vm/test_dmem.py tests/vm/test_limits.py tests/vm/test_cache_vm.py::test_file_budget_smaller_than_working_set
+test-vm-dmem: setup pyext
+	tree=$$(scripts/debug-kernel.sh dmem) && \
+		$(MAKE) -s -C $$tree M=$(CURDIR) W=1 KCFLAGS=-Werror modules >/dev/null && \
+		VM_KIMAGE=$$tree/arch/x86/boot/bzImage VM_KDIR=$$tree RESULTS=$(CURDIR)/results/dmem \
+		GPUPIN_REQUIRE_DMEM=1 VM_SELECT=1 scripts/vm-run.sh test $(DMEM_TESTS)
+
 test-gpu: pyext
 	$(VENV)/bin/pytest -q -m gpu tests/gpu
 
@@ -195,7 +208,7 @@ check-fresh:
 	scripts/ci/check-fresh.sh
 
 # Every leg runs whatever the others did; a table of them (results/test-legs.txt) ends the run.
-TEST_LEGS := check check-nvidia check-newest test-host test-vm test-vm-6.12 test-deb check-fresh
+TEST_LEGS := check check-nvidia check-newest test-host test-vm test-vm-6.12 test-vm-dmem test-deb check-fresh
 
 test:
 	MAKE="$(MAKE)" scripts/ci/test-all.sh $(TEST_LEGS)
