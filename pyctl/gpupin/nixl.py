@@ -1907,6 +1907,12 @@ class NixlEndpoint(Closable):
             try:
                 return self._leases_once(peer, blocks, deadline)
             except _AskAgain:  # another thread's request for one of them gave up: ask ourselves
+                if time.monotonic() > deadline:
+                    raise NixlError(
+                        f"NIXL transfer into {peer}'s buffer: what this endpoint knows of {peer} (its leases, "
+                        "its incarnation) kept changing under other threads until the timeout; nothing was sent: "
+                        "try again"
+                    ) from None
                 continue
 
     def _leases_once(
@@ -2107,6 +2113,9 @@ class NixlEndpoint(Closable):
             self._retired.setdefault(peer, set()).add(current)
             self._incarnations[peer] = inc
             self._inc_md[peer] = r.metadata
+            # forget_peer() forgot the incarnation it saw, not the name: the one adopted here may be
+            # connected to (and asked which one runs) whether or not its own load succeeds.
+            self._forgotten.discard(peer)
 
     def _ask_incarnation(self, peer: str, current: int, deadline: float) -> int | None:
         """The incarnation ``peer`` runs now, asked over NIXL's connection to the incarnation this

@@ -2493,6 +2493,47 @@ def test_a_silent_peer_forgotten_lets_its_restart_in() -> None:
         e.write(src, 4096, rb2, timeout=10)
 
 
+def test_a_crash_looping_target_is_reached_once_an_incarnation_runs() -> None:
+    """The target crash-loops: its first process dies and the application forgets it; the
+    second publishes a descriptor and dies too (its write fails: NIXL cannot connect); the
+    third runs.  A write into the third's buffer succeeds within its timeout.  The peer stayed
+    marked forgotten after the second was adopted, so asking the second which one runs was
+    refused and asked again at once, for ever: the write never returned."""
+    import threading
+
+    with _initiator_with_targets() as (e, mem, src, target):
+        t1 = target()
+        t1.call("connect", e.metadata())
+        e.write(src, 4096, RemoteBufferOf(t1, t1.call("alloc", MiB), MiB), timeout=10)
+        t1.kill()
+        e.forget_peer("target", timeout=0.5)
+        t2 = target()
+        t2.call("connect", e.metadata())
+        rb2 = RemoteBufferOf(t2, t2.call("alloc", MiB), MiB)
+        t2.kill()
+        with pytest.raises(NixlError):
+            e.write(src, 4096, rb2, timeout=2)
+        t3 = target()
+        t3.call("connect", e.metadata())
+        rb3 = RemoteBufferOf(t3, t3.call("alloc", MiB), MiB)
+        mem.write(src, b"third" * 800)
+        got: list[BaseException | None] = []
+
+        def write() -> None:
+            try:
+                e.write(src, 4000, rb3, timeout=5)
+                got.append(None)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                got.append(exc)
+
+        th = threading.Thread(target=write, daemon=True)
+        th.start()
+        th.join(20)
+        assert not th.is_alive(), "write(timeout=5) into the live third incarnation still runs after 20 s"
+        assert got == [None], got
+        assert t3.call("read", rb3.addr, 4000) == b"third" * 800
+
+
 def test_a_held_lease_of_a_dead_incarnation_never_writes_through_its_restart() -> None:
     """The target dies while the initiator holds a lease on one of its exposures; a transfer
     meets the disconnect (NIXL erases its view of the peer: invalidateRemoteData; the endpoint
