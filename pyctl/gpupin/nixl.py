@@ -976,6 +976,9 @@ class NixlEndpoint(Closable):
         self._connected: set[str] = set()  # peers whose metadata this endpoint loaded (answered)
         self._forgotten: set[str] = set()  # (initiator) peers forget_peer() dropped, not loaded since
         self._forgetting: set[str] = set()  # peers a forget_peer() runs for: no lease is asked for meanwhile
+        # Peers (None: every peer) a thread waits in _while_idle to load: no transfer with them
+        # starts meanwhile, so that a stream of them cannot keep the load waiting for ever.
+        self._draining: dict[str | None, int] = {}
         self._leases: dict[tuple[str, int], _Lease] = {}  # (peer, xid) -> lease (initiator)
         self._holds: dict[int, list[_Lease]] = {}  # hold request -> leases asked for
         # (peer, seq) -> a posted confirm=True transfer whose verdict has not come: weak, so one
@@ -1122,18 +1125,30 @@ class NixlEndpoint(Closable):
     def _while_idle(self, peer: str | None, work: Callable[[], _T], deadline: float, what: str) -> _T:
         """``work()`` under _lock once no transfer with ``peer`` (None: any) runs.  post() holds
         _lock while it posts, so none starts before ``work`` returns.  The lock is let go between
-        polls: the threads whose transfers are waited for take it to end them."""
-        while True:
+        polls: the threads whose transfers are waited for take it to end them.  Meanwhile no new
+        transfer with ``peer`` starts (post() waits): a stream of them would never leave a gap."""
+        with self._lock:
+            if not self._busy_with(peer):
+                return work()
+            self._draining[peer] = self._draining.get(peer, 0) + 1
+        try:
+            while True:
+                if time.monotonic() > deadline:
+                    raise InUse(
+                        f"{what}: a transfer with {peer or 'a peer'} still runs, and NIXL's view of a peer may change "
+                        "only while none does (a refused load erases it under the transfer): settle() first"
+                    )
+                self._poll_inflight()
+                time.sleep(_NAP_MIN_S)
+                with self._lock:
+                    if not self._busy_with(peer):
+                        return work()
+        finally:
             with self._lock:
-                if not self._busy_with(peer):
-                    return work()
-            if time.monotonic() > deadline:
-                raise InUse(
-                    f"{what}: a transfer with {peer or 'a peer'} still runs, and NIXL's view of a peer may change "
-                    "only while none does (a refused load erases it under the transfer): settle() first"
-                )
-            self._poll_inflight()
-            time.sleep(_NAP_MIN_S)
+                if self._draining[peer] == 1:
+                    del self._draining[peer]
+                else:
+                    self._draining[peer] -= 1
 
     def _add(self, metadata: bytes, peer: str | None) -> str:
         """(under _lock, no transfer with ``peer`` running) add_remote_agent.  A refused load
@@ -1756,6 +1771,17 @@ class NixlEndpoint(Closable):
             self._pump()
         while True:
             leases = self._leases_for(peer, blocks[:1] if one else blocks, deadline)
+            if self._draining and (peer in self._draining or None in self._draining):
+                # A load of the peer's metadata waits for its transfers to end: this one waits
+                # for the load (read without the lock: one transfer may still slip in, not a stream).
+                if time.monotonic() > deadline:
+                    raise NixlError(
+                        f"{_what(op, blocks)}: a load of {peer}'s metadata by another thread waited for "
+                        "its transfers to end until this one's timeout; nothing was sent: try again"
+                    )
+                self._poll_inflight()
+                time.sleep(_NAP_MIN_S)
+                continue
             toks: list[int] = []
             h = None
             posting = False

@@ -2493,6 +2493,70 @@ def test_a_silent_peer_forgotten_lets_its_restart_in() -> None:
         e.write(src, 4096, rb2, timeout=10)
 
 
+def test_a_pipelined_writer_does_not_starve_a_load_of_its_peer() -> None:
+    """One thread keeps three transfers in flight to a target, each taking 10 ms of one link
+    (NIXL says PROC until 10 ms after the one before it ended: a bandwidth-bound transfer;
+    DRAM copies here end before Python posts the next one).  Another thread's first write into
+    a new allocation of that target must load the target's metadata, which waits for a moment
+    with no transfer running: new transfers now wait for the load, so it comes.  Before, none
+    came while the pipeline ran: InUse at the write's timeout, however long."""
+    import collections
+
+    p = Pair()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    agent = p.ini.agent
+    cls, ref = type(agent), weakref.ref(agent)
+    ends: dict[int, float] = {}
+    link = [0.0]
+
+    def transfer(h: Any, *a: Any) -> str:
+        state = cls.transfer(ref(), h, *a)
+        link[0] = max(link[0], time.monotonic()) + 0.010
+        ends[id(h)] = link[0]
+        return "PROC" if state in ("PROC", "DONE") else state
+
+    def check(h: Any) -> str:
+        state = cls.check_xfer_state(ref(), h)
+        return "PROC" if state in ("PROC", "DONE") and time.monotonic() < ends.get(id(h), 0.0) else state
+
+    def pipeline() -> None:
+        q: collections.deque[Any] = collections.deque()
+        try:
+            while not stop.is_set():
+                while len(q) < 3:
+                    q.append(p.ini.post_write([(src, 4096, rb, 0)]))
+                q.popleft().wait(10)
+            while q:
+                q.popleft().wait(10)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    try:
+        rb = p.tgt.expose(p.mt.alloc(2 * MiB), 2 * MiB)
+        src = p.mi.alloc(2 * MiB)
+        p.ini.write(src, 4096, rb, timeout=10)  # lease held, view loaded
+        agent.transfer, agent.check_xfer_state = transfer, check
+        th = threading.Thread(target=pipeline)
+        th.start()
+        time.sleep(0.2)
+        rb2 = p.tgt.expose(p.mt.alloc(4 * MiB), 4 * MiB)  # a new allocation: new metadata
+        src2 = p.mi.alloc(MiB)
+        p.mi.write(src2, b"after the load" * 256)
+        try:
+            p.ini.write(src2, 3584, rb2, timeout=5)
+        finally:
+            stop.set()
+            th.join()
+        assert not errors, errors
+        assert p.mt.read(rb2.addr, 3584) == b"after the load" * 256
+    finally:
+        stop.set()
+        with contextlib.suppress(AttributeError):
+            del agent.transfer, agent.check_xfer_state
+        p.close()
+
+
 def test_a_crash_looping_target_is_reached_once_an_incarnation_runs() -> None:
     """The target crash-loops: its first process dies and the application forgets it; the
     second publishes a descriptor and dies too (its write fails: NIXL cannot connect); the
