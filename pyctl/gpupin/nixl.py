@@ -1984,6 +1984,10 @@ class NixlEndpoint(Closable):
             if current is None:
                 self._incarnations[peer] = inc
                 self._inc_md[peer] = blocks[0][2].metadata
+            elif current == inc and peer not in self._inc_md and peer not in self._forgotten:
+                # Reached again after forget_peer() (a load took its mark off): the metadata to
+                # connect to it afresh with, should another incarnation's descriptor come.
+                self._inc_md[peer] = blocks[0][2].metadata
         if current is not None and current != inc:
             self._meet_incarnation(peer, current, blocks[0][2], deadline)
         with self._lock:

@@ -2557,6 +2557,38 @@ def test_a_pipelined_writer_does_not_starve_a_load_of_its_peer() -> None:
         p.close()
 
 
+def test_a_peer_forgotten_and_connected_again_is_not_retired_on_one_refused_send() -> None:
+    """After forget_peer() and connect() of the same live process, NIXL's view of it is erased
+    (a disconnect) and a descriptor of another incarnation comes: the endpoint connects to the
+    one it talks to afresh, that one answers, and only the descriptor is refused.  The metadata
+    for the fresh connection was gone since forget_peer(): the refused send (no connection) was
+    taken for the live peer's death, and it was retired with its leases."""
+    p = Pair(auto_progress=True)
+    name = p.tgt.name
+    try:
+        src = p.mi.alloc(MiB)
+        ra = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        p.ini.write(src, 4096, ra, timeout=10)
+        p.ini.forget_peer(name, timeout=2)
+        p.ini.connect(p.tgt.metadata())  # the same live process, reached again
+        p.ini.write(src, 4096, ra, timeout=10)
+        with p.ini._lock, p.ini.driver.lock:  # NIXL's view erased, as a disconnect does
+            p.ini.agent.remove_remote_agent(name)
+            p.ini._view_erased(name)
+        other = dataclasses.replace(ra, incarnation=ra.incarnation ^ 1, xid=ra.xid + 2)
+        with pytest.raises(StaleRemote, match="not the one it runs"):
+            p.ini.write(src, 4096, other, timeout=5)
+        assert ra.incarnation not in p.ini._retired.get(name, ())
+        p.mi.write(src, b"\x5a" * 4096)
+        p.ini.write(src, 4096, ra, timeout=10)  # the live one, still reached
+        assert p.mt.read(ra.addr, 4096) == b"\x5a" * 4096
+    finally:
+        p.tgt.forget_peer(p.ini.name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            p.close()
+
+
 def test_a_crash_looping_target_is_reached_once_an_incarnation_runs() -> None:
     """The target crash-loops: its first process dies and the application forgets it; the
     second publishes a descriptor and dies too (its write fails: NIXL cannot connect); the
