@@ -1794,6 +1794,8 @@ class NixlEndpoint(Closable):
                     if time.monotonic() > deadline:
                         raise NixlError(f"{_what(op, blocks)}: {peer}'s metadata kept changing under it; try again")
                     continue
+                if peer in self._forgetting:  # (the one-block path takes a held lease without the lock)
+                    raise NixlError(f"{_what(op, blocks)}: forget_peer({peer!r}) runs; nothing was sent")
                 # A REVOKE taken by another thread since the grant: the lease is gone, send nothing
                 # (checked under the lock the revocation takes, up to the count that keeps it).
                 for lease in leases:

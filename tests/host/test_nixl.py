@@ -2589,6 +2589,40 @@ def test_a_peer_forgotten_and_connected_again_is_not_retired_on_one_refused_send
             p.close()
 
 
+def test_no_transfer_starts_once_forget_peer_marked_the_peer() -> None:
+    """forget_peer() marks the peer, lets the endpoint's lock go and takes it again; a one-block
+    write on a held lease in between is refused (NixlError), not posted."""
+    p = Pair(auto_progress=True)
+    try:
+        src = p.mi.alloc(MiB)
+        ra = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        p.ini.write(src, 4096, ra, timeout=10)
+        inside, go = threading.Event(), threading.Event()
+        real = p.ini._forget_peer
+
+        def paused(peer: str, timeout: float) -> None:
+            inside.set()
+            go.wait(5)  # (preempted right after the mark)
+            real(peer, timeout)
+
+        p.ini._forget_peer = paused  # type: ignore[method-assign]
+        th = threading.Thread(target=lambda: p.ini.forget_peer(p.tgt.name, timeout=2))
+        th.start()
+        try:
+            assert inside.wait(5)
+            transfers = p.ini.transfers
+            with pytest.raises(NixlError, match="forget_peer.*runs; nothing was sent"):
+                p.ini.write(src, 4096, ra, timeout=5)
+            assert p.ini.transfers == transfers
+        finally:
+            go.set()
+            th.join()
+            del p.ini._forget_peer
+    finally:
+        p.tgt.forget_peer(p.ini.name)
+        p.close()
+
+
 def test_a_crash_looping_target_is_reached_once_an_incarnation_runs() -> None:
     """The target crash-loops: its first process dies and the application forgets it; the
     second publishes a descriptor and dies too (its write fails: NIXL cannot connect); the
