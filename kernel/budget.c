@@ -18,20 +18,27 @@
  *
  * Which GPU a pin is on: the PCI device whose memory BAR holds the pin's
  * first page (its physical address from the page table, read under
- * pin->lock while PINNING by nv-p2p's commit).  NVIDIA's GPUs (vendor
- * 0x10de, display class) get their regions when the module loads, so an
- * administrator can set limits before anything is pinned; another device
- * that holds a pin's pages (the simulator's bar_device) gets its region at
- * the first pin on it.  Pages at no device's BAR (a coherent GPU's memory,
- * the simulator's host pages) take no BAR1 and are charged to no region;
- * neither are dma-buf pins, whose exporter gives bus addresses, not BAR1
- * physical ones.
+ * pin->lock while PINNING: the backend's bar1_addr).  NVIDIA's GPUs (vendor
+ * 0x10de, display class) get their regions when the module loads, at their
+ * frame-buffer BAR (the second memory BAR, as NVIDIA's nv_pci_probe counts
+ * them: BAR1 on a discrete GPU), so an administrator can set limits before
+ * anything is pinned; another device that holds a pin's pages (the
+ * simulator's bar_device) gets its region at the first pin on it.  Pages
+ * at no device's BAR (a coherent GPU's memory, the simulator's host pages)
+ * or flagged CPU-cacheable take no BAR1 and are charged to no region.
+ *
+ * What is not charged (Documentation/budgets.md): dma-buf pins (NVIDIA's
+ * exporter maps BAR1 for them too, but its bus addresses say nothing of
+ * which GPU's); a pin's BAR1 while get_pages holds it before the charge is
+ * tried (a pin past dmem.max takes its BAR1 for that moment); overlapping
+ * pins are charged each, though NVIDIA maps an extent once.
  *
  * Locks: gpupin_bar1_lock (a mutex) guards gpupin_bar1_list; taken in the
  * PIN ioctl (process context, no other gpupin lock held) and at load and
- * unload.  A pin's charge (budget_held, dmem_pool) is under pin->lock, so
- * that the charge made after PINNED and the release made by whoever takes
- * the pin out of PINNED meet exactly once.
+ * unload.  A pin's charge (budget_held, dmem_pool) is under pin->lock: the
+ * dmem charge is stored while the pin is still PINNING, where a free
+ * callback gives nothing back and the failing PIN does, so that every
+ * charge is given back exactly once.
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
@@ -40,6 +47,7 @@
 #include <linux/mutex.h>
 #include <linux/pci.h>
 #include <linux/slab.h>
+#include <linux/sysfs.h>
 #include "compat.h"
 #include "gpupin.h"
 
@@ -47,9 +55,23 @@ unsigned long gpupin_max_file_pinned_bytes;
 module_param_named(max_file_pinned_bytes, gpupin_max_file_pinned_bytes, ulong, 0644);
 MODULE_PARM_DESC(max_file_pinned_bytes, "Bytes each open file may keep pinned; beyond it PIN fails with EDQUOT (0 = unlimited)");
 
-static bool gpupin_dmem = IS_ENABLED(CONFIG_CGROUP_DMEM);
-module_param_named(dmem, gpupin_dmem, bool, 0444);
-MODULE_PARM_DESC(dmem, "Whether pins are charged to the dmem cgroup controller (read-only: set when the kernel has CONFIG_CGROUP_DMEM)");
+/* dmem: read-only, at load too (what the build decided is what the module does). */
+static int gpupin_dmem_set(const char *val, const struct kernel_param *kp)
+{
+	return -EPERM;
+}
+
+static int gpupin_dmem_get(char *buf, const struct kernel_param *kp)
+{
+	return sysfs_emit(buf, "%c\n", IS_ENABLED(CONFIG_CGROUP_DMEM) ? 'Y' : 'N');
+}
+
+static const struct kernel_param_ops gpupin_dmem_ops = {
+	.set = gpupin_dmem_set,
+	.get = gpupin_dmem_get,
+};
+module_param_cb(dmem, &gpupin_dmem_ops, NULL, 0444);
+MODULE_PARM_DESC(dmem, "Whether pins are charged to the dmem cgroup controller (read-only: Y where the kernel has CONFIG_CGROUP_DMEM)");
 
 /* NVIDIA keeps this much of BAR1 free of third-party mappings. */
 #define GPUPIN_BAR1_RESERVE (36ULL << 20)
@@ -57,8 +79,8 @@ MODULE_PARM_DESC(dmem, "Whether pins are charged to the dmem cgroup controller (
 struct gpupin_bar1 {
 	struct list_head node;
 	struct pci_dev *pdev;		/* a reference */
-	resource_size_t start, end;	/* the memory BAR pins land in */
-	struct dmem_cgroup_region *region;
+	resource_size_t start, end;	/* the memory BAR pins land in, as last seen */
+	struct dmem_cgroup_region *region;	/* NULL: a BAR within NVIDIA's reserve */
 };
 
 static LIST_HEAD(gpupin_bar1_list);
@@ -72,17 +94,19 @@ static struct gpupin_bar1 *gpupin_bar1_add(struct pci_dev *pdev, int bar)
 	struct dmem_cgroup_region *region;
 
 	lockdep_assert_held(&gpupin_bar1_lock);
-	if (len <= GPUPIN_BAR1_RESERVE) {
-		pr_warn_ratelimited("%s: BAR%d of %llu bytes leaves nothing past NVIDIA's reserve: no dmem region\n",
-				    pci_name(pdev), bar, (u64)len);
-		return NULL;
-	}
-	region = dmem_cgroup_register_region(len - GPUPIN_BAR1_RESERVE, "gpupin/%s/bar1",
-					     pci_name(pdev));
-	if (IS_ERR_OR_NULL(region)) {
-		pr_warn_ratelimited("no dmem region for %s: %d\n", pci_name(pdev),
-				    (int)PTR_ERR_OR_ZERO(region));
-		return NULL;
+	if (len > GPUPIN_BAR1_RESERVE) {
+		region = dmem_cgroup_register_region(len - GPUPIN_BAR1_RESERVE, "gpupin/%s/bar1",
+						     pci_name(pdev));
+		if (IS_ERR_OR_NULL(region)) {
+			pr_warn_ratelimited("no dmem region for %s: %d\n", pci_name(pdev),
+					    (int)PTR_ERR_OR_ZERO(region));
+			return NULL;
+		}
+	} else {
+		/* Kept, so that its pins are not looked for again: charged nowhere. */
+		pr_info("%s: BAR%d of %llu bytes leaves nothing past NVIDIA's 36 MiB reserve: no dmem region\n",
+			pci_name(pdev), bar, (u64)len);
+		region = NULL;
 	}
 	b = gpupin_kzalloc(sizeof(*b), GFP_KERNEL);
 	if (!b) {
@@ -97,15 +121,38 @@ static struct gpupin_bar1 *gpupin_bar1_add(struct pci_dev *pdev, int bar)
 	return b;
 }
 
+/* A memory BAR the kernel placed (an unassigned one keeps its size from 0). */
+static bool gpupin_bar_placed(struct pci_dev *pdev, int i)
+{
+	unsigned long flags = pci_resource_flags(pdev, i);
+
+	return (flags & IORESOURCE_MEM) && !(flags & IORESOURCE_UNSET) && pci_resource_len(pdev, i);
+}
+
 /* The memory BAR of @pdev that holds @addr, or -1. */
 static int gpupin_bar_holding(struct pci_dev *pdev, u64 addr)
 {
 	int i;
 
 	for (i = 0; i < PCI_STD_NUM_BARS; i++) {
-		if ((pci_resource_flags(pdev, i) & IORESOURCE_MEM) &&
-		    pci_resource_len(pdev, i) && addr >= pci_resource_start(pdev, i) &&
+		if (gpupin_bar_placed(pdev, i) && addr >= pci_resource_start(pdev, i) &&
 		    addr <= pci_resource_end(pdev, i))
+			return i;
+	}
+	return -1;
+}
+
+/*
+ * A GPU's frame-buffer BAR, as NVIDIA's nv_pci_probe (nv-pci.c) finds it:
+ * the second memory BAR (BAR1 on a discrete GPU; BAR2 where BAR0 is
+ * 64-bit, as in some virtual machines); -1 if none.
+ */
+static int gpupin_fb_bar(struct pci_dev *pdev)
+{
+	int i, seen = 0;
+
+	for (i = 0; i < PCI_STD_NUM_BARS; i++) {
+		if (gpupin_bar_placed(pdev, i) && ++seen == 2)
 			return i;
 	}
 	return -1;
@@ -125,19 +172,33 @@ static struct dmem_cgroup_region *gpupin_bar1_region(u64 addr)
 
 	mutex_lock(&gpupin_bar1_lock);
 	list_for_each_entry(b, &gpupin_bar1_list, node) {
-		if (addr >= b->start && addr <= b->end) {
+		if (addr >= b->start && addr <= b->end &&
+		    gpupin_bar_holding(b->pdev, addr) >= 0) {
 			region = b->region;
 			goto out;
 		}
 	}
 	for_each_pci_dev(pdev) {
 		bar = gpupin_bar_holding(pdev, addr);
-		if (bar >= 0) {
-			b = gpupin_bar1_add(pdev, bar);
-			region = b ? b->region : ERR_PTR(-ENOMEM);
-			pci_dev_put(pdev);	/* the loop's reference; b holds its own */
-			break;
+		if (bar < 0)
+			continue;
+		/* A device met before whose BAR moved (a resize): its one region. */
+		region = ERR_PTR(-ENOMEM);
+		list_for_each_entry(b, &gpupin_bar1_list, node) {
+			if (b->pdev == pdev) {
+				b->start = pci_resource_start(pdev, bar);
+				b->end = pci_resource_end(pdev, bar);
+				region = b->region;
+				break;
+			}
 		}
+		if (IS_ERR(region)) {
+			b = gpupin_bar1_add(pdev, bar);
+			if (b)
+				region = b->region;
+		}
+		pci_dev_put(pdev);	/* the loop's reference; b holds its own */
+		break;
 	}
 out:
 	mutex_unlock(&gpupin_bar1_lock);
@@ -170,21 +231,29 @@ int gpupin_budget_reserve(struct gpupin_file *f, struct gpupin_pin_obj *pin)
 }
 
 /*
- * Charge a PINNED pin's BAR1 bytes to the caller's dmem cgroup, in its PIN
- * ioctl; EDQUOT past a dmem.max.  Where the pin left PINNED meanwhile (its
- * free callback ran and gave back what it held), the charge is undone here
- * and the pin fails as freed (ENXIO).
+ * Charge a new pin's BAR1 bytes to the caller's dmem cgroup, in its PIN
+ * ioctl, once the backend took the memory and before the pin is PINNED;
+ * EDQUOT past a dmem.max.  The charge is kept only while the pin is still
+ * PINNING (a free callback then gives nothing back: the failing PIN does);
+ * where the memory went meanwhile it is undone here (ENXIO).
  */
 int gpupin_budget_charge_gpu(struct gpupin_pin_obj *pin)
 {
 	struct dmem_cgroup_pool_state *pool, *limit = NULL;
 	struct dmem_cgroup_region *region;
 	bool kept = false;
+	u64 addr = 0;
 	int ret;
 
-	if (!IS_ENABLED(CONFIG_CGROUP_DMEM) || !pin->bar_addr)
+	if (!IS_ENABLED(CONFIG_CGROUP_DMEM) || !pin->ops->bar1_addr)
 		return 0;
-	region = gpupin_bar1_region(pin->bar_addr);
+	spin_lock(&pin->lock);
+	if (pin->state == GPUPIN_PIN_PINNING)
+		addr = pin->ops->bar1_addr(pin);
+	spin_unlock(&pin->lock);
+	if (!addr)
+		return 0;	/* no BAR1 (or the memory went: marking it PINNED says so) */
+	region = gpupin_bar1_region(addr);
 	if (IS_ERR_OR_NULL(region))
 		return PTR_ERR_OR_ZERO(region);
 	ret = dmem_cgroup_try_charge(region, pin->aligned_size, &pool, &limit);
@@ -194,7 +263,7 @@ int gpupin_budget_charge_gpu(struct gpupin_pin_obj *pin)
 	if (ret)
 		return ret;
 	spin_lock(&pin->lock);
-	if (pin->state == GPUPIN_PIN_PINNED) {
+	if (pin->state == GPUPIN_PIN_PINNING) {
 		pin->dmem_pool = pool;
 		kept = true;
 	}
@@ -240,8 +309,8 @@ void gpupin_budget_init(void)
 	mutex_lock(&gpupin_bar1_lock);
 	for_each_pci_dev(pdev) {
 		if (pdev->vendor == PCI_VENDOR_ID_NVIDIA &&
-		    (pdev->class >> 16) == PCI_BASE_CLASS_DISPLAY)
-			gpupin_bar1_add(pdev, 1);
+		    (pdev->class >> 16) == PCI_BASE_CLASS_DISPLAY && gpupin_fb_bar(pdev) >= 0)
+			gpupin_bar1_add(pdev, gpupin_fb_bar(pdev));
 	}
 	mutex_unlock(&gpupin_bar1_lock);
 }

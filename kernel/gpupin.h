@@ -19,8 +19,9 @@
  *   gpupin_topo_lock (mutex, topo.c) - the kept topology verdicts.  Taken
  *       alone, never across an NVIDIA call.
  *   gpupin_bar1_lock (mutex, budget.c) - the GPUs' BAR1 dmem regions.
- *       Taken alone (module load and unload, the PIN ioctl after the pin is
- *       PINNED), never across an NVIDIA call, never by the free callback.
+ *       Taken with no other gpupin lock (module load and unload, the PIN
+ *       ioctl), never across an NVIDIA call, never by the free callback;
+ *       the PCI bus walk and the dmem controller's own lock nest inside.
  *   gpupin_files_lock (mutex) - the list of open files, for netlink dumps.
  *   gpupin_file.read_lock (mutex) - serialises readers of invalidation
  *       records, so a record leaves the queue only once it was copied out.
@@ -34,9 +35,10 @@
  *   gpupin_pin_obj.refs_lock (mutex) - the pin's kernel-API references (list,
  *       count, orphaned/gone flags).  Taken by the free callback to run the
  *       references' notifiers; never held across an nv-p2p call.
- *   gpupin_pin_obj.lock (spinlock) - one pin's state, in-flight user count and
- *       DMA mapping list.  Taken by the free callback; never held across an
- *       nv-p2p call or anything that sleeps.
+ *   gpupin_pin_obj.lock (spinlock) - one pin's state, in-flight user count,
+ *       DMA mapping list and what it holds of the budgets (budget.c).
+ *       Taken by the free callback; never held across an nv-p2p call or
+ *       anything that sleeps.
  *   gpupin_file.ev_lock (spinlock) - the file's queue of invalidation
  *       records.  Taken by the free callback, innermost.
  *   gpupin_detached_lock (spinlock, detached.c) - the list of DETACHED pins
@@ -347,6 +349,13 @@ struct gpupin_pin_backend_ops {
 	 */
 	int (*addrs)(const struct gpupin_pin_obj *pin, u64 *addrs, u32 first, u32 count);
 	/*
+	 * Optional.  Under pin->lock while the pin is still PINNING (what the
+	 * backend took is there): the CPU physical address of the pin's first
+	 * page where it lies in a GPU's BAR1, 0 where the pin takes no BAR1
+	 * (coherent memory).  budget.c charges the BAR's dmem region by it.
+	 */
+	u64 (*bar1_addr)(const struct gpupin_pin_obj *pin);
+	/*
 	 * A release unmaps the pin as an in-flight user (so a free callback
 	 * cannot return while an unmap still uses what NVIDIA frees then);
 	 * false where unmapping takes a lock under which a revocation waits
@@ -398,7 +407,6 @@ struct gpupin_pin_obj {
 	struct nvidia_p2p_page_table *pt;	/* nv-p2p pins */
 	unsigned long cb_id;		/* nv-p2p pins with a callback: its data (nvp2p.c), or 0 */
 	u8 gpu_uuid[16];		/* copied from the page table while PINNING */
-	u64 bar_addr;			/* nv-p2p: page 0's physical address, copied likewise */
 	struct dma_buf *dmabuf;		/* dma-buf pins: a reference */
 	struct pci_dev *dmabuf_pdev;	/* dma-buf pins: importing device (a reference) or NULL */
 	struct gpupin_dmabuf_att att;	/* dma-buf pins: the import for dmabuf_pdev */

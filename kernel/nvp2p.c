@@ -194,20 +194,34 @@ static int gpupin_check_table(struct gpupin_pin_obj *pin)
 	return 0;
 }
 
-/*
- * nv-p2p's commit: check the page table and keep its GPU UUID and the first
- * page's address (which GPU's BAR1 the pin takes: budget.c).
- */
+/* nv-p2p's commit: check the page table and keep its GPU UUID. */
 static int gpupin_nvp2p_commit(struct gpupin_pin_obj *pin)
 {
 	int ret = gpupin_check_table(pin);
 
-	if (ret)
-		return ret;
-	if (pin->pt->gpu_uuid)
+	if (!ret && pin->pt->gpu_uuid)
 		memcpy(pin->gpu_uuid, pin->pt->gpu_uuid, sizeof(pin->gpu_uuid));
-	pin->bar_addr = pin->pt->pages[0]->physical_address;
-	return 0;
+	return ret;
+}
+
+/*
+ * nv-p2p's bar1_addr: page 0's physical address, a BAR1 address on a
+ * discrete GPU (RmThirdPartyP2PGetPages, p2p.c: the GPU's FB aperture base
+ * plus the mapping's offset).  A 2.x table flags CPU-cacheable pages
+ * (NVIDIA_P2P_PAGE_TABLE_FLAGS_CPU_CACHEABLE, set by nv_p2p_get_pages for
+ * coherent C2C/NVLink memory): they take no BAR1.  A table gpupin cannot
+ * read gives 0 (its commit refuses it).
+ */
+static u64 gpupin_nvp2p_bar1_addr(const struct gpupin_pin_obj *pin)
+{
+	const struct nvidia_p2p_page_table *pt = pin->pt;
+
+	if (gpupin_check_table((struct gpupin_pin_obj *)pin))
+		return 0;
+	if (NVIDIA_P2P_MAJOR_VERSION(pt->version) >= 2 &&
+	    (pt->flags & NVIDIA_P2P_PAGE_TABLE_FLAGS_CPU_CACHEABLE))
+		return 0;
+	return pt->pages[0]->physical_address;
 }
 
 /* nv-p2p's addrs: the pages' physical addresses. */
@@ -450,6 +464,7 @@ static const struct gpupin_pin_backend_ops gpupin_nvp2p_backend = {
 	.teardown = gpupin_nvp2p_teardown,
 	.forget = gpupin_nvp2p_forget,
 	.addrs = gpupin_nvp2p_addrs,
+	.bar1_addr = gpupin_nvp2p_bar1_addr,
 	.unmap_in_use = true,
 };
 

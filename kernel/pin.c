@@ -62,6 +62,8 @@ static void gpupin_pin_free(struct kref *ref)
 {
 	struct gpupin_pin_obj *pin = container_of(ref, struct gpupin_pin_obj, ref);
 
+	/* Every path that gives the pages back gave the budgets back first. */
+	WARN_ON_ONCE(pin->budget_held || pin->dmem_pool);
 	if (pin->ops->forget)
 		pin->ops->forget(pin);
 	kfree(pin->ev);
@@ -614,7 +616,6 @@ static int gpupin_pin_publish(struct gpupin_file *f, struct gpupin_pin_obj *pin,
  */
 long gpupin_pin_new(struct gpupin_file *f, const struct gpupin_pin_req *req)
 {
-	enum gpupin_pin_state from = GPUPIN_PIN_PINNING;
 	struct gpupin_pin_obj *pin;
 	int ret;
 
@@ -625,17 +626,17 @@ long gpupin_pin_new(struct gpupin_file *f, const struct gpupin_pin_req *req)
 	if (ret)
 		return ret;
 	ret = pin->ops->acquire(pin, req->priv);
+	/* The GPU is known now: its dmem charge (EDQUOT past the caller's cgroup's limit). */
+	if (!ret)
+		ret = gpupin_budget_charge_gpu(pin);
 	/* -ENXIO: the memory went (free callback, revocation) while it was taken. */
 	if (!ret)
 		ret = gpupin_pin_mark_pinned(f, pin);
-	/* The GPU is known now: its dmem charge (EDQUOT past the caller's cgroup's limit). */
-	if (!ret) {
-		from = GPUPIN_PIN_PINNED;
-		ret = gpupin_budget_charge_gpu(pin);
-	}
 	if (ret) {
 		/* Detached (put_pages failed): its callback gives the bytes back, not unreserve. */
-		gpupin_pin_unreserve(f, pin, ret, !gpupin_pin_release_pages(pin, from));
+		bool detached = !gpupin_pin_release_pages(pin, GPUPIN_PIN_PINNING);
+
+		gpupin_pin_unreserve(f, pin, ret, detached);
 		return ret;
 	}
 	req->fill(req->arg, pin);

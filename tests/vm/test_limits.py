@@ -4,6 +4,7 @@ own budgets and parameters are tested over either provider; the rest sets simula
 from __future__ import annotations
 
 import errno
+from pathlib import Path
 
 import pytest
 
@@ -131,6 +132,17 @@ def test_global_budget_stays_enospc_under_a_file_budget(memory: MemoryProvider, 
         assert a.info().pinned_bytes == 1 * MiB
         a.unpin(pa)
     memory.free(va)
+
+
+def test_the_dmem_parameter_says_what_the_build_does(gpupin_loaded: None) -> None:
+    """gpupin.ko's dmem parameter says whether pins are charged to the dmem controller: Y
+    exactly where the kernel has one (its dmem.capacity file), and no write changes it."""
+    param = Path("/sys/module/gpupin/parameters/dmem")
+    before = param.read_text()
+    assert before.strip() == ("Y" if Path("/sys/fs/cgroup/dmem.capacity").exists() else "N")
+    with pytest.raises(PermissionError):
+        param.write_text("N" if before.strip() == "Y" else "Y")
+    assert param.read_text() == before
 
 
 ENOTSUPP = 524  # kernel-internal: NVIDIA's answer for NV_ERR_NOT_SUPPORTED
