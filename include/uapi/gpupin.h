@@ -73,7 +73,9 @@ struct gpupin_info {
  * file's max_pins_per_file) would be passed.  EDQUOT: the caller's share
  * would be: its cgroup's dmem.max for the GPU's gpupin/<pci device>/bar1
  * region, or gpupin's max_file_pinned_bytes for this file
- * (Documentation/budgets.md).  A failed PIN holds nothing.
+ * (Documentation/budgets.md).  A failed PIN holds nothing once it returned,
+ * unless NVIDIA could not give its pages back (then they stay counted until
+ * NVIDIA's free callback for them).
  */
 struct gpupin_pin {
 	__u64 va;
