@@ -132,6 +132,8 @@ def test_budget_says_which_mechanism_is_in_force() -> None:
     assert b.detail == "64.0 MiB per open file"
     b = top.budget_of({**INFO, "max_pinned_bytes": 1 << 30}, STATS, _budget.Budgets(1 << 30, 0, True, "/a", ()))
     assert b.mechanism == "gpupin max_pinned_bytes + dmem cgroup" and "dmem.max" in b.detail
+    b = top.budget_of(INFO, STATS, _budget.Budgets(0, 64 << 20, True, "/a", ()))
+    assert b.mechanism == "dmem cgroup + gpupin max_file_pinned_bytes"
     b = top.budget_of(INFO, STATS, _budget.Budgets(0, 0, False, "/", ()))
     assert b.mechanism == "none" and "no dmem controller" in b.detail
 
@@ -153,11 +155,12 @@ def _tree(tmp_path: Path, dmem: str, cgroup: str = "0::/box\n") -> tuple[Path, P
 
 def test_budgets_read_from_sysfs_and_the_callers_cgroup(tmp_path: Path) -> None:
     b = _budget.read_budgets(*_tree(tmp_path, "Y"))
-    assert (b.mechanism, b.cgroup, b.file_max) == ("dmem", "/box", 32 << 20)
+    assert (b.mechanism, b.cgroup, b.file_max) == ("dmem+file", "/box", 32 << 20)  # both apply
     # gpupin's own regions only (a DRM driver's VRAM region is not ours to show)
     assert b.regions == (_budget.Region("gpupin/0000:03:00.0/bar1", 230686720, 4 << 20, 8 << 20),)
     text = "\n".join(b.describe())
     assert "cgroup /box" in text and "charged here 4.0 MiB, dmem.max 8.0 MiB" in text
+    assert "per file: 32.0 MiB per open file" in text
     b = _budget.read_budgets(*_tree(tmp_path / "n", "N"))
     assert b.mechanism == "file" and b.regions == ()
     assert "32.0 MiB per open file (max_file_pinned_bytes; EDQUOT)" in "\n".join(b.describe())

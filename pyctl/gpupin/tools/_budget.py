@@ -43,11 +43,10 @@ class Budgets:
 
     @property
     def mechanism(self) -> str:
-        """The per-process share in force: "dmem" (cgroups), "file" (gpupin's per-file limit)
-        or "none" (only the module-wide max_pinned_bytes, if that)."""
-        if self.dmem:
-            return "dmem"
-        return "file" if self.file_max else "none"
+        """The per-process shares in force: "dmem" (cgroups), "file" (gpupin's per-file limit),
+        both ("dmem+file": both apply) or "none" (only the module-wide max_pinned_bytes, if that)."""
+        names = [n for n, on in (("dmem", self.dmem), ("file", bool(self.file_max))) if on]
+        return "+".join(names) or "none"
 
     def describe(self) -> list[str]:
         """One line per limit, for people."""
@@ -65,12 +64,14 @@ class Budgets:
                 out.append(f"  {r.name}: capacity {human(r.capacity)}, charged here {current}, dmem.max {limit}")
             if not self.regions:
                 out.append("  no gpupin region yet (a GPU's appears at load, another BAR's at its first pin)")
+        share = (
+            f"{human(self.file_max)} per open file (max_file_pinned_bytes; EDQUOT)"
+            if self.file_max
+            else "no per-file limit (max_file_pinned_bytes=0)"
+        )
+        if self.dmem:
+            out.append(f"per file: {share}")
         else:
-            share = (
-                f"{human(self.file_max)} per open file (max_file_pinned_bytes; EDQUOT)"
-                if self.file_max
-                else "no per-file limit (max_file_pinned_bytes=0)"
-            )
             out.append(f"per process: no dmem controller here (6.14+ with CONFIG_CGROUP_DMEM has one); {share}")
         return out
 

@@ -54,8 +54,8 @@ class Budget:
 def budget_of(info: Mapping[str, Any], stats: Mapping[str, int], shares: Budgets | None = None) -> Budget:
     """The budgets in force, from GET_INFO's answer, the counters and (``shares``, where read)
     the per-process ones: the module-wide ``max_pinned_bytes`` (0: unlimited; every process's
-    pins together, ENOSPC past it) and a process's share, EDQUOT past it: its cgroup's
-    ``dmem.max`` where gpupin charges the dmem controller, else gpupin's
+    pins together, ENOSPC past it) and a process's shares, EDQUOT past either: its cgroup's
+    ``dmem.max`` where gpupin charges the dmem controller, and gpupin's
     ``max_file_pinned_bytes`` per open file.  ``limit_bytes`` is the module-wide limit."""
     used = int(stats.get("bytes_now", info.get("pinned_bytes", 0)))
     limit = int(info.get("max_pinned_bytes") or 0)
@@ -66,7 +66,7 @@ def budget_of(info: Mapping[str, Any], stats: Mapping[str, int], shares: Budgets
     if shares is not None and shares.dmem:
         names.append("dmem cgroup")
         details.append("each cgroup's dmem.max of gpupin/<pci device>/bar1")
-    elif shares is not None and shares.file_max:
+    if shares is not None and shares.file_max:  # (both apply where both are set)
         names.append("gpupin max_file_pinned_bytes")
         details.append(f"{human(shares.file_max)} per open file")
     if not names:
