@@ -127,9 +127,9 @@ def test_bar_smaller_than_working_set(device: Device, sim: SimMemory, sim_params
 
 
 def test_file_budget_smaller_than_working_set(device: Device, memory: MemoryProvider, sim_params) -> None:  # type: ignore[no-untyped-def]
-    """A share (EDQUOT: max_file_pinned_bytes here, a cgroup's dmem.max on a kernel with the
-    controller) a quarter of the working set: the cache evicts idle registrations, least
-    recently used first, and retries; every acquire succeeds and the stats say so."""
+    """A share (EDQUOT: max_file_pinned_bytes here; a cgroup's dmem.max gives the same errno)
+    a quarter of the working set: the cache evicts idle registrations, least recently used
+    first, and retries; every acquire succeeds and the stats say so."""
     sim_params("gpupin", max_file_pinned_bytes=8 * MiB)
     cache, bufs = _over_working_set(device, memory, 16, 200, seed=5)  # 32 MiB working set
     assert cache.stats().peak_bytes <= 8 * MiB and device.info().pinned_bytes <= 8 * MiB
