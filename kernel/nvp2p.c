@@ -209,8 +209,9 @@ static int gpupin_nvp2p_commit(struct gpupin_pin_obj *pin)
  * discrete GPU (RmThirdPartyP2PGetPages, p2p.c: the GPU's FB aperture base
  * plus the mapping's offset).  A 2.x table flags CPU-cacheable pages
  * (NVIDIA_P2P_PAGE_TABLE_FLAGS_CPU_CACHEABLE, set by nv_p2p_get_pages for
- * coherent C2C/NVLink memory): they take no BAR1.  A table gpupin cannot
- * read gives 0 (its commit refuses it).
+ * coherent C2C/NVLink memory): they take no BAR1.  Built against a 1.x
+ * header there is no flag (coherent pages then lie in no BAR: budget.c
+ * finds none).  A table gpupin cannot read gives 0 (its commit refuses it).
  */
 static u64 gpupin_nvp2p_bar1_addr(const struct gpupin_pin_obj *pin)
 {
@@ -218,9 +219,11 @@ static u64 gpupin_nvp2p_bar1_addr(const struct gpupin_pin_obj *pin)
 
 	if (gpupin_check_table((struct gpupin_pin_obj *)pin))
 		return 0;
+#ifdef NVIDIA_P2P_PAGE_TABLE_FLAGS_CPU_CACHEABLE	/* a 2.x header (R580 on): tables may carry flags */
 	if (NVIDIA_P2P_MAJOR_VERSION(pt->version) >= 2 &&
 	    (pt->flags & NVIDIA_P2P_PAGE_TABLE_FLAGS_CPU_CACHEABLE))
 		return 0;
+#endif
 	return pt->pages[0]->physical_address;
 }
 
