@@ -116,7 +116,7 @@ test-host: pyext
 	$(VENV)/bin/pytest -q tests/host
 
 # One test, one command: T is what pytest gets after the suite's directory, e.g.
-# make vm-test T='-k test_pin_unpin'  (the VM boots, only the selection runs: 55 s for one
+# make vm-test T='-k test_pin_unpin'  (the VM boots, only the selection runs: 48 s for one
 # test on a quiet 2-core machine, the build already done)
 # make host-test T='-k shell -x'
 host-test: pyext

@@ -69,13 +69,17 @@ struct gpupin_info {
  * not GPU memory of the calling process (or spans allocations).  ENXIO: the
  * memory was freed while it was being pinned, also where the free came
  * between NVIDIA's pinning and the arming of its free callback.  ENOMEM: the
- * GPU's BAR1 is full.  ENOSPC: gpupin's module-wide max_pinned_bytes (or the
- * file's max_pins_per_file) would be passed.  EDQUOT: the caller's share
+ * GPU's BAR1 is full (or gpupin's own memory, or a dmem region it could not
+ * make).  ENOSPC: gpupin's module-wide max_pinned_bytes (or the file's
+ * max_pins_per_file) would be passed.  EDQUOT: the caller's share
  * would be: its cgroup's dmem.max for the GPU's gpupin/<pci device>/bar1
  * region, or gpupin's max_file_pinned_bytes for this file
  * (Documentation/budgets.md).  A failed PIN holds nothing once it returned,
  * unless NVIDIA could not give its pages back (then they stay counted until
- * NVIDIA's free callback for them).
+ * NVIDIA's free callback for them).  Also: EACCES (not the file's opener),
+ * EOPNOTSUPP (no persistent pins on this driver, a non-persistent pin on a
+ * driver whose get_pages can double-free, GPU pages other than 64 KiB),
+ * EPROTO (a page-table version gpupin cannot read), EFAULT.
  */
 struct gpupin_pin {
 	__u64 va;

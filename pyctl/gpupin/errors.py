@@ -122,7 +122,10 @@ _HINTS = {
     errno.ENOENT: "the handle is not (or no longer) a pin of this file",
     errno.ENXIO: "the GPU memory was freed: unpin the handle and pin again",
     errno.ENOMEM: "the GPU BAR is exhausted: unpin unused regions and retry",
-    errno.ENOSPC: "gpupin's budget is used up: unpin, or raise max_pinned_bytes/max_pins_per_file",
+    errno.ENOSPC: (
+        "a gpupin limit is reached: unpin, or raise max_pinned_bytes/max_pins_per_file (PIN); unmap (DMA_MAP:"
+        " at most 16 mappings per pin)"
+    ),
     errno.EDQUOT: (
         "this process's share of GPU BAR1 is used up: unpin, or raise its cgroup's dmem.max for the"
         " GPU's gpupin/<pci device>/bar1 region (or gpupin's max_file_pinned_bytes; `gpupin doctor` says"
@@ -136,7 +139,8 @@ _HINTS = {
     errno.EOPNOTSUPP: (
         "the provider does not support this (a peer mapping or a dma-buf import needs a PCI path that"
         " allows peer-to-peer; gpupin reads 64 KiB GPU pages only; on an NVIDIA driver whose get_pages"
-        " can double-free (525.47 to 535.113, and 545.23), gpupin refuses non-persistent pins: update the driver,"
+        " can double-free (525.47.22 to 525.125.06, 535.43.02 to 535.43.23, 535.54.03 to 535.113.01, and 545.23),"
+        " gpupin refuses non-persistent pins: update the driver,"
         " pin persistent, or see nv_unsafe_get_pages in the kernel log)"
     ),
 }

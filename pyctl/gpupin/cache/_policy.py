@@ -172,7 +172,7 @@ class _Policy(_State):
                         if isinstance(exc, BarExhausted)
                         else "this process's BAR1 share: its cgroup's dmem.max or max_file_pinned_bytes"
                         if isinstance(exc, QuotaExceeded)
-                        else "gpupin budget"
+                        else "gpupin's max_pinned_bytes or max_pins_per_file"
                     )
                     raise type(exc)(
                         f"pin of {size} bytes at {start:#x} failed ({kind} exhausted) and nothing is "
