@@ -219,7 +219,8 @@ static u64 gpupin_nvp2p_bar1_addr(const struct gpupin_pin_obj *pin)
 
 	if (gpupin_check_table((struct gpupin_pin_obj *)pin))
 		return 0;
-#ifdef NVIDIA_P2P_PAGE_TABLE_FLAGS_CPU_CACHEABLE	/* a 2.x header (R580 on): tables may carry flags */
+	/* A 2.x header (R580 on): tables may carry flags. */
+#ifdef NVIDIA_P2P_PAGE_TABLE_FLAGS_CPU_CACHEABLE
 	if (NVIDIA_P2P_MAJOR_VERSION(pt->version) >= 2 &&
 	    (pt->flags & NVIDIA_P2P_PAGE_TABLE_FLAGS_CPU_CACHEABLE))
 		return 0;
