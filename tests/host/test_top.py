@@ -155,14 +155,14 @@ def _tree(tmp_path: Path, dmem: str, cgroup: str = "0::/box\n") -> tuple[Path, P
 
 def test_budgets_read_from_sysfs_and_the_callers_cgroup(tmp_path: Path) -> None:
     b = _budget.read_budgets(*_tree(tmp_path, "Y"))
-    assert (b.mechanism, b.cgroup, b.file_max) == ("dmem+file", "/box", 32 << 20)  # both apply
+    assert (b.dmem, b.cgroup, b.file_max) == (True, "/box", 32 << 20)  # both apply
     # gpupin's own regions only (a DRM driver's VRAM region is not ours to show)
     assert b.regions == (_budget.Region("gpupin/0000:03:00.0/bar1", 230686720, 4 << 20, 8 << 20),)
     text = "\n".join(b.describe())
     assert "cgroup /box" in text and "charged here 4.0 MiB, dmem.max 8.0 MiB" in text
     assert "per file: 32.0 MiB per open file" in text
     b = _budget.read_budgets(*_tree(tmp_path / "n", "N"))
-    assert b.mechanism == "file" and b.regions == ()
+    assert (b.dmem, b.file_max, b.regions) == (False, 32 << 20, ())
     assert "32.0 MiB per open file (max_file_pinned_bytes; EDQUOT)" in "\n".join(b.describe())
     b = _budget.read_budgets(*_tree(tmp_path / "root", "Y", "0::/\n"))  # the root has no dmem.max
     assert b.regions[0].current is None and b.regions[0].limit is None

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ._sysfs import read_text
+
 
 def human(n: int) -> str:
     """Bytes in binary units: 512 B, 64.0 KiB, 1.5 GiB."""
@@ -41,13 +43,6 @@ class Budgets:
     cgroup: str | None  # the caller's cgroup v2 path, None outside cgroup v2
     regions: tuple[Region, ...]
 
-    @property
-    def mechanism(self) -> str:
-        """The per-process shares in force: "dmem" (cgroups), "file" (gpupin's per-file limit),
-        both ("dmem+file": both apply) or "none" (only the module-wide max_pinned_bytes, if that)."""
-        names = [n for n, on in (("dmem", self.dmem), ("file", bool(self.file_max))) if on]
-        return "+".join(names) or "none"
-
     def describe(self) -> list[str]:
         """One line per limit, for people."""
         out = [
@@ -55,51 +50,42 @@ class Budgets:
             if self.global_max
             else "module-wide: no limit (max_pinned_bytes=0)"
         ]
-        if self.dmem:
-            where = f"cgroup {self.cgroup}" if self.cgroup else "no cgroup v2"
-            out.append(f"per process: the dmem cgroup controller ({where}; EDQUOT past dmem.max)")
-            for r in self.regions:
-                limit = "max" if r.limit is None else human(r.limit)
-                current = "-" if r.current is None else human(r.current)
-                out.append(f"  {r.name}: capacity {human(r.capacity)}, charged here {current}, dmem.max {limit}")
-            if not self.regions:
-                out.append("  no gpupin region yet (a GPU's appears at load, another BAR's at its first pin)")
         share = (
             f"{human(self.file_max)} per open file (max_file_pinned_bytes; EDQUOT)"
             if self.file_max
             else "no per-file limit (max_file_pinned_bytes=0)"
         )
-        if self.dmem:
-            out.append(f"per file: {share}")
-        else:
+        if not self.dmem:
             out.append(f"per process: no dmem controller here (6.14+ with CONFIG_CGROUP_DMEM has one); {share}")
+            return out
+        where = f"cgroup {self.cgroup}" if self.cgroup else "no cgroup v2"
+        out.append(f"per process: the dmem cgroup controller ({where}; EDQUOT past dmem.max)")
+        for r in self.regions:
+            limit = "max" if r.limit is None else human(r.limit)
+            current = "-" if r.current is None else human(r.current)
+            out.append(f"  {r.name}: capacity {human(r.capacity)}, charged here {current}, dmem.max {limit}")
+        if not self.regions:
+            out.append("  no gpupin region yet (a GPU's appears at load, another BAR's at its first pin)")
+        out.append(f"per file: {share}")
         return out
 
 
-def _int(path: Path, default: int = 0) -> int:
-    try:
-        return int(path.read_text().strip())
-    except (OSError, ValueError):
-        return default
+def _int(path: Path) -> int:
+    """A numeric parameter; 0 (unlimited) where it cannot be read."""
+    text = read_text(path)
+    return int(text) if text.isdigit() else 0
 
 
 def _table(path: Path) -> dict[str, str]:
-    """A dmem interface file: "region value" per line."""
-    try:
-        text = path.read_text()
-    except OSError:
-        return {}
-    return dict(line.split(None, 1) for line in text.splitlines() if " " in line)
+    """A dmem interface file: "region value" per line ({} where it cannot be read)."""
+    return dict(line.split(None, 1) for line in read_text(path).splitlines() if " " in line)
 
 
 def own_cgroup(proc: Path = Path("/proc/self/cgroup")) -> str | None:
     """The cgroup v2 path ("0::PATH") of the caller, or None."""
-    try:
-        for line in proc.read_text().splitlines():
-            if line.startswith("0::"):
-                return line[3:].strip() or "/"
-    except OSError:
-        pass
+    for line in read_text(proc).splitlines():
+        if line.startswith("0::"):
+            return line[3:].strip() or "/"
     return None
 
 
@@ -108,13 +94,14 @@ def read_budgets(
     cgroot: Path = Path("/sys/fs/cgroup"),
     proc: Path = Path("/proc/self/cgroup"),
 ) -> Budgets:
-    dmem = (params / "dmem").exists() and (params / "dmem").read_text().strip() == "Y"
+    dmem = read_text(params / "dmem") == "Y"
     cg = own_cgroup(proc)
     regions: list[Region] = []
     if dmem:
-        here = cgroot / cg.lstrip("/") if cg else None
-        current = _table(here / "dmem.current") if here and cg != "/" else {}
-        limits = _table(here / "dmem.max") if here and cg != "/" else {}
+        # The root cgroup has no dmem.current or dmem.max: nothing charged "here" there.
+        here = cgroot / cg.lstrip("/") if cg and cg != "/" else None
+        current = _table(here / "dmem.current") if here else {}
+        limits = _table(here / "dmem.max") if here else {}
         for name, cap in sorted(_table(cgroot / "dmem.capacity").items()):
             if not name.startswith("gpupin/"):
                 continue
