@@ -158,6 +158,19 @@ static int gpupin_fb_bar(struct pci_dev *pdev)
 	return -1;
 }
 
+/* @pdev's entry, or NULL; under gpupin_bar1_lock. */
+static struct gpupin_bar1 *gpupin_bar1_of(struct pci_dev *pdev)
+{
+	struct gpupin_bar1 *b;
+
+	lockdep_assert_held(&gpupin_bar1_lock);
+	list_for_each_entry(b, &gpupin_bar1_list, node) {
+		if (b->pdev == pdev)
+			return b;
+	}
+	return NULL;
+}
+
 /*
  * The region of the BAR holding @addr, registered on first sight; NULL where
  * no device's BAR holds it, ERR_PTR(-ENOMEM) where one does but its region
@@ -183,20 +196,14 @@ static struct dmem_cgroup_region *gpupin_bar1_region(u64 addr)
 		if (bar < 0)
 			continue;
 		/* A device met before whose BAR moved (a resize): its one region. */
-		region = ERR_PTR(-ENOMEM);
-		list_for_each_entry(b, &gpupin_bar1_list, node) {
-			if (b->pdev == pdev) {
-				b->start = pci_resource_start(pdev, bar);
-				b->end = pci_resource_end(pdev, bar);
-				region = b->region;
-				break;
-			}
-		}
-		if (IS_ERR(region)) {
+		b = gpupin_bar1_of(pdev);
+		if (b) {
+			b->start = pci_resource_start(pdev, bar);
+			b->end = pci_resource_end(pdev, bar);
+		} else {
 			b = gpupin_bar1_add(pdev, bar);
-			if (b)
-				region = b->region;
 		}
+		region = b ? b->region : ERR_PTR(-ENOMEM);
 		pci_dev_put(pdev);	/* the loop's reference; b holds its own */
 		break;
 	}
@@ -308,9 +315,14 @@ void gpupin_budget_init(void)
 		return;
 	mutex_lock(&gpupin_bar1_lock);
 	for_each_pci_dev(pdev) {
-		if (pdev->vendor == PCI_VENDOR_ID_NVIDIA &&
-		    (pdev->class >> 16) == PCI_BASE_CLASS_DISPLAY && gpupin_fb_bar(pdev) >= 0)
-			gpupin_bar1_add(pdev, gpupin_fb_bar(pdev));
+		int bar;
+
+		if (pdev->vendor != PCI_VENDOR_ID_NVIDIA ||
+		    (pdev->class >> 16) != PCI_BASE_CLASS_DISPLAY)
+			continue;
+		bar = gpupin_fb_bar(pdev);
+		if (bar >= 0)
+			gpupin_bar1_add(pdev, bar);
 	}
 	mutex_unlock(&gpupin_bar1_lock);
 }
