@@ -756,7 +756,7 @@ class Transfer:
 
 class _Prep:
     """(NixlEndpoint.prepare) NIXL's prepped descriptor lists of one scatter list, each with
-    what it was made against: ``serial``, NIXL's view of the peer (NixlEndpoint._view_serial),
+    what it was made against: ``serial``, NIXL's view of the peer (NixlEndpoint._serial_of),
     and ``toks``, the local registrations (a cache token names one registration, never
     another).  Made again, under the endpoint's lock and the agent's, when either changed: a
     prepped list keeps NIXL's pointers to the registrations' metadata as of its making, and
@@ -777,11 +777,12 @@ class _Prep:
         """(under ep._lock and the agent's lock) A transfer handle of the lists, each made
         again first where what it names changed."""
         agent = ep.agent
-        if self.remote is None or self.serial != ep._view_serial:
+        serial = ep._serial_of(self.peer)
+        if self.remote is None or self.serial != serial:
             self.drop(remote=True)
             self.remote = agent.prep_xfer_dlist(self.peer, self.rspec, self.rmem)
             _LIVE_DLISTS[id(self.remote)] = self.remote
-            self.serial = ep._view_serial
+            self.serial = serial
             ep.lists_prepped += 1
         if self.local is None or self.toks != toks:
             self.drop(local=True)
@@ -985,9 +986,14 @@ class NixlEndpoint(Closable):
         # the application drops unwaited (or whose answer never comes) leaves nothing behind.
         self._waiting: weakref.WeakValueDictionary[tuple[str, int], Transfer] = weakref.WeakValueDictionary()
         self._views: dict[str, tuple[int, dict[int, None]]] = {}  # peer -> (dereg, metadata keys loaded)
-        # Every change to NIXL's view of any peer (a load, a removal, an erasure): a prepped
-        # list made before one names what NIXL held then, and is made again (_Prep).
+        # Changes to NIXL's view of a peer (a load, a removal, an erasure), counted per peer, and
+        # of an unknown one (a load of metadata not yet named: any peer's) in _view_serial;
+        # _serial_of(peer) is their sum.  A prepped list made before a change names what NIXL
+        # held then, and is made again (_Prep); a refused question counts against a peer only
+        # over a connection no change of that peer's view came after (_ask_incarnation): another
+        # peer's loads say nothing of it.
         self._view_serial = 0
+        self._peer_serials: dict[str, int] = {}
         self._preps: set[_Prep] = set()  # the prepped lists of this endpoint's open Prepareds
         self._other: list[tuple[str, bytes]] = []
         self._notes: list[str] = []  # warnings to raise once the state change at hand is done (_note)
@@ -1155,7 +1161,7 @@ class NixlEndpoint(Closable):
         erased NIXL's view of the peer (its sections and connection): it is loaded whole next
         time (first contact)."""
         with self.driver.lock:
-            self._view_serial += 1  # a refused load changes the view too (it erases the peer)
+            self._view_changed(peer)  # a refused load changes the view too (it erases the peer)
             try:
                 name = self.agent.add_remote_agent(metadata)
             except Exception as exc:  # noqa: BLE001
@@ -1164,6 +1170,8 @@ class NixlEndpoint(Closable):
                     self._connected.discard(peer)
                 raise _nixl_error("add_remote_agent", exc) from None
         got = name.decode() if isinstance(name, bytes) else str(name)
+        if peer is not None and got != peer:
+            self._view_changed(got)
         self._connected.add(got)
         self._forgotten.discard(got)
         return got
@@ -1185,7 +1193,7 @@ class NixlEndpoint(Closable):
         remove_remote_agent returns nothing: invalidateRemoteMD fails only for a name NIXL does
         not know (nothing to forget) or its own (refused at construction)."""
         with self.driver.lock:
-            self._view_serial += 1
+            self._view_changed(peer)
             self.agent.remove_remote_agent(peer)
         self._views.pop(peer, None)
 
@@ -2165,7 +2173,7 @@ class NixlEndpoint(Closable):
             self._who_asked[req] = None
             md = self._inc_md.get(peer)
         try:
-            fresh: int | None = None  # NIXL's view serial just after this thread connected afresh
+            fresh: int | None = None  # _serial_of(peer) just after this thread connected afresh
             again = _WHO_AGAIN_S
             while True:
                 if fresh is None and peer not in self._connected and md is not None:
@@ -2182,7 +2190,7 @@ class NixlEndpoint(Closable):
                     except Exception:  # noqa: BLE001 - NIXL's classes: no (working) connection
                         self.driver.peer_failed()
                         sent = False
-                    mine = fresh is not None and fresh == self._view_serial
+                    mine = fresh is not None and fresh == self._serial_of(peer)
                 if not sent:
                     if md is None or mine:  # forgotten, or refused over this thread's own connection
                         return None
@@ -2220,7 +2228,8 @@ class NixlEndpoint(Closable):
 
     def _reconnect_to_ask(self, peer: str, current: int, md: bytes, deadline: float) -> int:
         """(_ask_incarnation) A connection made afresh from the metadata of ``current``, the
-        incarnation this endpoint talks to; NIXL's view serial after it, or -1 where NIXL cannot
+        incarnation this endpoint talks to; the serial of NIXL's view of ``peer`` after it
+        (_serial_of), or -1 where NIXL cannot
         make one (its backend: UCX finds the process gone).  NIXL refusing the metadata itself
         (NOT_ALLOWED, INVALID_PARAM: a live peer on VRAM after forgetting it) says nothing of the
         process: raised.  Made only while ``current`` is still the one, with that metadata, and
@@ -2402,7 +2411,7 @@ class NixlEndpoint(Closable):
         connection a metadata request needs: no record (the next load replaces it).  ``fresh``:
         NIXL's view of the peer is forgotten first, whatever it holds (a broken connection).
         ``check()``: raises in the hold that loads if the load is no longer wanted.  Returns
-        NIXL's view serial after the load."""
+        the serial of NIXL's view of the peer after the load."""
 
         def plan(view: tuple[int, dict[int, None]] | None) -> tuple[str, tuple[int, dict[int, None]] | None]:
             if check is not None:
@@ -2438,13 +2447,14 @@ class NixlEndpoint(Closable):
         peer.  Then the peer is forgotten (remove_remote_agent) and its metadata loaded afresh,
         once; unless it is ``current`` metadata, the view is then not recorded (it lacks what
         newer exposures registered).  What NIXL still refuses after that is raised, and tried
-        again at the next transfer.  Returns NIXL's view serial after the load (in its hold).
+        again at the next transfer.  Returns the serial of NIXL's view of ``peer`` after the load
+        (in its hold: _serial_of).
         """
 
         def load() -> int:
             how, record = plan(self._views.get(peer))
             if how == "none":
-                return self._view_serial
+                return self._serial_of(peer)
             if how == "renew":
                 self._remove_view(peer)
             try:
@@ -2458,7 +2468,7 @@ class NixlEndpoint(Closable):
                     self._views.pop(peer, None)
                 else:
                     self._views[peer] = record
-                return self._view_serial
+                return self._serial_of(peer)
             # NIXL keeps refusing what it knew of the peer (on VRAM, a registration at an address
             # an earlier one had): it forgets the peer, this endpoint's leases stay (the same
             # incarnation holds them: a restart is met in _leases_for, before any load).
@@ -2476,7 +2486,7 @@ class NixlEndpoint(Closable):
             if current and record is not None:  # NIXL's view is this metadata alone now
                 self._views[peer] = (record[0], {hash(metadata): None})
             # else not recorded: held leases load the peer's current metadata first (regained)
-            return self._view_serial
+            return self._serial_of(peer)
 
         return self._while_idle(peer, load, deadline, f"loading {peer}'s new metadata")
 
@@ -2512,7 +2522,7 @@ class NixlEndpoint(Closable):
             self._view_erased(t._leases[0].peer)
         else:  # a post NIXL failed part-way erased nothing: its view stays, untrusted (as connect())
             self._views.pop(t._leases[0].peer, None)
-            self._view_serial += 1
+            self._view_changed(t._leases[0].peer)
         self.lost_transfers += 1
 
     def _view_erased(self, peer: str) -> None:
@@ -2521,7 +2531,20 @@ class NixlEndpoint(Closable):
         the peer's current metadata first."""
         self._views.pop(peer, None)
         self._connected.discard(peer)
-        self._view_serial += 1
+        self._view_changed(peer)
+
+    def _view_changed(self, peer: str | None) -> None:
+        """(under _lock) NIXL's view of ``peer`` changed, or of a peer not known by name (None:
+        counted for every peer)."""
+        if peer is None:
+            self._view_serial += 1
+        else:
+            self._peer_serials[peer] = self._peer_serials.get(peer, 0) + 1
+
+    def _serial_of(self, peer: str) -> int:
+        """(under _lock) How often NIXL's view of ``peer`` changed: equal at two moments, it
+        did not change in between."""
+        return self._view_serial + self._peer_serials.get(peer, 0)
 
     def _found(self, t: Transfer) -> None:
         """(under _lock) A lost ``t`` is over (forget_peer)."""

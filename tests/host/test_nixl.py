@@ -2807,6 +2807,87 @@ def test_a_dead_incarnation_that_takes_the_question_is_found_by_asking_again() -
         assert e._incarnations["target"] == rb2.incarnation
 
 
+def test_loads_of_other_peers_leave_a_dead_incarnation_to_be_found() -> None:
+    """A refused question counts against a peer only over a connection made afresh that no
+    change of NIXL's view came after; that rule compared one serial shared by every peer, so
+    an initiator loading other peers all the time (a decode worker meeting its prefill peers'
+    new exposures) never found a dead incarnation dead, and every write into the restarted
+    peer failed at its timeout.  Modelled as in the test above: a send within 3 ms of the
+    fresh connection to the dead one is taken and lost, later ones are refused; a third
+    endpoint is connected every 2 ms meanwhile.  The write reaches the live spare."""
+    import nixl_cu13._bindings as bind
+
+    from gpupin.nixl import _PREFIX, _WHO
+
+    WHO = _PREFIX + _WHO
+    p = Pair(auto_progress=True)
+    name = p.tgt.name
+    ms, mo = HostMemory(8 << 20), HostMemory(4 << 20)
+    spare = NixlEndpoint(name, ms, mem_type="DRAM")
+    other = NixlEndpoint("t-other", mo, mem_type="DRAM")
+    stop, sstop = threading.Event(), threading.Event()
+    server = threading.Thread(target=lambda: spare.serve(120, sstop.is_set))
+    errors: list[str] = []
+    try:
+        src = p.mi.alloc(MiB)
+        ra = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        p.ini.write(src, 4096, ra, timeout=10)
+        spare.connect(p.ini.metadata())
+        rs = spare.expose(ms.alloc(MiB), MiB)
+        server.start()
+        agent = p.ini.agent
+        cls, ref = type(agent), weakref.ref(agent)
+        made = [0.0]
+
+        def add(md: bytes) -> Any:
+            if md == ra.metadata:  # the dead primary's: a connection that reaches nobody yet
+                made[0] = time.monotonic()
+                return name.encode()
+            return cls.add_remote_agent(ref(), md)
+
+        def send(peer: str, msg: bytes) -> None:
+            if msg.startswith(WHO):
+                if time.monotonic() - made[0] < 0.003:
+                    return  # taken, never arrives
+                raise bind.nixlRemoteDisconnectError("NIXL_ERR_REMOTE_DISCONNECT")
+            cls.send_notif(ref(), peer, msg)
+
+        with p.ini._lock, p.ini.driver.lock:  # the primary's connection broke: NIXL forgot it
+            cls.remove_remote_agent(agent, name)
+            p.ini._connected.discard(name)
+            p.ini._views.pop(name, None)
+        agent.add_remote_agent, agent.send_notif = add, send
+
+        def loads() -> None:
+            while not stop.is_set():
+                p.ini.connect(other.metadata())
+                time.sleep(0.002)
+
+        loader = _writer("loads", loads, errors)
+        try:
+            p.ini.write(src, 4096, rs, timeout=5)
+        finally:
+            stop.set()
+            loader.join()
+            del agent.add_remote_agent, agent.send_notif
+        assert not errors, errors
+        assert p.ini._incarnations[name] == rs.incarnation
+    finally:
+        stop.set()
+        sstop.set()
+        if server.is_alive():
+            server.join()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            # The primary, taken for dead, never got its lease back: it forgets the initiator.
+            p.tgt.forget_peer(p.ini.name, timeout=0.1)
+            p.close()
+            spare.close(timeout=0.5)
+            other.close(timeout=0.5)
+            ms.close()
+            mo.close()
+
+
 def test_no_lease_is_asked_for_while_forget_peer_waits_for_its_drops() -> None:
     """forget_peer() lets go of the lock while it waits for the peer to acknowledge its drops;
     another thread's transfer asked for a new lease meanwhile, which the forget then deleted
