@@ -544,6 +544,13 @@ class NixlCache(RegistrationCache):
         reap()  # before any lock is taken (NixlDriver.pin reaps not)
         return super().acquire(ptr, size)
 
+    def acquire_unreaped(self, ptr: int, size: int) -> Registration:
+        """acquire() without reap(): for a caller that holds an endpoint's lock (expose, which
+        reaped before taking it).  Deferred work queued since waits for the next reap(): run
+        here, it would run under that lock (another endpoint's cleanup takes that endpoint's
+        lock, and an agent's retirement spins it for SETTLE_S)."""
+        return super().acquire(ptr, size)
+
 
 @dataclass(frozen=True)
 class RemoteBuffer:
@@ -1207,7 +1214,7 @@ class NixlEndpoint(Closable):
         the same epoch returns its descriptor again; with another epoch it is InUse."""
         if not 0 <= epoch < 1 << 64:
             raise InvalidArgument(f"expose(epoch={epoch}): an epoch is an integer in [0, 2^64)")
-        reap()  # before this endpoint's lock: the cache's acquire() finds nothing left to do under it
+        reap()  # before this endpoint's lock: never under it (the cache's acquire_unreaped below)
         with self._lock:
             xid = self._by_range.get((ptr, size))
             if xid is not None and self._buffer_changed(self._exposures[xid]):
@@ -1233,7 +1240,7 @@ class NixlEndpoint(Closable):
                         f"from {', '.join(late) or 'its holders'} (their transfers may still land there): call "
                         "unexpose() on it again, or forget_peer() a peer that can transfer no more"
                     )
-            reg = self.cache.acquire(ptr, size)
+            reg = self.cache.acquire_unreaped(ptr, size)
             hold = None
             holder = getattr(self.memory, "hold_free", None)
             try:

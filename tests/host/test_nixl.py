@@ -1352,6 +1352,33 @@ def test_deferred_cleanup_never_runs_under_an_endpoints_locks() -> None:
         p.close()
 
 
+def test_no_reap_is_called_under_an_endpoints_lock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """expose() reaped before its lock, then the cache's acquire() reaped again under it: work
+    another thread's finalizer queued in between (another endpoint's cleanup, which takes that
+    endpoint's lock: two such endpoints deadlock; an agent's retirement, which spins it for
+    SETTLE_S) ran under this endpoint's lock.  The test above queues its work before expose()
+    and misses that window; this one sees every reap() call, wherever it is made from."""
+    from gpupin import nixl
+
+    p = Pair()
+    try:
+        calls: list[tuple[str, bool]] = []
+        real = nixl.reap
+
+        def watched() -> int:
+            for who, ep in (("target", p.tgt), ("initiator", p.ini)):
+                calls.append((who, ep._lock._is_owned()))  # type: ignore[attr-defined]
+            return real()
+
+        monkeypatch.setattr(nixl, "reap", watched)
+        rb = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        p.ini.write(p.mi.alloc(MiB), 4096, rb)
+        assert calls, "neither expose() nor write() reaped"
+        assert not [c for c in calls if c[1]], calls
+    finally:
+        p.close()
+
+
 def test_a_transfer_failed_after_posting_part_of_it_stays_held_until_the_peer_is_forgotten() -> None:
     """NIXL's UCX backend stops a scatter list at the put that failed, and the puts before it are
     under way with nothing to wait for them: the error counted the transfer over, its lease
