@@ -2093,16 +2093,15 @@ class NixlEndpoint(Closable):
         # Wait for every lease still asked for: by this thread, or by another one right now
         # (whose registration that thread loads before the lease is held).
         mine = {lease.xid for lease in asked}
+        late = time.monotonic() > deadline  # the timeout was spent before any wait
         while True:
             with self._lock:
-                waiting = [x for x in remotes if self._lease_state(peer, x) in (_ASKED if x in mine else _PENDING)]
+                waiting = {x: self._lease_state(peer, x) for x in remotes}
+                waiting = {x: st for x, st in waiting.items() if st in (_ASKED if x in mine else _PENDING)}
             if not waiting:
                 break
             if time.monotonic() > deadline:
-                raise NixlError(
-                    f"no answer from {peer} to a lease request (it must call progress() or serve(), and have "
-                    "loaded this endpoint's metadata)"
-                )
+                raise self._no_lease(peer, waiting, late)
             self._pump()
             time.sleep(_NAP_MIN_S)
         with self._lock:
@@ -2134,6 +2133,27 @@ class NixlEndpoint(Closable):
                 if lease.state == "granted":
                     lease.state = "held"
         return leases
+
+    @staticmethod
+    def _no_lease(peer: str, waiting: dict[int, str], late: bool) -> NixlError:
+        """(_wait_and_load) The error of a lease wait that timed out, saying what it waited for:
+        the target's answer, or another thread's load of a granted lease's registration."""
+        if late:
+            return NixlError(
+                f"NIXL transfer with {peer}: its timeout ran out before a lease request could be answered (the "
+                "steps before it took the whole timeout); nothing was sent: try again, or give a longer timeout"
+            )
+        if any(st == "asking" for st in waiting.values()):
+            return NixlError(
+                f"no answer from {peer} to a lease request (it must call progress() or serve(), and have "
+                "loaded this endpoint's metadata)"
+            )
+        return NixlError(
+            f"NIXL transfer with {peer}: {peer} granted the lease on exposure(s) {sorted(waiting)}, and another "
+            f"thread of this endpoint is still loading the registration (NIXL loads a peer's metadata only while "
+            f"no transfer with it runs: it waits for those to end); nothing was sent: try again, or give a "
+            "longer timeout"
+        )
 
     def _meet_incarnation(self, peer: str, current: int, r: RemoteBuffer, deadline: float) -> None:
         """A descriptor of another incarnation of ``peer`` than the one this endpoint talks to:

@@ -1379,6 +1379,51 @@ def test_no_reap_is_called_under_an_endpoints_lock(monkeypatch: pytest.MonkeyPat
         p.close()
 
 
+def test_a_thread_waiting_on_another_threads_load_says_so() -> None:
+    """Thread A's lease on a new exposure is granted and A loads its registration, which waits
+    for a running transfer with the peer; thread B, wanting the same exposure, waits for A's
+    lease.  At its timeout B said the target did not answer the lease request (it must call
+    progress()...), though the target had answered at once: B waited for A's load."""
+    p = Pair()
+    try:
+        src = p.mi.alloc(MiB)
+        ra = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        p.ini.write(src, 4096, ra, timeout=10)
+        errors: list[str] = []
+        with _slow_transfers(p.ini) as slow:
+            t = p.ini.post_write([(src, 4096, ra, 0)])  # runs until the flag goes
+            rb = p.tgt.expose(p.mt.alloc(2 * MiB), 2 * MiB)  # a new allocation: A must load it
+            a = _writer("A", lambda: p.ini.write(src, 4096, rb, timeout=5), errors)
+            deadline = time.monotonic() + 5
+            while p.ini._lease_state(p.tgt.name, rb.xid) != "granted":
+                assert time.monotonic() < deadline, "A's lease was never granted"
+                time.sleep(0.01)
+            with pytest.raises(NixlError) as got:
+                p.ini.write(src, 4096, rb, timeout=0.3)
+            slow[0] = False
+            a.join()
+            t.wait(5)
+        assert not errors, errors
+        assert "no answer" not in str(got.value), got.value
+        assert "another thread of this endpoint is still loading" in str(got.value), got.value
+    finally:
+        p.close()
+
+
+def test_a_timeout_spent_before_the_lease_wait_says_so() -> None:
+    """A lease wait entered with its deadline already past blamed the target for not
+    answering, though no time was left for any answer; the next write goes through."""
+    p = Pair()
+    try:
+        src = p.mi.alloc(MiB)
+        rb = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        with pytest.raises(NixlError, match="timeout ran out before a lease request could be answered"):
+            p.ini.write(src, 4096, rb, timeout=0)
+        p.ini.write(src, 4096, rb, timeout=5)
+    finally:
+        p.close()
+
+
 def test_a_transfer_failed_after_posting_part_of_it_stays_held_until_the_peer_is_forgotten() -> None:
     """NIXL's UCX backend stops a scatter list at the put that failed, and the puts before it are
     under way with nothing to wait for them: the error counted the transfer over, its lease
