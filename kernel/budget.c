@@ -17,8 +17,14 @@
  *    _isSpaceAvailableForBar1P2PMapping in src/nvidia/src/kernel/gpu/bus/p2p.c).
  *
  * Which GPU a pin is on: the PCI device whose memory BAR holds the pin's
- * first page (its physical address from the page table, read under
- * pin->lock while PINNING: the backend's bar1_addr).  NVIDIA's GPUs (vendor
+ * first page.  The charge comes before the pin's memory is taken where the
+ * backend can tell that address first (probe_bar1: nv-p2p pins the first
+ * 64 KiB persistently and gives them back), so that a pin past dmem.max
+ * holds no BAR1 other tenants could have had; after the memory is taken,
+ * the page table's address (read under pin->lock while PINNING: the
+ * backend's bar1_addr) confirms the region or moves the charge to the
+ * right one (the memory was freed and allocated again on another GPU in
+ * between), and where nothing could be learned first, charges it then.  NVIDIA's GPUs (vendor
  * 0x10de, display class) get their regions when the module loads, at their
  * frame-buffer BAR (the second memory BAR, as NVIDIA's nv_pci_probe counts
  * them: BAR1 on a discrete GPU), so an administrator can set limits before
@@ -29,9 +35,11 @@
  *
  * What is not charged (Documentation/budgets.md): dma-buf pins (NVIDIA's
  * exporter maps BAR1 for them too, but its bus addresses say nothing of
- * which GPU's); a pin's BAR1 while get_pages holds it before the charge is
- * tried (a pin past dmem.max takes its BAR1 for that moment); overlapping
- * pins are charged each, though NVIDIA maps an extent once.
+ * which GPU's); the probe's 64 KiB for its moment; a pin's BAR1 while
+ * get_pages holds it before the charge is tried, where no probe could
+ * answer (not the pinning process, no persistent pins: MIG before 570,
+ * vGPU); overlapping pins are charged each, though NVIDIA maps an extent
+ * once.
  *
  * Locks: gpupin_bar1_lock (a mutex) guards gpupin_bar1_list; taken in the
  * PIN ioctl (process context, no other gpupin lock held) and at load and
@@ -237,17 +245,62 @@ int gpupin_budget_reserve(struct gpupin_file *f, struct gpupin_pin_obj *pin)
 	return 0;
 }
 
+/* Charge @pin's bytes to @region for the calling task's cgroup; EDQUOT past a dmem.max. */
+static int gpupin_dmem_charge(struct gpupin_pin_obj *pin, struct dmem_cgroup_region *region,
+			      struct dmem_cgroup_pool_state **pool)
+{
+	struct dmem_cgroup_pool_state *limit = NULL;
+	int ret = dmem_cgroup_try_charge(region, pin->aligned_size, pool, &limit);
+
+	dmem_cgroup_pool_state_put(limit);
+	return ret == -EAGAIN ? -EDQUOT : ret;
+}
+
 /*
- * Charge a new pin's BAR1 bytes to the caller's dmem cgroup, in its PIN
- * ioctl, once the backend took the memory and before the pin is PINNED;
- * EDQUOT past a dmem.max.  The charge is kept only while the pin is still
- * PINNING (a free callback then gives nothing back: the failing PIN does);
- * where the memory went meanwhile it is undone here (ENXIO).
+ * Before the backend takes a new pin's memory, in its PIN ioctl: charge the
+ * BAR1 bytes to the caller's dmem cgroup at the GPU the backend's probe
+ * names; EDQUOT past a dmem.max, with no BAR1 taken.  Nothing is charged
+ * where the probe cannot tell (gpupin_budget_charge_gpu does, after).  The
+ * pin is known to nobody else yet; a failing PIN gives the charge back.
+ */
+int gpupin_budget_precharge(struct gpupin_pin_obj *pin)
+{
+	struct dmem_cgroup_pool_state *pool;
+	struct dmem_cgroup_region *region;
+	u64 addr;
+	int ret;
+
+	if (!IS_ENABLED(CONFIG_CGROUP_DMEM) || !pin->ops->probe_bar1)
+		return 0;
+	addr = pin->ops->probe_bar1(pin);
+	if (!addr)
+		return 0;
+	region = gpupin_bar1_region(addr);
+	if (IS_ERR_OR_NULL(region))
+		return PTR_ERR_OR_ZERO(region);
+	ret = gpupin_dmem_charge(pin, region, &pool);
+	if (ret)
+		return ret;
+	spin_lock(&pin->lock);
+	pin->dmem_pool = pool;
+	pin->dmem_region = region;
+	spin_unlock(&pin->lock);
+	return 0;
+}
+
+/*
+ * Once the backend took a new pin's memory, in its PIN ioctl, before the
+ * pin is PINNED: charge its BAR1 bytes where gpupin_budget_precharge could
+ * not, or move the charge where the memory turned out to be on another GPU
+ * than the probe said (freed and allocated again in between); EDQUOT past
+ * a dmem.max.  A charge is stored only while the pin is still PINNING (a
+ * free callback then gives nothing back: the failing PIN does); where the
+ * memory went meanwhile a new one is undone here (ENXIO).
  */
 int gpupin_budget_charge_gpu(struct gpupin_pin_obj *pin)
 {
-	struct dmem_cgroup_pool_state *pool, *limit = NULL;
-	struct dmem_cgroup_region *region;
+	struct dmem_cgroup_pool_state *pool = NULL, *old = NULL;
+	struct dmem_cgroup_region *region = NULL;
 	bool kept = false;
 	u64 addr = 0;
 	int ret;
@@ -261,17 +314,28 @@ int gpupin_budget_charge_gpu(struct gpupin_pin_obj *pin)
 	if (!addr)
 		return 0;	/* no BAR1 (or the memory went: marking it PINNED says so) */
 	region = gpupin_bar1_region(addr);
-	if (IS_ERR_OR_NULL(region))
-		return PTR_ERR_OR_ZERO(region);
-	ret = dmem_cgroup_try_charge(region, pin->aligned_size, &pool, &limit);
-	dmem_cgroup_pool_state_put(limit);
-	if (ret == -EAGAIN)
-		return -EDQUOT;
+	if (IS_ERR(region))
+		return PTR_ERR(region);
+	spin_lock(&pin->lock);
+	if (pin->dmem_region == region) {
+		spin_unlock(&pin->lock);
+		return 0;	/* charged before where it belongs, or nowhere as it should be */
+	}
+	old = pin->dmem_pool;
+	pin->dmem_pool = NULL;
+	pin->dmem_region = NULL;
+	spin_unlock(&pin->lock);
+	if (old)
+		dmem_cgroup_uncharge(old, pin->aligned_size);
+	if (!region)
+		return 0;
+	ret = gpupin_dmem_charge(pin, region, &pool);
 	if (ret)
 		return ret;
 	spin_lock(&pin->lock);
 	if (pin->state == GPUPIN_PIN_PINNING) {
 		pin->dmem_pool = pool;
+		pin->dmem_region = region;
 		kept = true;
 	}
 	spin_unlock(&pin->lock);
@@ -297,6 +361,7 @@ void gpupin_budget_release(struct gpupin_pin_obj *pin)
 	pin->budget_held = false;
 	pool = pin->dmem_pool;
 	pin->dmem_pool = NULL;
+	pin->dmem_region = NULL;
 	spin_unlock(&pin->lock);
 	if (held) {
 		atomic64_sub(pin->aligned_size, &pin->file->pinned_bytes);

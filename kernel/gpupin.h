@@ -11,7 +11,8 @@
  *       gpupin_ref_dma_map() calls; the topology probe below may run under
  *       it.
  *   gpupin_p2p_tables (mutex, nvp2p.c) - keeps nv-p2p put_pages and get_pages
- *       (the topology probe's too, topo.c) apart, so that a put never finds
+ *       (the topology probe's, topo.c, and the BAR1 probe's before a pin's
+ *       dmem charge, nvp2p.c, too) apart, so that a put never finds
  *       a newer pin at a freed table's address.  Held around those calls
  *       only, with no gpupin lock but a reference's map_lock (so:
  *       map_lock -> gpupin_p2p_tables -> NVIDIA's RM lock); never taken by
@@ -356,6 +357,14 @@ struct gpupin_pin_backend_ops {
 	 */
 	u64 (*bar1_addr)(const struct gpupin_pin_obj *pin);
 	/*
+	 * Optional.  Before acquire, in the PIN ioctl (no gpupin lock held):
+	 * the address bar1_addr will give, learned without taking the pin's
+	 * memory, or 0 where it cannot be (budget.c then charges after
+	 * acquire).  budget.c charges by it before the memory is taken, so
+	 * that a pin past its cgroup's dmem.max never holds BAR1.
+	 */
+	u64 (*probe_bar1)(struct gpupin_pin_obj *pin);
+	/*
 	 * A release unmaps the pin as an in-flight user (so a free callback
 	 * cannot return while an unmap still uses what NVIDIA frees then);
 	 * false where unmapping takes a lock under which a revocation waits
@@ -423,6 +432,7 @@ struct gpupin_pin_obj {
 	/* budget.c: what the pin holds of the budgets, under lock */
 	bool budget_held;		/* its bytes in gpupin_pinned_bytes and its file's */
 	struct dmem_cgroup_pool_state *dmem_pool;	/* charged there, or NULL */
+	struct dmem_cgroup_region *dmem_region;		/* dmem_pool's region */
 
 	struct mutex refs_lock;		/* see top of file */
 	struct list_head refs;		/* gpupin_ref (kapi.c), under refs_lock */
@@ -487,7 +497,9 @@ void gpupin_pin_destroy_now(struct gpupin_file *f, struct gpupin_pin_obj *pin, u
 
 /* Budgets (budget.c) */
 struct dmem_cgroup_pool_state;
+struct dmem_cgroup_region;
 int gpupin_budget_reserve(struct gpupin_file *f, struct gpupin_pin_obj *pin);
+int gpupin_budget_precharge(struct gpupin_pin_obj *pin);
 int gpupin_budget_charge_gpu(struct gpupin_pin_obj *pin);
 void gpupin_budget_release(struct gpupin_pin_obj *pin);
 void gpupin_budget_init(void);

@@ -129,9 +129,9 @@ void gpupin_cb_ids_exit(void)
  * and can still be handed such an address: kernel/sim/FIDELITY.md.
  *
  * Lock order (gpupin.h): taken with no gpupin lock held but a kernel-API
- * reference's map_lock (topo.c's probe), around nv-p2p get_pages and
- * put_pages only, so only NVIDIA's RM lock nests inside it; never taken by
- * the free callback, which runs under that RM lock.
+ * reference's map_lock (topo.c's probe; PIN's BAR1 probe holds none),
+ * around nv-p2p get_pages and put_pages only, so only NVIDIA's RM lock nests
+ * inside it; never taken by the free callback, which runs under that RM lock.
  */
 static DEFINE_MUTEX(gpupin_p2p_tables);
 
@@ -213,12 +213,8 @@ static int gpupin_nvp2p_commit(struct gpupin_pin_obj *pin)
  * header there is no flag (coherent pages then lie in no BAR: budget.c
  * finds none).  A table gpupin cannot read gives 0 (its commit refuses it).
  */
-static u64 gpupin_nvp2p_bar1_addr(const struct gpupin_pin_obj *pin)
+static u64 gpupin_table_bar1_addr(const struct nvidia_p2p_page_table *pt)
 {
-	const struct nvidia_p2p_page_table *pt = pin->pt;
-
-	if (gpupin_check_table((struct gpupin_pin_obj *)pin))
-		return 0;
 	/* A 2.x header (R580 on): tables may carry flags. */
 #ifdef NVIDIA_P2P_PAGE_TABLE_FLAGS_CPU_CACHEABLE
 	if (NVIDIA_P2P_MAJOR_VERSION(pt->version) >= 2 &&
@@ -226,6 +222,39 @@ static u64 gpupin_nvp2p_bar1_addr(const struct gpupin_pin_obj *pin)
 		return 0;
 #endif
 	return pt->pages[0]->physical_address;
+}
+
+static u64 gpupin_nvp2p_bar1_addr(const struct gpupin_pin_obj *pin)
+{
+	if (gpupin_check_table((struct gpupin_pin_obj *)pin))
+		return 0;
+	return gpupin_table_bar1_addr(pin->pt);
+}
+
+/*
+ * nv-p2p's probe_bar1: pin the first 64 KiB with the persistent API, read
+ * their address as bar1_addr does, give them back (as topo.c's probe; the
+ * persistent table has no callback, so only this put releases it).  0 where
+ * NVIDIA cannot be asked: not the pinning process (NVIDIA looks the address
+ * up in the caller's context), no persistent pins (MIG before 570, vGPU),
+ * BAR1 full, the memory not there.
+ */
+static u64 gpupin_nvp2p_probe_bar1(struct gpupin_pin_obj *pin)
+{
+	struct nvidia_p2p_page_table *pt = NULL;
+	u64 addr = 0;
+
+	if (!gpupin_caller_owns(pin->file))
+		return 0;
+	/* On failure *pt may point to a freed table: never touched. */
+	if (gpupin_p2p_get_persistent(pin->aligned_va, GPU_BOUND_SIZE, &pt))
+		return 0;
+	if (gpupin_table_version_ok(pt->version) && pt->entries == 1 &&
+	    pt->page_size == NVIDIA_P2P_PAGE_SIZE_64KB)
+		addr = gpupin_table_bar1_addr(pt);
+	if (gpupin_p2p_put_persistent(pin->aligned_va, pt))
+		pr_warn_ratelimited("BAR1 probe: put_pages_persistent failed\n");
+	return addr;
 }
 
 /* nv-p2p's addrs: the pages' physical addresses. */
@@ -469,6 +498,7 @@ static const struct gpupin_pin_backend_ops gpupin_nvp2p_backend = {
 	.forget = gpupin_nvp2p_forget,
 	.addrs = gpupin_nvp2p_addrs,
 	.bar1_addr = gpupin_nvp2p_bar1_addr,
+	.probe_bar1 = gpupin_nvp2p_probe_bar1,
 	.unmap_in_use = true,
 };
 

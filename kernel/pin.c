@@ -625,8 +625,14 @@ long gpupin_pin_new(struct gpupin_file *f, const struct gpupin_pin_req *req)
 	ret = gpupin_pin_reserve(f, pin);
 	if (ret)
 		return ret;
+	/* The dmem charge first where the GPU can be learned (EDQUOT: no BAR1 taken). */
+	ret = gpupin_budget_precharge(pin);
+	if (ret) {
+		gpupin_pin_unreserve(f, pin, ret, false);
+		return ret;
+	}
 	ret = pin->ops->acquire(pin, req->priv);
-	/* The GPU is known now: its dmem charge (EDQUOT past the caller's cgroup's limit). */
+	/* The GPU is known now: its dmem charge confirmed, moved or made (EDQUOT past a limit). */
 	if (!ret)
 		ret = gpupin_budget_charge_gpu(pin);
 	/* -ENXIO: the memory went (free callback, revocation) while it was taken. */

@@ -64,6 +64,15 @@ def pattern(n: int, seed: int = 0) -> bytes:
     return (block * (n // len(block) + 1))[:n]
 
 
+def gets_per_pin() -> int:
+    """nv-p2p get_pages calls a PIN makes: 2 where gpupin charges BAR1 to the dmem cgroup
+    controller (its parameter dmem is Y), which first pins 64 KiB persistently to learn the
+    GPU (the charge comes before the memory is taken), else 1."""
+    param = "/sys/module/gpupin/parameters/dmem"
+    with open(param) as f:
+        return 2 if f.read().strip() == "Y" else 1
+
+
 def first_pci_device() -> str:
     devs = sorted(os.listdir("/sys/bus/pci/devices"))
     assert devs, "the guest has no PCI device to map for"

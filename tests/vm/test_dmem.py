@@ -9,6 +9,7 @@ processes, each in a cgroup of its own, that pin on command."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -33,9 +34,11 @@ CGROOT = Path("/sys/fs/cgroup")
 
 # A process that joins the cgroup it is given, then pins on command (one line each):
 # "pin OFF SIZE" -> "ok HANDLE" or "err ERRNO"; "unpin HANDLE"; "free" (the free callback);
-# "detach" (its file closed last by a fork child: its pins go DETACHED); "exit".  Its memory: 32 MiB of the simulator.
+# "detach" (its file closed last by a fork child: its pins go DETACHED); "cycle OFF SIZE SECONDS"
+# (pin and unpin for that long) -> "ok" and each outcome's count ("0" for a pin made, else its
+# errno), as JSON; "exit".  Its memory: 32 MiB of the simulator.
 HOLDER = textwrap.dedent("""
-    import os, sys, gpupin
+    import json, os, sys, time, gpupin
     open(sys.argv[1] + "/cgroup.procs", "w").write("0")
     sim = gpupin.SimMemory(); dev = gpupin.Device()
     va = sim.alloc(32 << 20)
@@ -51,6 +54,17 @@ HOLDER = textwrap.dedent("""
             dev.unpin(int(args[0])); print("ok", flush=True)
         elif cmd == "free":
             sim.free(va); print("ok", flush=True)
+        elif cmd == "cycle":
+            counts = {}
+            until = time.monotonic() + float(args[2])
+            while time.monotonic() < until:
+                try:
+                    dev.unpin(dev.pin(va + int(args[0]), int(args[1])))
+                    what = 0
+                except gpupin.GpupinError as exc:
+                    what = exc.errno
+                counts[what] = counts.get(what, 0) + 1
+            print("ok", json.dumps(counts), flush=True)
         elif cmd == "detach":  # a fork child closes the file last: the pins go DETACHED
             r, w = os.pipe(); pid = os.fork()
             if pid == 0:
@@ -246,3 +260,51 @@ def test_detached_pins_stay_charged_until_their_free_callback(dmem: Dmem) -> Non
         assert dmem.current(dmem.a) == 0 and _pinned_bytes() == 0
     finally:
         h.end()
+
+
+def test_a_pin_past_its_max_takes_no_bar1_from_other_cgroups(dmem: Dmem, sim_params) -> None:  # type: ignore[no-untyped-def]
+    """A pin was charged only after get_pages had mapped its BAR1, and given back after: a
+    tenant at its dmem.max, pinning again and again, kept BAR1 full for everyone else (their
+    pins failed with ENOMEM) though every one of its own failed.  Now the GPU is learned
+    first (a 64 KiB persistent pin, given back) and the charge comes before the memory is
+    taken.  The BAR1 here holds 48 MiB past NVIDIA's reserve: the capped tenant's 32 MiB and
+    the other's 32 MiB cannot be mapped together."""
+    sim_params(bar_size=(36 + 48) * MiB)
+    dmem.set_max(dmem.a, 0)
+    a, b = Holder(dmem.a), Holder(dmem.b)
+    try:
+        assert a.proc.stdin is not None
+        a.proc.stdin.write(f"cycle 0 {32 * MiB} 4\n")
+        a.proc.stdin.flush()
+        word, b_counts = b.ask("cycle", 0, 32 * MiB, 3).split(maxsplit=1)
+        word_a, a_counts = a._line().split(maxsplit=1)
+        assert (word, word_a) == ("ok", "ok")
+        got_a = {int(k): v for k, v in json.loads(a_counts).items()}
+        got_b = {int(k): v for k, v in json.loads(b_counts).items()}
+        print(f"capped tenant's pins: {got_a}; the other's: {got_b}")
+        assert set(got_a) == {errno.EDQUOT}, got_a  # every one refused by its cgroup
+        assert set(got_b) == {0}, got_b  # never ENOMEM: the refused pins held no BAR1
+        assert dmem.current(dmem.a) == 0 and dmem.current(dmem.b) == 0
+    finally:
+        a.end()
+        b.end()
+    assert _pinned_bytes() == 0
+
+
+def test_a_pin_whose_gpu_cannot_be_learned_first_is_charged_after(dmem: Dmem, sim_params) -> None:  # type: ignore[no-untyped-def]
+    """Where the 64 KiB probe fails (here injected; on NVIDIA's driver: no persistent pins,
+    MIG before 570, vGPU), the pin is charged once its memory is taken, as before: still
+    EDQUOT past the cgroup's max, still charged where it is under it."""
+    dmem.set_max(dmem.a, 2 * MiB)
+    a = Holder(dmem.a)
+    try:
+        sim_params(fail_errno=errno.ENOMEM, fail_nth=1)  # the next get_pages: the probe
+        a.pin(0, 2 * MiB)
+        assert dmem.current(dmem.a) == 2 * MiB
+        sim_params(fail_errno=errno.ENOMEM, fail_nth=1)
+        with pytest.raises(gpupin.QuotaExceeded):
+            a.pin(2 * MiB, 2 * MiB)
+        assert dmem.current(dmem.a) == 2 * MiB and _pinned_bytes() == 2 * MiB
+    finally:
+        a.end()
+    assert dmem.current(dmem.a) == 0 and _pinned_bytes() == 0
