@@ -99,7 +99,7 @@
  * with the put that reads nothing before the lock: build for those only.
  */
 #ifndef NVIDIA_P2P_CAP_GET_PAGES_PERSISTENT_API
-#error "this NVIDIA driver's nvidia_p2p_put_pages reads freed memory (no NVIDIA_P2P_CAP_GET_PAGES_PERSISTENT_API in nv-p2p.h): gpupin needs a driver with the persistent API: 525.105.17 or a later 525, or 535 and later, not 530 (535.129.03 or later recommended)"
+#error "this NVIDIA driver's nvidia_p2p_put_pages reads freed memory (no NVIDIA_P2P_CAP_GET_PAGES_PERSISTENT_API in nv-p2p.h): gpupin needs a driver with the persistent API: 525.47.22-35, 525.105.17 or a later 525, or 535 and later, not 530 (535.129.03 or later recommended)"
 #endif
 
 #define GPUPIN_VERSION "0.1.0"
