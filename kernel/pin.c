@@ -511,10 +511,11 @@ static int gpupin_pin_reserve(struct gpupin_file *f, struct gpupin_pin_obj *pin)
 		ret = gpupin_pin_account(f, pin);
 		if (!ret)
 			return 0;
-		gpupin_budget_release(pin);
-	}
-	if (ret == -ENOSPC)
+		gpupin_budget_release(pin);	/* ENOSPC here: the file's slots, not bytes */
+	} else if (ret == -ENOSPC) {
+		/* max_pinned_bytes, the byte budget the event's figures are of */
 		gpupin_nl_budget_event(f, pin->aligned_size);
+	}
 	gpupin_count_failure(ret);
 	gpupin_pin_put(pin);
 	return ret;

@@ -79,6 +79,29 @@ def test_process_exit_and_budget_events(gpupin_loaded: None, leakcheck: None, si
     assert evs[2]["reason"] == "process_exit"
 
 
+def test_no_budget_event_for_a_full_slot_table(gpupin_loaded: None, leakcheck: None, sim_params) -> None:  # type: ignore[no-untyped-def]
+    """BUDGET_EXHAUSTED is max_pinned_bytes' event (its figures are that budget's): a PIN
+    refused because its file's slots are taken (max_pins_per_file, ENOSPC too) sent one,
+    with byte figures that said nothing of why."""
+    sim_params("gpupin", max_pins_per_file=1)
+    with netlink.Netlink() as nl:
+        nl.subscribe()
+        sim = SimMemory()
+        dev = Device()
+        try:
+            va = sim.alloc(2 * GPU_PAGE)
+            pin = dev.pin(va, GPU_PAGE)
+            with pytest.raises(gpupin.GpupinError) as ei:
+                dev.pin(va + GPU_PAGE, GPU_PAGE)
+            assert ei.value.errno == errno.ENOSPC
+            dev.unpin(pin)
+            evs = collect(nl, 2)
+        finally:
+            dev.close()
+            sim.close()
+    assert [e["event"] for e in evs] == ["pinned", "unpinned"], evs
+
+
 # Many pins, so that the dump spans many netlink messages: 2,000 in make
 # test (34 s for 10,000 under TCG), 10,000 in make test-long.
 DUMP_PINS = 10_000 if os.environ.get("GPUPIN_LONG") == "1" else 2_000
