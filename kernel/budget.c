@@ -37,16 +37,15 @@
  * exporter maps BAR1 for them too, but its bus addresses say nothing of
  * which GPU's); the probe's 64 KiB for its moment; a pin's BAR1 while
  * get_pages holds it before the charge is tried, where no probe could
- * answer (not the pinning process, no persistent pins: MIG before 570,
- * vGPU); overlapping pins are charged each, though NVIDIA maps an extent
- * once.
+ * answer (no persistent pins: MIG before 570, vGPU);
+ * overlapping pins are charged each, though NVIDIA maps an extent once.
  *
  * Locks: gpupin_bar1_lock (a mutex) guards gpupin_bar1_list; taken in the
  * PIN ioctl (process context, no other gpupin lock held) and at load and
- * unload.  A pin's charge (budget_held, dmem_pool) is under pin->lock: the
- * dmem charge is stored while the pin is still PINNING, where a free
- * callback gives nothing back and the failing PIN does, so that every
- * charge is given back exactly once.
+ * unload.  A pin's charge (budget_held, dmem_pool, dmem_region) is under
+ * pin->lock: the dmem charge is stored while the pin is still PINNING,
+ * where a free callback gives nothing back and the failing PIN does, so
+ * that every charge is given back exactly once.
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
@@ -301,21 +300,29 @@ int gpupin_budget_charge_gpu(struct gpupin_pin_obj *pin)
 {
 	struct dmem_cgroup_pool_state *pool = NULL, *old = NULL;
 	struct dmem_cgroup_region *region = NULL;
-	bool kept = false;
+	bool kept = false, pinning;
 	u64 addr = 0;
 	int ret;
 
 	if (!IS_ENABLED(CONFIG_CGROUP_DMEM) || !pin->ops->bar1_addr)
 		return 0;
 	spin_lock(&pin->lock);
-	if (pin->state == GPUPIN_PIN_PINNING)
+	pinning = pin->state == GPUPIN_PIN_PINNING;
+	if (pinning)
 		addr = pin->ops->bar1_addr(pin);
 	spin_unlock(&pin->lock);
-	if (!addr)
-		return 0;	/* no BAR1 (or the memory went: marking it PINNED says so) */
-	region = gpupin_bar1_region(addr);
-	if (IS_ERR(region))
-		return PTR_ERR(region);
+	if (!pinning)	/* the memory went: marking it PINNED says so */
+		return 0;
+	/*
+	 * No BAR1 (coherent or CPU-cacheable pages): a charge the probe made
+	 * goes (the memory was allocated again elsewhere since, or NVIDIA's
+	 * object for it differs from the probe's) below, as for another GPU.
+	 */
+	if (addr) {
+		region = gpupin_bar1_region(addr);
+		if (IS_ERR(region))
+			return PTR_ERR(region);
+	}
 	spin_lock(&pin->lock);
 	if (pin->dmem_region == region) {
 		spin_unlock(&pin->lock);
