@@ -37,7 +37,7 @@
  * exporter maps BAR1 for them too, but its bus addresses say nothing of
  * which GPU's); the probe's 64 KiB for its moment; a pin's BAR1 while
  * get_pages holds it before the charge is tried, where no probe could
- * answer (no persistent pins: MIG before 570, vGPU);
+ * answer (no persistent pins: MIG before 570, vGPU; dmem_probe=N);
  * overlapping pins are charged each, though NVIDIA maps an extent once.
  *
  * Locks: gpupin_bar1_lock (a mutex) guards gpupin_bar1_list; taken in the
@@ -61,6 +61,10 @@
 unsigned long gpupin_max_file_pinned_bytes;
 module_param_named(max_file_pinned_bytes, gpupin_max_file_pinned_bytes, ulong, 0644);
 MODULE_PARM_DESC(max_file_pinned_bytes, "Bytes each open file may keep pinned; beyond it PIN fails with EDQUOT (0 = unlimited)");
+
+static bool gpupin_dmem_probe = true;
+module_param_named(dmem_probe, gpupin_dmem_probe, bool, 0644);
+MODULE_PARM_DESC(dmem_probe, "With dmem: learn each pin's GPU before get_pages (a 64 KiB persistent pin, given back), so that a pin past dmem.max maps no BAR1 (default Y); N charges after get_pages, one NVIDIA call pair less per PIN");
 
 /* dmem: read-only, at load too (what the build decided is what the module does). */
 static int gpupin_dmem_set(const char *val, const struct kernel_param *kp)
@@ -269,7 +273,8 @@ int gpupin_budget_precharge(struct gpupin_pin_obj *pin)
 	u64 addr;
 	int ret;
 
-	if (!IS_ENABLED(CONFIG_CGROUP_DMEM) || !pin->ops->probe_bar1)
+	if (!IS_ENABLED(CONFIG_CGROUP_DMEM) || !pin->ops->probe_bar1 ||
+	    !READ_ONCE(gpupin_dmem_probe))
 		return 0;
 	addr = pin->ops->probe_bar1(pin);
 	if (!addr)

@@ -22,7 +22,7 @@ import pytest
 
 import gpupin
 from conftest import GPU_PAGE, MiB
-from gpupin import Device, SimMemory
+from gpupin import Device, SimMemory, sim_stats
 from gpupin.errors import from_errno
 
 pytestmark = [
@@ -291,20 +291,28 @@ def test_a_pin_past_its_max_takes_no_bar1_from_other_cgroups(dmem: Dmem, sim_par
     assert _pinned_bytes() == 0
 
 
-def test_a_pin_whose_gpu_cannot_be_learned_first_is_charged_after(dmem: Dmem, sim_params) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("why", ["probe_fails", "probe_off"])
+def test_a_pin_whose_gpu_is_not_learned_first_is_charged_after(dmem: Dmem, sim_params, why: str) -> None:  # type: ignore[no-untyped-def]
     """Where the 64 KiB probe fails (here injected; on NVIDIA's driver: no persistent pins,
-    MIG before 570, vGPU), the pin is charged once its memory is taken, as before: still
-    EDQUOT past the cgroup's max, still charged where it is under it."""
+    MIG before 570, vGPU) or is turned off (dmem_probe=N: one get_pages per PIN), the pin is
+    charged once its memory is taken, as before: still EDQUOT past the cgroup's max, still
+    charged where it is under it."""
     dmem.set_max(dmem.a, 2 * MiB)
+    if why == "probe_off":
+        sim_params("gpupin", dmem_probe=0)
     a = Holder(dmem.a)
     try:
-        sim_params(fail_errno=errno.ENOMEM, fail_nth=1)  # the next get_pages: the probe
-        a.pin(0, 2 * MiB)
-        assert dmem.current(dmem.a) == 2 * MiB
-        sim_params(fail_errno=errno.ENOMEM, fail_nth=1)
-        with pytest.raises(gpupin.QuotaExceeded):
-            a.pin(2 * MiB, 2 * MiB)
+        calls = sim_stats().get_pages_calls
+        for off, fits in ((0, True), (2 * MiB, False)):
+            if why == "probe_fails":
+                sim_params(fail_errno=errno.ENOMEM, fail_nth=1)  # the next get_pages: the probe
+            if fits:
+                a.pin(off, 2 * MiB)
+            else:
+                with pytest.raises(gpupin.QuotaExceeded):
+                    a.pin(off, 2 * MiB)
         assert dmem.current(dmem.a) == 2 * MiB and _pinned_bytes() == 2 * MiB
+        assert sim_stats().get_pages_calls - calls == (4 if why == "probe_fails" else 2)
     finally:
         a.end()
     assert dmem.current(dmem.a) == 0 and _pinned_bytes() == 0
