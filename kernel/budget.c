@@ -74,7 +74,7 @@ static int gpupin_dmem_set(const char *val, const struct kernel_param *kp)
 
 static int gpupin_dmem_get(char *buf, const struct kernel_param *kp)
 {
-	return sysfs_emit(buf, "%c\n", IS_ENABLED(CONFIG_CGROUP_DMEM) ? 'Y' : 'N');
+	return sysfs_emit(buf, "%c\n", GPUPIN_DMEM ? 'Y' : 'N');
 }
 
 static const struct kernel_param_ops gpupin_dmem_ops = {
@@ -273,7 +273,7 @@ int gpupin_budget_precharge(struct gpupin_pin_obj *pin)
 	u64 addr;
 	int ret;
 
-	if (!IS_ENABLED(CONFIG_CGROUP_DMEM) || !pin->ops->probe_bar1 ||
+	if (!GPUPIN_DMEM || !pin->ops->probe_bar1 ||
 	    !READ_ONCE(gpupin_dmem_probe))
 		return 0;
 	addr = pin->ops->probe_bar1(pin);
@@ -309,7 +309,7 @@ int gpupin_budget_charge_gpu(struct gpupin_pin_obj *pin)
 	u64 addr = 0;
 	int ret;
 
-	if (!IS_ENABLED(CONFIG_CGROUP_DMEM) || !pin->ops->bar1_addr)
+	if (!GPUPIN_DMEM || !pin->ops->bar1_addr)
 		return 0;
 	spin_lock(&pin->lock);
 	pinning = pin->state == GPUPIN_PIN_PINNING;
@@ -388,7 +388,7 @@ void gpupin_budget_init(void)
 {
 	struct pci_dev *pdev = NULL;
 
-	if (!IS_ENABLED(CONFIG_CGROUP_DMEM))
+	if (!GPUPIN_DMEM)
 		return;
 	mutex_lock(&gpupin_bar1_lock);
 	for_each_pci_dev(pdev) {

@@ -85,12 +85,17 @@ static inline void gpupin_fault_attr_put_dname(struct fault_attr *attr)
 #endif
 
 /*
- * 6.14: the dmem cgroup controller (include/linux/cgroup_dmem.h; its calls are
- * stubs where CONFIG_CGROUP_DMEM is off).  Before, the same stubs here.
+ * 6.14: the dmem cgroup controller (include/linux/cgroup_dmem.h, found by
+ * Kbuild in the headers, backports too; its calls are stubs where
+ * CONFIG_CGROUP_DMEM is off).  Without the header, the same stubs here.
+ * GPUPIN_DMEM: whether pins are charged to it.
  */
-#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 14, 0)
+#ifdef GPUPIN_HAVE_CGROUP_DMEM_H
 #include <linux/cgroup_dmem.h>
+#define GPUPIN_DMEM IS_ENABLED(CONFIG_CGROUP_DMEM)
 #else
+#define GPUPIN_DMEM 0
+
 struct dmem_cgroup_region;
 struct dmem_cgroup_pool_state;
 
