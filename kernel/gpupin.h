@@ -217,6 +217,7 @@ struct gpupin_stats {
 	atomic64_t fail_enospc;
 	atomic64_t fail_einval;
 	atomic64_t fail_other;
+	atomic64_t fail_edquot;		/* a file's or a cgroup's quota */
 	atomic64_t callback_max_ns;
 };
 

@@ -381,6 +381,7 @@ int gpupin_nl_get_stats_doit(struct sk_buff *skb, struct genl_info *info)
 		{ GPUPIN_NL_STAT_A_FAIL_EINVAL, &gpupin_stats.fail_einval },
 		{ GPUPIN_NL_STAT_A_FAIL_OTHER, &gpupin_stats.fail_other },
 		{ GPUPIN_NL_STAT_A_CALLBACK_MAX_NS, &gpupin_stats.callback_max_ns },
+		{ GPUPIN_NL_STAT_A_FAIL_EDQUOT, &gpupin_stats.fail_edquot },
 	};
 	u64 detached, detached_bytes;
 	struct nlattr *nest;

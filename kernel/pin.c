@@ -437,6 +437,9 @@ static void gpupin_count_failure(int err)
 	case -EINVAL:
 		atomic64_inc(&gpupin_stats.fail_einval);
 		break;
+	case -EDQUOT:
+		atomic64_inc(&gpupin_stats.fail_edquot);
+		break;
 	default:
 		atomic64_inc(&gpupin_stats.fail_other);
 	}

@@ -160,6 +160,9 @@ enum gpupin_nl_pin_attr {
  * @GPUPIN_NL_STAT_A_DETACHED: (u64) Pins detached now (see the state enum).
  * @GPUPIN_NL_STAT_A_DETACHED_BYTES: (u64) The bytes detached pins hold
  *   (counted in bytes-now too).
+ * @GPUPIN_NL_STAT_A_FAIL_EDQUOT: (u64) Pins refused by a quota: the pinning
+ *   file's max_file_pinned_bytes, or the dmem cgroup limit of the pinning
+ *   task's cgroup (EDQUOT).
  */
 enum gpupin_nl_stat_attr {
 	GPUPIN_NL_STAT_A_UNSPEC,
@@ -178,6 +181,7 @@ enum gpupin_nl_stat_attr {
 	GPUPIN_NL_STAT_A_PAD,
 	GPUPIN_NL_STAT_A_DETACHED,
 	GPUPIN_NL_STAT_A_DETACHED_BYTES,
+	GPUPIN_NL_STAT_A_FAIL_EDQUOT,
 
 	__GPUPIN_NL_STAT_A_MAX
 };

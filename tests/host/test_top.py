@@ -176,7 +176,9 @@ def test_text_at_100_columns() -> None:
     assert lines[1].startswith("budget: none: no limit in force")
     assert "pinned: 5 pins, 260.0 KiB of BAR1, 3 processes, 3 GPUs" in text
     assert "invalidations: -/s  (freed 2, process exit 1)" in text
-    assert lines[4] == "pins 10 unpins 4 dma maps 1  failed: nomem 0 nospc 0 inval 0 other 0  free callback max 12 us"
+    assert lines[4] == (
+        "pins 10 unpins 4 dma maps 1  failed: nomem 0 nospc 0 inval 0 quota 0 other 0  callback max 12 us"
+    )
     assert top.PROC_HEADER in lines and top.GPU_HEADER in lines
     row = next(line for line in lines if line.lstrip().startswith("100 "))
     assert row.split() == ["100", "trainer", "3", "0", "1", "192.0", "KiB", "128.1", "KiB", "-"]

@@ -10,7 +10,7 @@ import pytest
 
 import gpupin
 from conftest import GPU_PAGE, MiB, first_pci_device, gets_per_pin
-from gpupin import Device, MemoryProvider, SimMemory, sim_stats
+from gpupin import Device, MemoryProvider, SimMemory, netlink, sim_stats
 from gpupin.sim import BAR1_RESERVE
 from gpupin.testing import NATIVE
 
@@ -85,15 +85,19 @@ def test_budget_released_by_invalidation(device: Device, memory: MemoryProvider,
 
 def test_file_budget_is_edquot(memory: MemoryProvider, sim_params) -> None:  # type: ignore[no-untyped-def]
     """max_file_pinned_bytes, the per-process budget where the kernel has no dmem controller:
-    each open file's own share, EDQUOT (QuotaExceeded) past it, another file unaffected, and
-    given back by unpin, by the free callback and by close."""
+    each open file's own share, EDQUOT (QuotaExceeded) past it, counted in the statistics as
+    such (fail_edquot, not fail_other), another file unaffected, and given back by unpin, by
+    the free callback and by close."""
     sim_params("gpupin", max_file_pinned_bytes=2 * MiB)
     va = memory.alloc(8 * MiB)
     with Device() as a, Device() as b:
         p1 = a.pin(va, 2 * MiB)
+        before = netlink.stats()
         with pytest.raises(gpupin.QuotaExceeded) as ei:
             a.pin(va + 2 * MiB, GPU_PAGE)
         assert ei.value.errno == errno.EDQUOT and "dmem.max" in str(ei.value)
+        after = netlink.stats()
+        assert after["fail_edquot"] == before["fail_edquot"] + 1 and after["fail_other"] == before["fail_other"]
         assert a.info().pinned_bytes == 2 * MiB and a.info().file_pins == 1
         q = b.pin(va + 2 * MiB, 2 * MiB)  # another file: a share of its own
         a.unpin(p1)

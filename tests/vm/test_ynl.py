@@ -76,6 +76,7 @@ def test_get_info_and_stats_match_the_module(ynl_lib: Any, device: Device) -> No
         "callback-max-ns",
         "detached",
         "detached-bytes",
+        "fail-edquot",
     }
     assert set(stats) == spec_stats
     assert {k.replace("-", "_") for k in stats} == set(netlink.stats())

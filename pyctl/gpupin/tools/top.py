@@ -234,8 +234,8 @@ def render(view: View, width: int = 100, height: int | None = None) -> list[str]
         + ("" if r.events == "subscribed" else f" ({r.events_detail})"),
         f"pins {s.get('pins', 0)} unpins {s.get('unpins', 0)} dma maps {s.get('dma_maps', 0)}  "
         f"failed: nomem {s.get('fail_enomem', 0)} nospc {s.get('fail_enospc', 0)} "
-        f"inval {s.get('fail_einval', 0)} other {s.get('fail_other', 0)}  "
-        f"free callback max {s.get('callback_max_ns', 0) // 1000} us",
+        f"inval {s.get('fail_einval', 0)} quota {s.get('fail_edquot', 0)} other {s.get('fail_other', 0)}  "
+        f"callback max {s.get('callback_max_ns', 0) // 1000} us",
         "",
     ]
     gpu_lines = ["", GPU_HEADER]
