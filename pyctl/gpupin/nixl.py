@@ -702,8 +702,10 @@ class Transfer:
         return self.state != "PROC"
 
     def wait(self, timeout: float = 30.0, *, confirm: bool = False) -> None:
-        """Return when the bytes are in place; NixlError if NIXL failed it or ``timeout`` passed
-        (then its buffers stay registered and leased until it ends: ``NixlEndpoint.settle``).
+        """Return when the bytes are in place; NixlError if NIXL failed it, if NIXL lost track
+        of it (status "lost", at once: held until ``forget_peer``), or if ``timeout`` passed
+        (status "timeout": its buffers stay registered and leased until it ends:
+        ``NixlEndpoint.settle``).
         ``confirm``: also wait for the target's check of its arrival (a round trip; StaleRemote
         if the target's memory changed behind the protocol's back).  Only for a transfer posted
         with ``confirm=True`` (``write(..., confirm=True)`` does both)."""
@@ -712,11 +714,14 @@ class Transfer:
         spin_until = time.monotonic() + _SPIN_S
         nap = _NAP_MIN_S
         while not self.done():
+            if self.lost:  # NIXL can say no more of it: waiting longer would tell nothing
+                ep._orphan(self)
+                raise NixlError(f"{self.what}: {_LOST}", "lost")
             now = time.monotonic()
             if now > deadline:
                 ep._orphan(self)
-                if self.lost:
-                    raise NixlError(f"{self.what}: {_LOST}", "timeout")
+                if self.lost:  # lost meanwhile (another thread's poll)
+                    raise NixlError(f"{self.what}: {_LOST}", "lost")
                 raise NixlError(
                     f"{self.what}: not done after {timeout} s (is the peer alive?). NIXL may still be moving its "
                     "bytes: each local buffer stays registered (and each lease held) until "
@@ -741,10 +746,11 @@ class Transfer:
         ep = self._ep
         deadline = time.monotonic() + timeout
         while not self.done():
+            if self.lost:
+                ep._orphan(self)
+                raise NixlError(f"{self.what}: {_LOST}", "lost")
             if time.monotonic() > deadline:
                 ep._orphan(self)
-                if self.lost:
-                    raise NixlError(f"{self.what}: {_LOST}", "timeout")
                 raise NixlError(f"{self.what}: not done after {timeout} s; settle() before freeing", "timeout")
             await asyncio.sleep(poll)
         if self.state != "DONE":
