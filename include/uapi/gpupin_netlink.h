@@ -203,7 +203,8 @@ enum gpupin_nl_stat_attr {
  * @GPUPIN_NL_CMD_INVALIDATED: (event, group "events") The GPU memory under a
  *   pin was freed.
  * @GPUPIN_NL_CMD_BUDGET_EXHAUSTED: (event, group "events") A pin was refused
- *   by gpupin's byte budget.
+ *   by the module-wide max_pinned_bytes (ENOSPC); not sent for a quota
+ *   (EDQUOT: max_file_pinned_bytes, dmem.max) or a full slot table.
  * @GPUPIN_NL_CMD_SUBSCRIBE: (do, admin-perm) Deliver events to this socket by
  *   unicast. Kernels whose generic netlink cannot restrict a multicast group
  *   to CAP_NET_ADMIN (6.1.y before the GENL_MCAST_CAP_NET_ADMIN backport)

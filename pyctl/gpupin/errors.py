@@ -56,7 +56,8 @@ class BarExhausted(GpupinError):
 
 
 class BudgetExceeded(GpupinError):
-    """gpupin's own limit (max_pinned_bytes or max_pins_per_file) was reached (ENOSPC)."""
+    """gpupin's own limit was reached (ENOSPC): max_pinned_bytes, max_pins_per_file, or a
+    pin's DMA mappings (DMA_MAP)."""
 
 
 class QuotaExceeded(BudgetExceeded):

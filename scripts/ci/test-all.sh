@@ -4,7 +4,7 @@
 # (passed/FAILED, minutes:seconds) and the exit status 1 if any leg failed.  A red leg
 # must not hide the ones after it: a user's first 'make test' reports every failure.
 # The table is also written to results/test-legs.txt, each leg's output to
-# results/legs/LEG.log, and the end of a failed leg's log is printed again under the
+# results/legs/LEG.log, and the end of a failed leg's log is printed again above the
 # table: a CI system that keeps only a run's last lines still shows why a leg failed.
 set -uo pipefail
 # shellcheck source=scripts/lib.sh
