@@ -970,7 +970,13 @@ class NixlEndpoint(Closable):
         if agent is None:
             _claim_agent(self.driver.agent, name)
         self.memory = memory
-        self.cache = NixlCache(self.driver, memory, max_bytes=max_bytes)
+        try:
+            self.cache = NixlCache(self.driver, memory, max_bytes=max_bytes)
+        except BaseException:
+            # Refused (max_bytes, the provider): no endpoint serves the agent; one made here retires.
+            _unclaim_agent(self.driver.agent)
+            self.driver.close()
+            raise
         # Ids start anywhere: two endpoints (or an application) reading one agent's notifications
         # cannot take each other's answers for their own, and a restarted target's exposures
         # are not its old ones.

@@ -1426,6 +1426,22 @@ def test_a_timeout_spent_before_the_lease_wait_says_so() -> None:
         p.close()
 
 
+def test_a_refused_endpoint_leaves_the_applications_agent_free() -> None:
+    """NixlEndpoint(agent=a, max_bytes=-1) raised after claiming ``a`` for the endpoint, and
+    the half-made endpoint's finalizer could not let go of it: ``a`` could serve no endpoint
+    again ("already serves endpoint")."""
+    import nixl_cu13
+
+    mem = HostMemory(16 << 20)
+    a = nixl_cu13.nixl_agent("refused-agent", nixl_cu13.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    try:
+        with pytest.raises(gpupin.InvalidArgument, match="max_bytes"):
+            NixlEndpoint("refused", mem, mem_type="DRAM", agent=a, max_bytes=-1)
+        NixlEndpoint("refused", mem, mem_type="DRAM", agent=a).close()
+    finally:
+        mem.close()
+
+
 def test_a_transfer_failed_after_posting_part_of_it_stays_held_until_the_peer_is_forgotten() -> None:
     """NIXL's UCX backend stops a scatter list at the put that failed, and the puts before it are
     under way with nothing to wait for them: the error counted the transfer over, its lease
