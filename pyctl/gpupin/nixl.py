@@ -1642,7 +1642,8 @@ class NixlEndpoint(Closable):
         confirm: bool = False,
     ) -> None:
         """Copy [src, src + size) into ``remote`` at ``offset``; returns when it is in place.
-        ``timeout`` (s), ``confirm``: also wait for the target's check."""
+        ``timeout`` (s): for the whole call (leases, loads, the transfer); ``confirm``: also
+        wait for the target's check."""
         self._blocking("WRITE", [(src, size, remote, offset)], timeout=timeout, confirm=confirm)
 
     def read(
@@ -1674,9 +1675,10 @@ class NixlEndpoint(Closable):
         confirm: bool = False,
         prep: _Prep | None = None,
     ) -> None:
+        deadline = time.monotonic() + timeout  # one timeout for the whole call: leases, loads, the wait
         t = self._post(op, blocks, timeout, confirm, tracked=False, prep=prep)
         try:
-            t.wait(timeout, confirm=confirm)
+            t.wait(max(0.0, deadline - time.monotonic()), confirm=confirm)
         except BaseException:
             if t.state == "PROC":  # interrupted (its timeout does this itself): polled from now on
                 self._orphan(t)

@@ -1442,6 +1442,31 @@ def test_a_refused_endpoint_leaves_the_applications_agent_free() -> None:
         mem.close()
 
 
+def test_a_blocking_write_keeps_to_its_timeout() -> None:
+    """write(timeout=T) gave its lease request T and then its wait a fresh T: a target that
+    answered late and a slow transfer made write(timeout=2) return after 3.3 s.  Now one T
+    bounds the whole call: it raises (status "timeout"), the transfer held until it ends."""
+    p = Pair(auto_progress=True)
+    try:
+        src = p.mi.alloc(MiB)
+        rb = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        p.stop.set()
+        p.pump.join()  # the target answers the lease request 1.5 s from now
+        with _slow_transfers(p.ini) as slow:
+            late = threading.Timer(1.5, p.serve_again)
+            done = threading.Timer(3.3, lambda: slow.__setitem__(0, False))
+            late.start()
+            done.start()
+            with pytest.raises(NixlError, match="not done after") as ei:
+                p.ini.write(src, 4096, rb, timeout=2)
+            assert ei.value.status == "timeout"
+            late.join()
+            done.join()
+            assert p.ini.settle(timeout=10) == 0
+    finally:
+        p.close()
+
+
 def test_a_transfer_failed_after_posting_part_of_it_stays_held_until_the_peer_is_forgotten() -> None:
     """NIXL's UCX backend stops a scatter list at the put that failed, and the puts before it are
     under way with nothing to wait for them: the error counted the transfer over, its lease
