@@ -2090,7 +2090,14 @@ class NixlEndpoint(Closable):
         """(_leases_for) Ask for the leases in ``ask`` (filling ``asked``), wait for them and for
         those other threads asked for, load each granted one's registration."""
         if ask:
+            sent = True
             with self._lock:
+                # forget_peer() marks the peer under this lock and then drops every lease it
+                # finds: one made after the mark would be deleted with no drop sent (its target
+                # holding the exposure for ever), so none is.  The request goes out in the same
+                # hold, so that it cannot follow a forget's drops either.
+                if peer in self._forgetting:
+                    raise NixlError(f"NIXL transfer with {peer}: forget_peer({peer!r}) runs; nothing was sent")
                 req = next(self._seq)
                 for r in ask:
                     # A lease another thread made since (it asks for it, or holds it now) is
@@ -2102,7 +2109,8 @@ class NixlEndpoint(Closable):
                     self._holds[req] = list(asked)
                     self.leases_asked += len(asked)
                     msg = _pack(_HOLD, (req, len(asked)), [(lease.xid, lease.epoch) for lease in asked])
-            if asked and not self._send(peer, msg):
+                    sent = self._send(peer, msg)
+            if not sent:
                 raise NixlError(f"cannot ask {peer} for a lease: load its metadata (connect) and let it load ours")
         # Wait for every lease still asked for: by this thread, or by another one right now
         # (whose registration that thread loads before the lease is held).

@@ -1467,6 +1467,55 @@ def test_a_blocking_write_keeps_to_its_timeout() -> None:
         p.close()
 
 
+def test_no_lease_is_asked_for_once_forget_peer_marked_the_peer() -> None:
+    """A writer past the first check of forget_peer's mark, preempted, asked for a lease while
+    forget_peer waited for its drops to be acknowledged; the forget's last step deleted that
+    lease with no drop, and the live target held the exposure for that initiator for ever
+    (its unexpose raised InUse).  Now the lease is not asked for: the write says so, and
+    the target's unexpose completes."""
+    p = Pair(auto_progress=True)
+    try:
+        src = p.mi.alloc(MiB)
+        ra = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        rb = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        p.ini.write(src, 4096, ra, timeout=10)
+        reached, go = threading.Event(), threading.Event()
+        real_wl, real_pump = p.ini._wait_and_load, p.ini._pump
+
+        def wl(*a: Any, **k: Any) -> Any:
+            if threading.current_thread().name == "w" and not reached.is_set():
+                reached.set()
+                go.wait(10)  # preempted here, past the first check of the mark
+            return real_wl(*a, **k)
+
+        def pump(*a: Any, **k: Any) -> Any:
+            if threading.current_thread().name == "f" and not go.is_set():
+                go.set()  # forget_peer's first hold is over: it waits for its drops' acks
+                time.sleep(0.5)
+            return real_pump(*a, **k)
+
+        p.ini._wait_and_load = wl  # type: ignore[method-assign]
+        p.ini._pump = pump  # type: ignore[method-assign]
+        errors: list[str] = []
+        w = _writer("w", lambda: p.ini.write(src, 4096, rb, timeout=5), errors)
+        assert reached.wait(5)
+        f_errors: list[str] = []
+        f = _writer("f", lambda: p.ini.forget_peer(p.tgt.name, timeout=2), f_errors)
+        w.join()
+        f.join()
+        del p.ini._wait_and_load, p.ini._pump
+        assert not f_errors, f_errors
+        assert len(errors) == 1 and "forget_peer" in errors[0] and "nothing was sent" in errors[0], errors
+        p.tgt.unexpose(ra, timeout=2)
+        p.tgt.unexpose(rb, timeout=2)  # no holder left behind
+    finally:
+        if p.ini.name in p.tgt._connected:
+            p.tgt.forget_peer(p.ini.name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            p.close()
+
+
 def test_a_transfer_failed_after_posting_part_of_it_stays_held_until_the_peer_is_forgotten() -> None:
     """NIXL's UCX backend stops a scatter list at the put that failed, and the puts before it are
     under way with nothing to wait for them: the error counted the transfer over, its lease
