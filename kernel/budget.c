@@ -24,14 +24,15 @@
  * the page table's address (read under pin->lock while PINNING: the
  * backend's bar1_addr) confirms the region or moves the charge to the
  * right one (the memory was freed and allocated again on another GPU in
- * between), and where nothing could be learned first, charges it then.  NVIDIA's GPUs (vendor
- * 0x10de, display class) get their regions when the module loads, at their
- * frame-buffer BAR (the second memory BAR, as NVIDIA's nv_pci_probe counts
- * them: BAR1 on a discrete GPU), so an administrator can set limits before
- * anything is pinned; another device that holds a pin's pages (the
- * simulator's bar_device) gets its region at the first pin on it.  Pages
- * at no device's BAR (a coherent GPU's memory, the simulator's host pages)
- * or flagged CPU-cacheable take no BAR1 and are charged to no region.
+ * between), and where nothing could be learned first, charges it then.
+ * NVIDIA's GPUs (vendor 0x10de, display class) get their regions when the
+ * module loads, at their frame-buffer BAR (the second memory BAR, as
+ * NVIDIA's nv_pci_probe counts them: BAR1 on a discrete GPU), so an
+ * administrator can set limits before anything is pinned; another device
+ * that holds a pin's pages (the simulator's bar_device) gets its region at
+ * the first pin on it.  Pages at no device's BAR (a coherent GPU's memory,
+ * the simulator's host pages) or flagged CPU-cacheable take no BAR1 and
+ * are charged to no region.
  *
  * What is not charged (Documentation/budgets.md): dma-buf pins (NVIDIA's
  * exporter maps BAR1 for them too, but its bus addresses say nothing of
