@@ -2118,8 +2118,9 @@ class NixlEndpoint(Closable):
         late = time.monotonic() > deadline  # the timeout was spent before any wait
         while True:
             with self._lock:
-                waiting = {x: self._lease_state(peer, x) for x in remotes}
-                waiting = {x: st for x, st in waiting.items() if st in (_ASKED if x in mine else _PENDING)}
+                waiting = {
+                    x: st for x in remotes if (st := self._lease_state(peer, x)) in (_ASKED if x in mine else _PENDING)
+                }
             if not waiting:
                 break
             if time.monotonic() > deadline:
