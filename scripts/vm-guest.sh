@@ -1,9 +1,13 @@
 #!/bin/bash
-# Runs inside the VM (see vm-run.sh).  Loads the modules, runs MODE, and
-# leaves the kernel log and taint in RESULTS.
-MODE=$1
-RESULTS=$2
-shift 2
+# Runs inside the VM (see vm-run.sh) as 'vm-guest.sh ENV_FILE'.  Loads the modules, runs
+# MODE, and leaves the kernel log and taint in RESULTS.  ENV_FILE (vm-run.sh writes it) sets
+# the environment, GUEST_MODE, GUEST_RESULTS and the arguments GUEST_ARGS: the kernel's
+# command line, which x86 cuts at 2047 bytes, carries only its path.
+# shellcheck source=/dev/null
+. "${1:?usage: vm-guest.sh ENV_FILE}" || exit 1
+MODE=$GUEST_MODE
+RESULTS=$GUEST_RESULTS
+set -- "${GUEST_ARGS[@]}"
 # shellcheck source=scripts/lib.sh
 . "$(dirname "$0")/lib.sh"
 # PYTHONUNBUFFERED: pytest's progress reaches results/pytest.txt as it happens (long runs).

@@ -69,7 +69,7 @@ fi
 # Only what this run writes: results/ also keeps make coverage's reports, a GPU host's
 # coverage data and the VM benchmark's JSON, which other modes must not delete.
 mkdir -p "$RESULTS"
-rm -rf "$RESULTS"/{dmesg.txt,taint.txt,pytest.txt,junit.xml,kmemleak.txt,gcov}
+rm -rf "$RESULTS"/{dmesg.txt,taint.txt,pytest.txt,junit.xml,kmemleak.txt,gcov,guest.env}
 [ "$MODE" = bench ] && rm -f "$RESULTS/bench-vm.json"
 start=$(date +%s)
 set +e
@@ -92,18 +92,32 @@ RO_DIRS="$("$VENV/bin/python" -c 'import sys; print(sys.base_prefix)') $VENV $RO
 BLACKLIST=kvm,kvm_amd,kvm_intel,ahci,sr_mod,cdrom,powernow_k8,acpi_cpufreq,pcc_cpufreq
 BLACKLIST+=,iTCO_wdt,iTCO_vendor_support,i6300esb,lpc_ich,i2c_i801,pcspkr,serio_raw,joydev,psmouse
 BLACKLIST+=,aesni_intel,ghash_clmulni_intel,crc32_pclmul,sha256_ssse3,sha1_ssse3,polyval_clmulni
-VNG=(env PATH="$VENV/bin:$PATH" "${TMO[@]}" "${VM_TIMEOUT:-3000}" vng -r "$VM_KIMAGE" --disable-kvm
-	--cpus 2 --memory "$VM_MEM" --append "slub_debug=FZPU panic_on_warn=0 modprobe.blacklist=$BLACKLIST" "--qemu-opts=$BAR_DEV $RO_SHARE"
-	--rwdir "$RESULTS" --cwd "$ROOT"
-	--exec "$(printf '%q ' env "GPUPIN_LONG=${GPUPIN_LONG:-}" "GPUPIN_TEST_TIMEOUT=${GPUPIN_TEST_TIMEOUT:-600}" \
+# What the guest needs, in a file of $RESULTS (shared read-write) that vm-guest.sh sources:
+# the kernel command line carries only its path.  x86 keeps 2047 bytes of a command line and
+# drops the rest silently; virtme-ng puts init= last, so a longer one boots without init and
+# panics before the script starts (a clone at a longer path than ours did, in CI).
+GUEST_ENV="$RESULTS/guest.env"
+{
+	echo "# Written by scripts/vm-run.sh for scripts/vm-guest.sh; rewritten by every run."
+	for v in "GPUPIN_LONG=${GPUPIN_LONG:-}" "GPUPIN_TEST_TIMEOUT=${GPUPIN_TEST_TIMEOUT:-600}" \
 		"GPUPIN_CYCLES=${GPUPIN_CYCLES:-20}" "GPUPIN_CACHE_STRESS_S=${GPUPIN_CACHE_STRESS_S:-}" \
 		"GPUPIN_KMEMLEAK=${GPUPIN_KMEMLEAK:-}" "GPUPIN_FUZZ_CALLS=${GPUPIN_FUZZ_CALLS:-}" \
 		"GPUPIN_FUZZ_SEED=${GPUPIN_FUZZ_SEED:-}" "GPUPIN_REQUIRE_DMEM=${GPUPIN_REQUIRE_DMEM:-}" \
 		"GPUPIN_GCOV=${GPUPIN_GCOV:-}" "COVERAGE_PROCESS_START=${COVERAGE_PROCESS_START:-}" \
 		"COVERAGE_FILE=${COVERAGE_FILE:-}" "GPUPIN_EXPECT_FAULT_ATTR=${GPUPIN_EXPECT_FAULT_ATTR:-}" \
 		"GPUPIN_VGEM_KO=$VGEM_KO" "GPUPIN_YNL_DIR=$YNL_DIR" "GPUPIN_TTY_SIZE=$TTY_SIZE" "GPUPIN_TERM=${TERM:-xterm}" \
-		"VENV=$VENV" "GPUPIN_VM_FILES=$VM_FILES" "GPUPIN_RO_DIRS=$RO_DIRS" \
-		"$ROOT/scripts/vm-guest.sh" "$MODE" "$RESULTS" "${@:2}")")
+		"VENV=$VENV" "GPUPIN_VM_FILES=$VM_FILES" "GPUPIN_RO_DIRS=$RO_DIRS"; do
+		printf 'export %s=%q\n' "${v%%=*}" "${v#*=}"
+	done
+	printf 'GUEST_MODE=%q\nGUEST_RESULTS=%q\nGUEST_ARGS=(' "$MODE" "$RESULTS"
+	[ $# -lt 2 ] || printf ' %q' "${@:2}"
+	printf ' )\n'
+} >"$GUEST_ENV"
+GUEST=(vng -r "$VM_KIMAGE" --disable-kvm
+	--cpus 2 --memory "$VM_MEM" --append "slub_debug=FZPU panic_on_warn=0 modprobe.blacklist=$BLACKLIST"
+	"--qemu-opts=$BAR_DEV $RO_SHARE" --rwdir "$RESULTS" --cwd "$ROOT"
+	--exec "$(printf '%q ' "$ROOT/scripts/vm-guest.sh" "$GUEST_ENV")")
+VNG=(env PATH="$VENV/bin:$PATH" "${TMO[@]}" "${VM_TIMEOUT:-3000}" "${GUEST[@]}")
 if [ "$MODE" = shell ]; then
 	# Interactive: the terminal stays the guest's stdin, in raw mode so every key (Ctrl-C
 	# included) reaches the guest's pseudo-terminal; restored however vng ends.
@@ -128,7 +142,7 @@ if [ "$rc" = 124 ]; then
 fi
 
 if [ ! -f "$RESULTS/dmesg.txt" ]; then
-	echo "vm-run: the guest left no kernel log (did it boot?)" >&2
+	echo "vm-run: the guest left no kernel log: it died before its script started" >&2
 	exit 1
 fi
 # virtme-ng-init's own messages (a tool missing in the guest, say) are not the kernel's.
