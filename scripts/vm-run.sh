@@ -69,7 +69,7 @@ fi
 # Only what this run writes: results/ also keeps make coverage's reports, a GPU host's
 # coverage data and the VM benchmark's JSON, which other modes must not delete.
 mkdir -p "$RESULTS"
-rm -rf "$RESULTS"/{dmesg.txt,taint.txt,pytest.txt,junit.xml,kmemleak.txt,gcov,guest.env}
+rm -rf "$RESULTS"/{dmesg.txt,taint.txt,pytest.txt,junit.xml,kmemleak.txt,gcov,console.txt,guest.env}
 [ "$MODE" = bench ] && rm -f "$RESULTS/bench-vm.json"
 start=$(date +%s)
 set +e
@@ -118,6 +118,17 @@ GUEST=(vng -r "$VM_KIMAGE" --disable-kvm
 	"--qemu-opts=$BAR_DEV $RO_SHARE" --rwdir "$RESULTS" --cwd "$ROOT"
 	--exec "$(printf '%q ' "$ROOT/scripts/vm-guest.sh" "$GUEST_ENV")")
 VNG=(env PATH="$VENV/bin:$PATH" "${TMO[@]}" "${VM_TIMEOUT:-3000}" "${GUEST[@]}")
+# Refuse, before booting, a command line the kernel would cut (see GUEST_ENV above).
+cmdline=$("${VNG[@]}" --dry-run 2>&1 | "$VENV/bin/python" -c '
+import shlex, sys
+for line in sys.stdin:
+    if "qemu-system" in line:
+        args = shlex.split(line)
+        print(args[args.index("-append") + 1])
+        break
+') || die "vng --dry-run printed no QEMU command line"
+[ ${#cmdline} -lt 2048 ] ||
+	die "the guest's kernel command line is ${#cmdline} bytes, past x86's 2047: the kernel would cut it and boot without init.  Shorten what vm-run.sh puts on it (paths: $ROOT, $RESULTS, $VM_KIMAGE)"$'\n'"$cmdline"
 if [ "$MODE" = shell ]; then
 	# Interactive: the terminal stays the guest's stdin, in raw mode so every key (Ctrl-C
 	# included) reaches the guest's pseudo-terminal; restored however vng ends.
@@ -143,6 +154,16 @@ fi
 
 if [ ! -f "$RESULTS/dmesg.txt" ]; then
 	echo "vm-run: the guest left no kernel log: it died before its script started" >&2
+	# virtme-ng boots quietly: boot it once more the same way, its console shown (--verbose),
+	# so that the log says why.  The verdict stays a failure whatever this boot does.
+	if [ "$MODE" != shell ]; then
+		echo "vm-run: booting it again with its console shown (all of it: $RESULTS/console.txt)" >&2
+		st=0
+		env PATH="$VENV/bin:$PATH" timeout 300 "${GUEST[@]}" --verbose </dev/null 2>&1 |
+			cat >"$RESULTS/console.txt" || st=${PIPESTATUS[0]}
+		echo "vm-run: that boot ended with status $st; its last 40 lines:" >&2
+		tail -n 40 "$RESULTS/console.txt" >&2
+	fi
 	exit 1
 fi
 # virtme-ng-init's own messages (a tool missing in the guest, say) are not the kernel's.
