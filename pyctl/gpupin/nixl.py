@@ -711,8 +711,10 @@ class Transfer:
         with ``confirm=True`` (``write(..., confirm=True)`` does both)."""
         ep = self._ep
         deadline = time.monotonic() + timeout
-        spin_until = time.monotonic() + _SPIN_S
+        spin_until = min(time.monotonic() + _SPIN_S, deadline)
         nap = _NAP_MIN_S
+        if self.state == "PROC":  # polled without a pause for _SPIN_S first
+            ep._spin(self, spin_until)
         while not self.done():
             if self.lost:  # NIXL can say no more of it: waiting longer would tell nothing
                 ep._orphan(self)
@@ -2548,15 +2550,52 @@ class NixlEndpoint(Closable):
                 try:
                     state = self.agent.check_xfer_state(t._h)
                 except Exception as exc:  # noqa: BLE001 - NIXL's own classes
-                    # NOT_FOUND: NIXL erased its view of the peer and cannot say (getXferStatus
-                    # asks the backend no more; the handle stays IN_PROG).  Else over, failed.
-                    state = "LOST" if type(exc).__name__ == "nixlNotFoundError" else "ERR"
-                    if type(exc).__name__ == "nixlRemoteDisconnectError":
-                        self._view_erased(t._leases[0].peer)
-            if state == "LOST":
-                self._lose(t)
-            elif state != "PROC":
-                self._complete(t, "DONE" if state == "DONE" else "ERR")
+                    state = self._failed_query(t, exc)
+            self._settle(t, state)
+
+    def _failed_query(self, t: Transfer, exc: Exception) -> str:
+        """(under _lock and the agent's) What NIXL's refusal to say ``t``'s state means.
+        NOT_FOUND: NIXL erased its view of the peer and cannot say (getXferStatus asks the
+        backend no more; the handle stays IN_PROG): LOST.  Else over, failed: ERR."""
+        if type(exc).__name__ == "nixlRemoteDisconnectError":
+            self._view_erased(t._leases[0].peer)
+        return "LOST" if type(exc).__name__ == "nixlNotFoundError" else "ERR"
+
+    def _settle(self, t: Transfer, state: str) -> None:
+        """(under _lock) Act on NIXL's answer on a running ``t``."""
+        if state == "LOST":
+            self._lose(t)
+        elif state != "PROC":
+            self._complete(t, "DONE" if state == "DONE" else "ERR")
+
+    def _spin(self, t: Transfer, until: float) -> None:
+        """``_check`` in a tight loop until NIXL ends ``t`` or ``until`` (monotonic) passes.
+        Each poll is a progress call of NIXL's UCX backend (getXferStatus progresses the
+        worker), and a transfer needs several: the fewer steps between two, the sooner it
+        ends (raw NIXL polls as tight).  The locks, and what an answer does, are _check's."""
+        drv = self.driver
+        agent = drv._agent
+        if agent is None:
+            return  # retired: _check says so
+        query = agent.check_xfer_state
+        lock, dlock = self._lock, drv.lock
+        n = 0
+        while True:
+            with lock:
+                h = t._h
+                if t.state != "PROC" or t.lost or h is None or drv._agent is not agent:
+                    return  # over, or for _check to say (a retired agent)
+                with dlock:
+                    try:
+                        state = query(h)
+                    except Exception as exc:  # noqa: BLE001 - NIXL's own classes
+                        state = self._failed_query(t, exc)
+                if state != "PROC":
+                    self._settle(t, state)
+                    return
+            n += 1
+            if not n & 15 and time.monotonic() > until:
+                return
 
     def _lose(self, t: Transfer, *, erased: bool = True) -> None:
         """(under _lock) NIXL cannot tell ``t``'s state: it stays running (buffers registered,
