@@ -516,6 +516,38 @@ def test_a_transfer_past_its_timeout_keeps_its_buffer_registered_until_it_ends()
         p.close()
 
 
+def test_a_transfer_goes_through_nixl_bindings_unless_the_agent_methods_are_replaced() -> None:
+    """The hot path calls NIXL's binding (gpupin.nixl._Direct) behind nixl_agent's transfer
+    methods; a method replaced on the agent (a test's double) takes every call again, and
+    the bytes land either way.  Fails with another NIXL whose agent is not read so."""
+    p = Pair()
+    try:
+        dst, src = p.mt.alloc(MiB), p.mi.alloc(MiB)
+        rb = p.tgt.expose(dst, MiB)
+        assert p.ini.driver.direct() is not None, "NIXL's agent is not the one gpupin.nixl._Direct reads"
+        agent = p.ini.agent
+        real, ref, calls = type(agent).transfer, weakref.ref(agent), []
+
+        def transfer(h: Any, *a: Any) -> str:
+            calls.append(h)
+            return real(ref(), h, *a)
+
+        agent.transfer = transfer
+        try:
+            assert p.ini.driver.direct() is None
+            p.mi.write(src, b"\x11" * 4096)
+            p.ini.write(src, 4096, rb)
+            assert len(calls) == 1 and p.mt.read(dst, 4096) == b"\x11" * 4096
+        finally:
+            del agent.transfer
+        assert p.ini.driver.direct() is not None
+        p.mi.write(src, b"\x22" * 4096)
+        p.ini.write(src, 4096, rb)
+        assert len(calls) == 1 and p.mt.read(dst, 4096) == b"\x22" * 4096
+    finally:
+        p.close()
+
+
 def test_a_peer_restarted_under_the_same_name_is_reached_again() -> None:
     """The target process dies and another starts under the same agent name (its generations
     counted anew): NIXL refuses the new incarnation's metadata until the old one is forgotten;
