@@ -53,7 +53,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from ._closable import Closable
 from ._dlopen import flush_c_stdio, load
@@ -1868,6 +1868,7 @@ class NixlEndpoint(Closable):
             toks: list[int] = []
             h = None
             posting = False
+            seq = -1  # (taken before anything is posted)
             with self._lock:
                 view = self._views.get(peer)
                 if view is None or (leases[0].dereg if len(leases) == 1 else max(map(_DEREG, leases))) > view[0]:
@@ -1971,44 +1972,7 @@ class NixlEndpoint(Closable):
                         else:
                             state = agent.transfer(h)
                 except BaseException as exc:
-                    if prep is not None and not posting:  # made again from scratch next time
-                        with self.driver.lock:
-                            prep.drop(local=True, remote=True)
-                    if posting:  # polled until NIXL says it is over, like any running transfer
-                        t = Transfer(self, h, toks, leases, seq, op, blocks, False)
-                        for lease in leases:
-                            lease.inflight += 1
-                        self._running.add(t)
-                        self._inflight.append(t)
-                        self.driver.peer_failed()
-                        disconnected = type(exc).__name__ == "nixlRemoteDisconnectError"
-                        if disconnected:  # NIXL erased the peer (the endpoint failed: its puts with it)
-                            self._view_erased(peer)
-                        if len(blocks) > 1 and not disconnected and isinstance(exc, Exception):
-                            # NIXL's UCX backend stops at the put that failed; those before it are
-                            # under way with no flush after them (sendXferRange, ucx_backend.cpp),
-                            # and nothing NIXL offers says when they end.
-                            self._lose(t, erased=False)
-                            raise NixlError(
-                                f"{_what(op, blocks)} failed after NIXL posted part of it ({type(exc).__name__} "
-                                f"{exc}): the blocks posted before the failure may still move, so every local buffer "
-                                f"of it stays registered and its leases held until forget_peer({peer!r})",
-                                type(exc).__name__,
-                            ) from None
-                        self._check(t)  # over already (NIXL refused it whole): let go of it now
-                        if isinstance(exc, Exception):
-                            raise _nixl_error(_what(op, blocks), exc) from None
-                        raise
-                    if h is not None:
-                        self.driver.release_xfer(h)
-                    for tok in toks:
-                        self.cache.release_token(tok)
-                    if isinstance(exc, GpupinError):
-                        raise
-                    if isinstance(exc, Exception):
-                        self.driver.peer_failed()
-                        raise _nixl_error(_what(op, blocks), exc) from None
-                    raise
+                    self._post_failed(exc, op, blocks, prep, h, toks, leases, seq, posting)
                 for lease in leases:
                     lease.inflight += 1
                 t = Transfer(self, h, toks, leases, seq, op, blocks, confirm)
@@ -2020,6 +1984,60 @@ class NixlEndpoint(Closable):
                 if state != "PROC":
                     self._complete(t, "DONE" if state == "DONE" else "ERR")
                 return t
+
+    def _post_failed(
+        self,
+        exc: BaseException,
+        op: str,
+        blocks: list[tuple[int, int, RemoteBuffer, int]],
+        prep: _Prep | None,
+        h: Any,
+        toks: list[int],
+        leases: list[_Lease],
+        seq: int,
+        posting: bool,
+    ) -> NoReturn:
+        """(under _lock) A post that raised ``exc``: what it holds is let go, or, where NIXL
+        may have posted puts already (``posting``), kept as a running transfer; then raises."""
+        peer = leases[0].peer
+        if prep is not None and not posting:  # made again from scratch next time
+            with self.driver.lock:
+                prep.drop(local=True, remote=True)
+        if posting:  # polled until NIXL says it is over, like any running transfer
+            t = Transfer(self, h, toks, leases, seq, op, blocks, False)
+            for lease in leases:
+                lease.inflight += 1
+            self._running.add(t)
+            self._inflight.append(t)
+            self.driver.peer_failed()
+            disconnected = type(exc).__name__ == "nixlRemoteDisconnectError"
+            if disconnected:  # NIXL erased the peer (the endpoint failed: its puts with it)
+                self._view_erased(peer)
+            if len(blocks) > 1 and not disconnected and isinstance(exc, Exception):
+                # NIXL's UCX backend stops at the put that failed; those before it are
+                # under way with no flush after them (sendXferRange, ucx_backend.cpp),
+                # and nothing NIXL offers says when they end.
+                self._lose(t, erased=False)
+                raise NixlError(
+                    f"{_what(op, blocks)} failed after NIXL posted part of it ({type(exc).__name__} "
+                    f"{exc}): the blocks posted before the failure may still move, so every local buffer "
+                    f"of it stays registered and its leases held until forget_peer({peer!r})",
+                    type(exc).__name__,
+                ) from None
+            self._check(t)  # over already (NIXL refused it whole): let go of it now
+            if isinstance(exc, Exception):
+                raise _nixl_error(_what(op, blocks), exc) from None
+            raise exc
+        if h is not None:
+            self.driver.release_xfer(h)
+        for tok in toks:
+            self.cache.release_token(tok)
+        if isinstance(exc, GpupinError):
+            raise exc
+        if isinstance(exc, Exception):
+            self.driver.peer_failed()
+            raise _nixl_error(_what(op, blocks), exc) from None
+        raise exc
 
     def _leases_for(self, peer: str, blocks: list[tuple[int, int, RemoteBuffer, int]], deadline: float) -> list[_Lease]:
         """This endpoint's held leases on the blocks' exposures, asked for where missing."""
