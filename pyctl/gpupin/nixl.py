@@ -966,6 +966,7 @@ _LINGER_S = 0.05  # a closing endpoint progresses its agent this long for its la
 _OTHER_MAX = 65536  # application messages kept for progress(); older ones go (counted)
 _PUMP_EVERY_S = 0.001  # a post takes notifications itself at most this often
 _DROP_TRIES = 64  # sendings of a lease drop before giving up (2 ms apart at first, then 1 s: about a minute)
+_OVER = object()  # (NixlEndpoint._quick) the transfer ended within its post
 _SPIN_S = 100e-6  # a transfer's wait polls without sleeping this long (a small one is done by then)
 _NAP_MIN_S, _NAP_MAX_S = 20e-6, 1e-3
 _T = TypeVar("_T")
@@ -1730,7 +1731,12 @@ class NixlEndpoint(Closable):
         prep: _Prep | None = None,
     ) -> None:
         deadline = time.monotonic() + timeout  # one timeout for the whole call: leases, loads, the wait
-        t = self._post(op, blocks, timeout, confirm, tracked=False, prep=prep)
+        q = self._quick(op, blocks[0]) if len(blocks) == 1 and prep is None and not confirm else None
+        if q is _OVER:
+            if self._notes:
+                self._flush_notes()
+            return
+        t = q if isinstance(q, Transfer) else self._post(op, blocks, timeout, confirm, tracked=False, prep=prep)
         try:
             t.wait(max(0.0, deadline - time.monotonic()), confirm=confirm)
         except BaseException:
@@ -1984,6 +1990,76 @@ class NixlEndpoint(Closable):
                 if state != "PROC":
                     self._complete(t, "DONE" if state == "DONE" else "ERR")
                 return t
+
+    def _quick(self, op: str, block: tuple[int, int, RemoteBuffer, int]) -> Transfer | object | None:
+        """write()/read() of one block in the steady state, in one frame: a lease held and
+        sound, NIXL's view of the peer clean up to it, no transfer of this endpoint running,
+        nothing to reap or to pump, NIXL's bindings at hand (NixlDriver.direct).  The checks,
+        the locks and what they guard are _post's; the transfer is _post's untracked one.
+        None where any of it does not hold, with nothing done (_post then runs, and says what
+        is wrong); _OVER where NIXL ended the transfer within the post (no Transfer made);
+        else the running Transfer."""
+        local, size, r, offset = block
+        if _DEFERRED or self._running or self._draining or op not in ("WRITE", "READ"):
+            return None
+        if size <= 0 or offset < 0 or offset + size > r.size:
+            return None
+        drv, peer = self.driver, r.agent
+        direct = drv.direct()
+        now = time.monotonic()
+        if direct is None or now - self._last_pump > _PUMP_EVERY_S or peer == drv.name:
+            return None
+        lease = self._leases.get((peer, r.xid))
+        if (
+            lease is None
+            or lease.state != "held"
+            or lease.broken
+            or lease.epoch != r.epoch
+            or lease.addr != r.addr
+            or lease.size != r.size
+        ):
+            return None
+        self._last_post = now
+        with self._lock:
+            view = self._views.get(peer)
+            if (
+                view is None
+                or lease.dereg > view[0]
+                or peer in self._forgetting
+                or self._leases.get((peer, r.xid)) is not lease
+                or lease.state != "held"
+                or lease.broken
+            ):
+                return None
+            toks: list[int] = []
+            h = None
+            posting = False
+            seq = -1
+            try:
+                tok = self.cache.fast_lookup(local, size)
+                toks.append(tok if tok >= 0 else self.cache.miss(local, size, tok))
+                seq = next(self._seq)
+                with drv.lock:  # as _post's, without a frame of NIXL's wrappers
+                    ldesc = direct.dlist(direct.mems[drv.mem_type], [(local, size, drv.devid)])
+                    rdesc = direct.dlist(direct.mems[r.mem_type], [(r.addr + offset, size, r.devid)])
+                    h = direct.handle(direct.inner, direct.create(direct.ops[op], ldesc, rdesc, peer, b"", []))
+                    _LIVE_XFERS[id(h)] = h
+                    posting = True  # from here NIXL may have posted puts: the handle is kept
+                    st = direct.post(h._handle, b"")
+            except BaseException as exc:
+                self._post_failed(exc, op, [block], None, h, toks, [lease], seq, posting)
+            self.transfers += 1
+            if st == direct.ok:
+                # Over within the post: what _complete does for it, no lease counting it (the
+                # lock was held throughout, so no revocation came in between).
+                drv.release_xfer(h)
+                self.cache.release_token(toks[0])
+                return _OVER
+            lease.inflight += 1
+            t = Transfer(self, h, toks, [lease], seq, op, [block], False)
+            if st != direct.in_prog:
+                self._complete(t, "ERR")
+            return t
 
     def _post_failed(
         self,

@@ -698,6 +698,43 @@ def test_an_idle_initiator_takes_a_waiting_revocation_before_it_posts() -> None:
         p.close()
 
 
+@pytest.mark.filterwarnings("ignore:gpupin.nixl.*changed while exposed:RuntimeWarning")
+def test_a_steady_write_takes_one_frame_and_a_revocation_still_stops_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write of one block whose lease is held goes through NixlEndpoint._quick, not _post;
+    a revocation the initiator took (here by progress(), with no pump of its own in the way)
+    sends the next write to _post, which refuses it: nothing reaches the new owner."""
+    import gpupin.nixl as gn
+
+    monkeypatch.setattr(gn, "_PUMP_EVERY_S", 60.0)  # a post's own pump would take _post's path
+    p = Pair()
+    posts: list[str] = []
+    real = NixlEndpoint._post
+
+    def post(self: NixlEndpoint, op: str, *a: Any, **k: Any) -> Any:
+        posts.append(op)
+        return real(self, op, *a, **k)
+
+    try:
+        dst, rb, src = _freed_behind_the_providers_back(p)  # the lease is asked for: _post
+        monkeypatch.setattr(NixlEndpoint, "_post", post)
+        p.mt.write(dst, bytes(4096))  # the new owner's bytes
+        p.ini.progress()  # takes the revocation
+        p.mi.write(src, b"\x55" * 4096)
+        with pytest.raises(StaleRemote):
+            p.ini.write(src, 4096, rb)
+        assert posts == ["WRITE"] and p.mt.read(dst, 4096) == bytes(4096)
+        b = p.mt.alloc(MiB)
+        rb2 = p.tgt.expose(b, MiB)
+        p.ini.write(src, 4096, rb2)  # a new lease: _post again
+        for i in range(3):
+            p.mi.write(src, bytes([i + 1]) * 4096)
+            p.ini.write(src, 4096, rb2)
+            assert p.mt.read(b, 4096) == bytes([i + 1]) * 4096
+        assert posts == ["WRITE", "WRITE"], "a steady write went through _post"
+    finally:
+        p.close()
+
+
 def test_a_smaller_buffer_at_the_same_base_gets_the_bytes() -> None:
     """NIXL keeps a dropped registration's descriptor beside a new one at the same base and may
     route a write through it (on an H100: a write reported done, 0 bytes in the new buffer).
@@ -2041,9 +2078,26 @@ def test_connect_from_another_thread_never_slips_between_a_load_and_its_record()
             return got
 
         p.ini._leases_for = leases_then_connect  # type: ignore[method-assign]
+        p.ini._quick = lambda *a: None  # type: ignore[method-assign]  # (_post's window; the one-frame path's below)
         renewals = p.ini.renewals
         p.ini.write(src, 4096, rb)
-        del p.ini._leases_for
+        del p.ini._leases_for, p.ini._quick
+        assert fired and p.ini.renewals == renewals + 1 and deregistered_through_nixl(p.ini, src, 4096, beyond)
+        # (a2) the same for a write of one block that would take NixlEndpoint._quick: the other
+        # thread's connect() lands as it starts (its call of driver.direct()), before its checks
+        p.ini.write(src, 4096, rb)  # the view is current again: the next write takes _quick
+        real_direct, fired = p.ini.driver.direct, []
+
+        def direct_then_connect() -> Any:
+            if not fired:
+                fired.append(1)
+                p.ini.connect(ra.metadata)
+            return real_direct()
+
+        p.ini.driver.direct = direct_then_connect  # type: ignore[method-assign]
+        renewals = p.ini.renewals
+        p.ini.write(src, 4096, rb)
+        del p.ini.driver.direct
         assert fired and p.ini.renewals == renewals + 1 and deregistered_through_nixl(p.ini, src, 4096, beyond)
         # (b) right after a renewal's load, before (formerly) its record
         p.ini.connect(ra.metadata)  # the next write renews
