@@ -254,6 +254,9 @@ class _Direct:
         if api is None or type(agent) is not getattr(api, "nixl_agent", None):
             return None
         bind = sys.modules.get(type(getattr(agent, "agent", None)).__module__)
+        handle = getattr(api, "nixl_xfer_handle", None)
+        if not isinstance(handle, type) or "_handle" not in getattr(handle, "__slots__", ()):
+            return None  # an older NIXL whose handles are the bindings' ints: its wrappers
         try:
             return cls(agent, api, bind)
         except (AttributeError, TypeError, ValueError):  # another NIXL than the one read
