@@ -1879,31 +1879,28 @@ class NixlEndpoint(Closable):
             posting = False
             seq = -1  # (taken before anything is posted)
             with self._lock:
-                view = self._views.get(peer)
-                if view is None or (leases[0].dereg if len(leases) == 1 else max(map(_DEREG, leases))) > view[0]:
+                why = self._unsendable(peer, leases)
+                if why == "view":
                     # NIXL's view of the peer went since the lease check (the application's
                     # connect(), a lost transfer), or is not clean up to a lease's grant: loaded
                     # again before anything is posted.
                     if time.monotonic() > deadline:
                         raise NixlError(f"{_what(op, blocks)}: {peer}'s metadata kept changing under it; try again")
                     continue
-                if peer in self._forgetting:  # (the one-block path takes a held lease without the lock)
+                if why == "forgetting":  # (the one-block path takes a held lease without the lock)
                     raise NixlError(f"{_what(op, blocks)}: forget_peer({peer!r}) runs; nothing was sent")
-                # A REVOKE taken by another thread since the grant: the lease is gone, send nothing
-                # (checked under the lock the revocation takes, up to the count that keeps it).
-                for lease in leases:
-                    if self._leases.get((peer, lease.xid)) is not lease or lease.state != "held" or lease.broken:
-                        why = (
-                            f"an earlier transfer was found stale on arrival ({lease.broken})"
-                            if lease.broken
-                            else f"forget_peer({peer!r}) dropped it"
-                            if peer in self._forgetting
-                            else "the target took it back (unexpose)"
-                        )
-                        raise StaleRemote(
-                            f"NIXL {op} into {peer}'s exposure {lease.xid}: {why} before the transfer was posted; "
-                            "nothing was sent. Ask it to expose the buffer again"
-                        )
+                if isinstance(why, _Lease):  # gone, revoked or found stale since the grant: send nothing
+                    reason = (
+                        f"an earlier transfer was found stale on arrival ({why.broken})"
+                        if why.broken
+                        else f"forget_peer({peer!r}) dropped it"
+                        if peer in self._forgetting
+                        else "the target took it back (unexpose)"
+                    )
+                    raise StaleRemote(
+                        f"NIXL {op} into {peer}'s exposure {why.xid}: {reason} before the transfer was posted; "
+                        "nothing was sent. Ask it to expose the buffer again"
+                    )
                 try:
                     fast, miss = self.cache.fast_lookup, self.cache.miss
                     spans: list[tuple[int, int]] | None = None
@@ -1994,14 +1991,32 @@ class NixlEndpoint(Closable):
                     self._complete(t, "DONE" if state == "DONE" else "ERR")
                 return t
 
-    def _quick(self, op: str, block: tuple[int, int, RemoteBuffer, int]) -> Transfer | object | None:
+    def _unsendable(self, peer: str, leases: list[_Lease]) -> _Lease | str | None:
+        """(under _lock) Why nothing may be posted to ``peer`` under ``leases`` now: "view"
+        (NIXL's view of the peer went, or is not clean up to a lease's grant: load it again
+        first), "forgetting" (forget_peer runs), the first lease no longer held (a REVOKE
+        another thread took, a drop, an earlier transfer found stale: checked under the lock
+        the revocation takes, up to the count that keeps it), or None: post.  _post and _quick
+        ask the same question here."""
+        view = self._views.get(peer)
+        if view is None or (leases[0].dereg if len(leases) == 1 else max(map(_DEREG, leases))) > view[0]:
+            return "view"
+        if peer in self._forgetting:
+            return "forgetting"
+        for lease in leases:
+            if self._leases.get((peer, lease.xid)) is not lease or lease.state != "held" or lease.broken:
+                return lease
+        return None
+
+    def _quick(self, op: str, block: tuple[int, int, RemoteBuffer, int]) -> object:
         """write()/read() of one block in the steady state, in one frame: a lease held and
-        sound, NIXL's view of the peer clean up to it, no transfer of this endpoint running,
-        nothing to reap or to pump, NIXL's bindings at hand (NixlDriver.direct).  The checks,
-        the locks and what they guard are _post's; the transfer is _post's untracked one.
-        None where any of it does not hold, with nothing done (_post then runs, and says what
-        is wrong); _OVER where NIXL ended the transfer within the post (no Transfer made);
-        else the running Transfer."""
+        sound, NIXL's view of the peer clean up to it (_unsendable, as _post asks), no transfer
+        of this endpoint left to poll (``_running``: tracked, or past its wait), nothing to
+        reap or to pump, NIXL's bindings at hand (NixlDriver.direct).  The checks, the locks
+        and what they guard are _post's; the transfer is _post's untracked one.  None where any
+        of it does not hold, with nothing posted or held (_post then runs, and says what is
+        wrong); _OVER where NIXL ended the transfer within the post (no Transfer made); else
+        the running Transfer."""
         local, size, r, offset = block
         if _DEFERRED or self._running or self._draining or op not in ("WRITE", "READ"):
             return None
@@ -2024,16 +2039,8 @@ class NixlEndpoint(Closable):
             return None
         self._last_post = now
         with self._lock:
-            view = self._views.get(peer)
-            if (
-                view is None
-                or lease.dereg > view[0]
-                or peer in self._forgetting
-                or self._leases.get((peer, r.xid)) is not lease
-                or lease.state != "held"
-                or lease.broken
-            ):
-                return None
+            if self._unsendable(peer, [lease]) is not None:
+                return None  # _post says why, or loads the view again
             toks: list[int] = []
             h = None
             posting = False
