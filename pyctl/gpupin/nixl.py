@@ -262,10 +262,6 @@ class _Direct:
         except (AttributeError, TypeError, ValueError):  # another NIXL than the one read
             return None
 
-    def state(self, st: int) -> str:
-        """A binding's status as check_xfer_state names it."""
-        return "DONE" if st == self.ok else "PROC" if st == self.in_prog else "ERR"
-
 
 def _gc_phase(phase: str, info: dict[str, Any]) -> None:
     _gc_state.collecting = phase == "start"
@@ -2745,17 +2741,18 @@ class NixlEndpoint(Closable):
         direct = drv.direct()
         query = agent.check_xfer_state
         lock, dlock = self._lock, drv.lock
-        n = 0
         while True:
             with lock:
                 h = t._h
-                if t.state != "PROC" or t.lost or h is None or drv._agent is not agent:
-                    return  # over, or for _check to say (a retired agent)
+                if t.state != "PROC" or t.lost or h is None:
+                    return  # over
                 with dlock:
+                    if drv._agent is not agent:
+                        return  # retired meanwhile: for _check to say
                     try:
                         if direct is not None:
                             st = direct.status(h._handle)
-                            state = "PROC" if st == direct.in_prog else direct.state(st)
+                            state = "PROC" if st == direct.in_prog else "DONE" if st == direct.ok else "ERR"
                         else:
                             state = query(h)
                     except Exception as exc:  # noqa: BLE001 - NIXL's own classes
@@ -2763,8 +2760,7 @@ class NixlEndpoint(Closable):
                 if state != "PROC":
                     self._settle(t, state)
                     return
-            n += 1
-            if not n & 15 and time.monotonic() > until:
+            if time.monotonic() > until:
                 return
 
     def _lose(self, t: Transfer, *, erased: bool = True) -> None:
