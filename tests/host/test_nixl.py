@@ -548,6 +548,59 @@ def test_a_transfer_goes_through_nixl_bindings_unless_the_agent_methods_are_repl
         p.close()
 
 
+def test_the_binding_path_fails_as_the_wrappers_do() -> None:
+    """Faults injected behind gpupin.nixl._Direct (the doubles the other tests set on the agent
+    turn it off): a post that fails after NIXL made the request holds nothing afterwards and
+    the next write goes through; a status query that says NOT_FOUND while the transfer runs
+    leaves it lost (held until forget_peer), as _check would."""
+
+    class nixlNotFoundError(Exception):  # noqa: N801 - NIXL's name, which gpupin reads
+        pass
+
+    p = Pair()
+    try:
+        dst, src = p.mt.alloc(MiB), p.mi.alloc(MiB)
+        rb = p.tgt.expose(dst, MiB)
+        p.ini.write(src, 4096, rb)
+        d = p.ini.driver._direct
+        assert d is not None and p.ini.driver.direct() is d
+        real_post, real_status = d.post, d.status
+        lease = p.ini._leases[(rb.agent, rb.xid)]
+
+        def post_fails(h: int, notif: bytes) -> int:
+            raise RuntimeError("injected")
+
+        d.post = post_fails
+        live = len(gpupin.nixl._LIVE_XFERS)
+        with pytest.raises(NixlError, match="injected"):
+            p.ini.write(src, 4096, rb)
+        d.post = real_post
+        assert p.ini.cache.held() == 0 and not p.ini._running and lease.inflight == 0
+        assert len(gpupin.nixl._LIVE_XFERS) == live
+        p.mi.write(src, b"\x66" * 4096)
+        p.ini.write(src, 4096, rb)
+        assert p.mt.read(dst, 4096) == b"\x66" * 4096
+
+        def post_runs(h: int, notif: bytes) -> int:  # posted for real, said to run on
+            real_post(h, notif)
+            return d.in_prog
+
+        def not_found(h: int) -> int:
+            raise nixlNotFoundError("injected")
+
+        d.post, d.status = post_runs, not_found
+        try:
+            with pytest.raises(NixlError, match="lost its view") as ei:
+                p.ini.write(src, 4096, rb)
+        finally:
+            d.post, d.status = real_post, real_status
+        assert ei.value.status == "lost" and p.ini.cache.held() == 1 and lease.lost == 1
+        p.ini.forget_peer(rb.agent)
+        assert p.ini.cache.held() == 0 and p.ini.pending_transfers() == 0
+    finally:
+        p.close()
+
+
 def test_a_peer_restarted_under_the_same_name_is_reached_again() -> None:
     """The target process dies and another starts under the same agent name (its generations
     counted anew): NIXL refuses the new incarnation's metadata until the old one is forgotten;
