@@ -126,7 +126,8 @@ for line in sys.stdin:
         args = shlex.split(line)
         print(args[args.index("-append") + 1])
         break
-') || die "vng --dry-run printed no QEMU command line"
+')
+[ -n "$cmdline" ] || die "vng --dry-run printed no QEMU command line (run it with --dry-run by hand to see why)"
 [ ${#cmdline} -lt 2048 ] ||
 	die "the guest's kernel command line is ${#cmdline} bytes, past x86's 2047: the kernel would cut it and boot without init.  Shorten what vm-run.sh puts on it (paths: $ROOT, $RESULTS, $VM_KIMAGE)"$'\n'"$cmdline"
 if [ "$MODE" = shell ]; then
