@@ -2004,6 +2004,21 @@ class NixlEndpoint(Closable):
                 return lease
         return None
 
+    def _held_lease(self, peer: str, r: RemoteBuffer) -> _Lease | None:
+        """This endpoint's lease on ``r``'s exposure where it is held, sound and for the range
+        and use ``r`` names (read without the lock: a post checks it again under it)."""
+        lease = self._leases.get((peer, r.xid))
+        if (
+            lease is not None
+            and lease.state == "held"
+            and not lease.broken
+            and lease.epoch == r.epoch
+            and lease.addr == r.addr
+            and lease.size == r.size
+        ):
+            return lease
+        return None
+
     def _quick(self, op: str, block: tuple[int, int, RemoteBuffer, int]) -> object:
         """write()/read() of one block in the steady state, in one frame: a lease held and
         sound, NIXL's view of the peer clean up to it (_unsendable, as _post asks), no transfer
@@ -2023,15 +2038,8 @@ class NixlEndpoint(Closable):
         now = time.monotonic()
         if direct is None or now - self._last_pump > _PUMP_EVERY_S or peer == drv.name:
             return None
-        lease = self._leases.get((peer, r.xid))
-        if (
-            lease is None
-            or lease.state != "held"
-            or lease.broken
-            or lease.epoch != r.epoch
-            or lease.addr != r.addr
-            or lease.size != r.size
-        ):
+        lease = self._held_lease(peer, r)
+        if lease is None:
             return None
         self._last_post = now
         with self._lock:
@@ -2139,18 +2147,8 @@ class NixlEndpoint(Closable):
         self, peer: str, blocks: list[tuple[int, int, RemoteBuffer, int]], deadline: float
     ) -> list[_Lease]:
         if len(blocks) == 1:  # the common case: one lease, held and sound
-            r = blocks[0][2]
-            lease = self._leases.get((peer, r.xid))
-            if (
-                lease is not None
-                and lease.state == "held"
-                and not lease.broken
-                and lease.epoch == r.epoch
-                and lease.addr == r.addr
-                and lease.size == r.size
-                and (view := self._views.get(peer)) is not None
-                and view[0] >= lease.dereg
-            ):
+            lease = self._held_lease(peer, blocks[0][2])
+            if lease is not None and (view := self._views.get(peer)) is not None and view[0] >= lease.dereg:
                 return [lease]  # post() checks it again under the lock
         remotes = {r.xid: r for _, _, r, _ in blocks}
         if len(remotes) < len(blocks):  # several blocks per exposure: one range for each
