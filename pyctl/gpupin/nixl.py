@@ -247,6 +247,22 @@ class _Direct:
         self.status = self.inner.getXferStatus
         self.in_prog, self.ok = int(bind.NIXL_IN_PROG), int(bind.NIXL_SUCCESS)
 
+    def request(self, op: str, lmem: str, lspec: list[Any], rmem: str, rspec: list[Any], peer: str) -> Any:
+        """initialize_xfer(op, local, remote, peer) with no notification: the handle."""
+        ldesc, rdesc = self.dlist(self.mems[lmem], lspec), self.dlist(self.mems[rmem], rspec)
+        return self.handle(self.inner, self.create(self.ops[op], ldesc, rdesc, peer, b"", []))
+
+    def start(self, h: Any) -> str:
+        """transfer(h): "DONE", "PROC" or "ERR"."""
+        return self._name(self.post(h._handle, b""))
+
+    def state(self, h: Any) -> str:
+        """check_xfer_state(h): "DONE", "PROC" or "ERR"."""
+        return self._name(self.status(h._handle))
+
+    def _name(self, st: int) -> str:
+        return "PROC" if st == self.in_prog else "DONE" if st == self.ok else "ERR"
+
     @classmethod
     def of(cls, agent: Any) -> _Direct | None:
         """For an agent of NIXL's own class (not a subclass), else None."""
@@ -1959,20 +1975,14 @@ class NixlEndpoint(Closable):
                                 raise InvalidArgument(f"{_what(op, blocks)}: its Prepared was closed")
                             h = prep.make(self, op, toks)
                         elif direct is not None:  # initialize_xfer's calls, without its frames
-                            ldesc = direct.dlist(direct.mems[self.driver.mem_type], lspec)
-                            rdesc = direct.dlist(direct.mems[r0.mem_type], rspec)
-                            h = direct.handle(direct.inner, direct.create(direct.ops[op], ldesc, rdesc, peer, b"", []))
+                            h = direct.request(op, self.driver.mem_type, lspec, r0.mem_type, rspec, peer)
                         else:
                             ldesc = agent.get_xfer_descs(lspec, self.driver.mem_type)
                             rdesc = agent.get_xfer_descs(rspec, r0.mem_type)
                             h = agent.initialize_xfer(op, ldesc, rdesc, peer, b"")
                         _LIVE_XFERS[id(h)] = h
                         posting = True  # from here NIXL may have posted puts: the handle is kept
-                        if direct is not None:
-                            st = direct.post(h._handle, b"")
-                            state = "DONE" if st == direct.ok else "PROC" if st == direct.in_prog else "ERR"
-                        else:
-                            state = agent.transfer(h)
+                        state = direct.start(h) if direct is not None else agent.transfer(h)
                 except BaseException as exc:
                     self._post_failed(exc, op, blocks, prep, h, toks, leases, seq, posting)
                 for lease in leases:
@@ -2054,16 +2064,15 @@ class NixlEndpoint(Closable):
                 toks.append(tok if tok >= 0 else self.cache.miss(local, size, tok))
                 seq = next(self._seq)
                 with drv.lock:  # as _post's, without a frame of NIXL's wrappers
-                    ldesc = direct.dlist(direct.mems[drv.mem_type], [(local, size, drv.devid)])
-                    rdesc = direct.dlist(direct.mems[r.mem_type], [(r.addr + offset, size, r.devid)])
-                    h = direct.handle(direct.inner, direct.create(direct.ops[op], ldesc, rdesc, peer, b"", []))
+                    lspec, rspec = [(local, size, drv.devid)], [(r.addr + offset, size, r.devid)]
+                    h = direct.request(op, drv.mem_type, lspec, r.mem_type, rspec, peer)
                     _LIVE_XFERS[id(h)] = h
                     posting = True  # from here NIXL may have posted puts: the handle is kept
-                    st = direct.post(h._handle, b"")
+                    state = direct.start(h)
             except BaseException as exc:
                 self._post_failed(exc, op, [block], None, h, toks, [lease], seq, posting)
             self.transfers += 1
-            if st == direct.ok:
+            if state == "DONE":
                 # Over within the post: what _complete does for it, no lease counting it (the
                 # lock was held throughout, so no revocation came in between).
                 drv.release_xfer(h)
@@ -2071,7 +2080,7 @@ class NixlEndpoint(Closable):
                 return _OVER
             lease.inflight += 1
             t = Transfer(self, h, toks, [lease], seq, op, [block], False)
-            if st != direct.in_prog:
+            if state != "PROC":
                 self._complete(t, "ERR")
             return t
 
@@ -2748,11 +2757,7 @@ class NixlEndpoint(Closable):
                     if drv._agent is not agent:
                         return  # retired meanwhile: for _check to say
                     try:
-                        if direct is not None:
-                            st = direct.status(h._handle)
-                            state = "PROC" if st == direct.in_prog else "DONE" if st == direct.ok else "ERR"
-                        else:
-                            state = query(h)
+                        state = direct.state(h) if direct is not None else query(h)
                     except Exception as exc:  # noqa: BLE001 - NIXL's own classes
                         state = self._failed_query(t, exc)
                 if state != "PROC":
