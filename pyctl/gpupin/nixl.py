@@ -776,11 +776,15 @@ class Transfer:
         ``confirm``: also wait for the target's check of its arrival (a round trip; StaleRemote
         if the target's memory changed behind the protocol's back).  Only for a transfer posted
         with ``confirm=True`` (``write(..., confirm=True)`` does both)."""
+        self._wait(timeout, confirm, _SPIN_S)
+
+    def _wait(self, timeout: float, confirm: bool, spin: float) -> None:
+        """wait(), polled without a pause for ``spin`` s first (0: spun already, _quick_wait)."""
         ep = self._ep
         deadline = time.monotonic() + timeout
-        spin_until = min(time.monotonic() + _SPIN_S, deadline)
+        spin_until = min(time.monotonic() + spin, deadline)
         nap = _NAP_MIN_S
-        if self.state == "PROC":  # polled without a pause for _SPIN_S first
+        if self.state == "PROC" and spin > 0:
             ep._spin(self, spin_until)
         while not self.done():
             if self.lost:  # NIXL can say no more of it: waiting longer would tell nothing
@@ -1751,9 +1755,10 @@ class NixlEndpoint(Closable):
             if self._notes:
                 self._flush_notes()
             return
+        # A Transfer from _quick was polled for _SPIN_S already (_quick_wait): not spun again.
         t = q if isinstance(q, Transfer) else self._post(op, blocks, timeout, confirm, tracked=False, prep=prep)
         try:
-            t.wait(max(0.0, deadline - time.monotonic()), confirm=confirm)
+            t._wait(max(0.0, deadline - time.monotonic()), confirm, 0.0 if t is q else _SPIN_S)
         except BaseException:
             if t.state == "PROC":  # interrupted (its timeout does this itself): polled from now on
                 self._orphan(t)
@@ -2036,8 +2041,8 @@ class NixlEndpoint(Closable):
         reap or to pump, NIXL's bindings at hand (NixlDriver.direct).  The checks, the locks
         and what they guard are _post's; the transfer is _post's untracked one.  None where any
         of it does not hold, with nothing posted or held (_post then runs, and says what is
-        wrong); _OVER where NIXL ended the transfer within the post (no Transfer made); else
-        the running Transfer."""
+        wrong); _OVER where NIXL ended the transfer within the post, or within _SPIN_S of
+        polling in this frame (_quick_wait; no Transfer made); else the running Transfer."""
         local, size, r, offset = block
         if _DEFERRED or self._running or self._draining or op not in ("WRITE", "READ"):
             return None
@@ -2078,11 +2083,73 @@ class NixlEndpoint(Closable):
                 drv.release_xfer(h)
                 self.cache.release_token(toks[0])
                 return _OVER
-            lease.inflight += 1
-            t = Transfer(self, h, toks, [lease], seq, op, [block], False)
+            lease.inflight += 1  # from here a revocation waits for it (its drop does)
             if state != "PROC":
+                t = Transfer(self, h, toks, [lease], seq, op, [block], False)
                 self._complete(t, "ERR")
-            return t
+                return t
+        return self._quick_wait(direct, h, toks[0], lease, seq, op, block, now + _SPIN_S)
+
+    def _quick_wait(
+        self,
+        direct: _Direct,
+        h: Any,
+        tok: int,
+        lease: _Lease,
+        seq: int,
+        op: str,
+        block: tuple[int, int, RemoteBuffer, int],
+        until: float,
+    ) -> object:
+        """_quick's transfer, running (``lease`` counts it), polled as _spin polls it until
+        ``until`` (monotonic): _OVER once NIXL says DONE, with what _complete does for a DONE
+        transfer done here (no Transfer made: nothing but this frame knows of it).  On any
+        other answer, past ``until``, or once the driver retired, the Transfer it would have
+        been all along, NIXL's answer acted on as _spin acts on it; if interrupted, that
+        Transfer is polled from then on (_orphan), as _blocking does for an interrupted wait."""
+        drv = self.driver
+        agent = drv._agent
+        lock, dlock = self._lock, drv.lock
+        state, ending = "PROC", False
+        exc: Exception | None = None
+        try:
+            if agent is not None:
+                status, hh, in_prog, ok = direct.status, h._handle, direct.in_prog, direct.ok
+                while True:
+                    with lock:
+                        with dlock:
+                            if drv._agent is not agent:
+                                break  # retired meanwhile: the Transfer's wait says so
+                            try:
+                                st = status(hh)
+                            except Exception as e:  # noqa: BLE001 - NIXL's own classes
+                                state, exc = "QUERY", e
+                                break
+                        if st == ok:
+                            ending = True
+                            drv.release_xfer(h)
+                            self.cache.release_token(tok)
+                            lease.inflight -= 1
+                            if lease.state == "revoked":
+                                self._drop_if_idle(lease)
+                            return _OVER
+                        if st != in_prog:
+                            state = "ERR"
+                            break
+                    if time.monotonic() > until:
+                        break
+        except BaseException:
+            if not ending:  # (an interrupt while it ended: what it let go stays let go)
+                self._orphan(Transfer(self, h, [tok], [lease], seq, op, [block], False))
+            raise
+        t = Transfer(self, h, [tok], [lease], seq, op, [block], False)
+        if state != "PROC":
+            with lock:
+                if state == "QUERY":
+                    with dlock:
+                        state = self._failed_query(t, exc) if exc is not None else "ERR"
+                self._settle(t, state)
+        return t
 
     def _post_failed(
         self,

@@ -601,6 +601,133 @@ def test_the_binding_path_fails_as_the_wrappers_do() -> None:
         p.close()
 
 
+def test_a_steady_write_that_runs_past_its_post_ends_in_one_frame(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A steady write that NIXL does not end within its post (VRAM's case) is polled in
+    _quick's frame (NixlEndpoint._quick_wait): no Transfer is made where NIXL says DONE, and
+    what the transfer held is let go.  A revocation taken while it ran waits for it: the lease
+    is dropped once it ended, not before.  Any other answer, a poll past the spin and an
+    interrupt each make the Transfer it would have been, which ends as _spin would end it:
+    a failure holds nothing, an interrupted one is polled until settle() sees it over."""
+    import threading
+
+    import gpupin.nixl as gn
+
+    monkeypatch.setattr(gn, "_PUMP_EVERY_S", 60.0)  # a post's own pump would take _post's path
+    monkeypatch.setattr(gn, "_SPIN_S", 30.0)  # polled in the frame until the answers say otherwise
+    made: list[object] = []
+
+    class Counted(gn.Transfer):
+        __slots__ = ()
+
+        def __init__(self, *a: Any) -> None:
+            made.append(self)
+            super().__init__(*a)
+
+    p = Pair()
+    try:
+        dst, src = p.mt.alloc(MiB), p.mi.alloc(MiB)
+        rb = p.tgt.expose(dst, MiB)
+        p.ini.write(src, 4096, rb)  # the lease: through _post
+        monkeypatch.setattr(gn, "Transfer", Counted)
+        d = p.ini.driver._direct
+        assert d is not None and p.ini.driver.direct() is d
+        real_post, real_status = d.post, d.status
+        lease = p.ini._leases[(rb.agent, rb.xid)]
+        live = len(gn._LIVE_XFERS)
+        polls: list[int] = []
+        answers: list[Any] = []
+
+        def post_runs(h: int, notif: bytes) -> int:  # posted for real, said to run on
+            real_post(h, notif)
+            return d.in_prog
+
+        def scripted(h: int) -> int:  # the scripted answers first, then NIXL's own
+            polls.append(h)
+            if answers:
+                a = answers.pop(0)
+                if isinstance(a, BaseException):
+                    raise a
+                return a() if callable(a) else int(a)
+            return int(real_status(h))
+
+        d.post, d.status = post_runs, scripted
+
+        def held_nothing() -> None:
+            assert p.ini.cache.held() == 0 and lease.inflight == 0 and not p.ini._running
+            assert len(gn._LIVE_XFERS) == live
+
+        # (a) DONE after three polls that said it ran: no Transfer, nothing held.
+        answers[:] = [d.in_prog] * 3
+        p.mi.write(src, b"\x31" * 4096)
+        p.ini.write(src, 4096, rb)
+        assert p.mt.read(dst, 4096) == b"\x31" * 4096
+        assert len(polls) >= 4 and made == []  # (and as many more as NIXL said it ran)
+        held_nothing()
+
+        # (b) NIXL's failure, said by the poll: the Transfer, failed; nothing held.
+        answers[:] = [-1]
+        with pytest.raises(NixlError, match="failed"):
+            p.ini.write(src, 4096, rb)
+        assert len(made) == 1
+        held_nothing()
+
+        # (c) Still running past the spin: the Transfer's wait goes on from there.
+        monkeypatch.setattr(gn, "_SPIN_S", 0.001)
+        until = time.monotonic() + 0.05
+        answers[:] = [(lambda: d.in_prog if time.monotonic() < until else d.ok)] * 1000000
+        p.ini.write(src, 4096, rb)
+        monkeypatch.setattr(gn, "_SPIN_S", 30.0)
+        assert len(made) == 2 and made[-1].state == "DONE"  # type: ignore[attr-defined]
+        answers.clear()
+        held_nothing()
+
+        # (d) Interrupted while polled: polled from then on, over once settle() sees it.
+        answers[:] = [d.in_prog, KeyboardInterrupt()]
+        with pytest.raises(KeyboardInterrupt):
+            p.ini.write(src, 4096, rb)
+        assert len(made) == 3 and made[-1] in p.ini._inflight and lease.inflight == 1  # (not polled yet)
+        assert p.ini.settle(5) == 0
+        held_nothing()
+
+        # (e) A revocation taken while it runs: the lease stays until the transfer ended.
+        polling, go = threading.Event(), threading.Event()
+        answers[:] = [lambda: polling.set() or (d.ok if go.is_set() else d.in_prog)] * 1000000
+        p.stop.set()
+        p.pump.join()  # the target's unexpose() below takes its notifications itself
+        unexposed: list[BaseException | None] = []
+
+        def take_back() -> None:
+            try:
+                p.tgt.unexpose(rb, timeout=10)
+                unexposed.append(None)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                unexposed.append(exc)
+
+        def revoke() -> None:
+            polling.wait(5)
+            taker = threading.Thread(target=take_back)
+            taker.start()
+            end = time.monotonic() + 5
+            while lease.state != "revoked" and time.monotonic() < end:
+                p.ini.progress()  # between two polls: the writer lets the locks go
+                time.sleep(0.001)
+            time.sleep(0.01)
+            dropped_early = (rb.agent, rb.xid) not in p.ini._leases
+            go.set()
+            taker.join(15)
+            unexposed.append(AssertionError("dropped while it ran") if dropped_early else None)
+
+        th = threading.Thread(target=revoke)
+        th.start()
+        p.ini.write(src, 4096, rb, timeout=20)
+        th.join(20)
+        answers.clear()
+        assert lease.state == "revoked" and unexposed == [None, None]
+        assert (rb.agent, rb.xid) not in p.ini._leases and lease.inflight == 0 and len(made) == 3
+    finally:
+        p.close()
+
+
 def test_a_peer_restarted_under_the_same_name_is_reached_again() -> None:
     """The target process dies and another starts under the same agent name (its generations
     counted anew): NIXL refuses the new incarnation's metadata until the old one is forgotten;
