@@ -252,6 +252,20 @@ class _Direct:
         ldesc, rdesc = self.dlist(self.mems[lmem], lspec), self.dlist(self.mems[rmem], rspec)
         return self.handle(self.inner, self.create(self.ops[op], ldesc, rdesc, peer, b"", []))
 
+    def begin(self, op: str, lmem: str, lspec: list[Any], rmem: str, rspec: list[Any], peer: str) -> int:
+        """request()'s NIXL handle itself (an int), with no object around it: for a transfer
+        that may end in the frame that made it (NixlEndpoint._quick); ``wrap`` it before it
+        leaves that frame."""
+        ldesc, rdesc = self.dlist(self.mems[lmem], lspec), self.dlist(self.mems[rmem], rspec)
+        return int(self.create(self.ops[op], ldesc, rdesc, peer, b"", []))
+
+    def wrap(self, hid: int) -> Any:
+        """The handle object ``request`` would have made of ``hid``, kept in _LIVE_XFERS (as a
+        post keeps every handle it made) until released."""
+        h = self.handle(self.inner, hid)
+        _LIVE_XFERS[id(h)] = h
+        return h
+
     def start(self, h: Any) -> str:
         """transfer(h): "DONE", "PROC" or "ERR"."""
         return self._name(self.post(h._handle, b""))
@@ -487,6 +501,15 @@ class NixlDriver(LibraryDriver):
                 self._stuck.append(handle)
                 self.peer_failed()
                 return False
+
+    def release_id(self, direct: _Direct, hid: int) -> None:
+        """(under the lock) release_xfer of a handle kept as NIXL's int (_Direct.begin): one
+        NIXL refuses is wrapped and kept for a retry, as release_xfer keeps it."""
+        try:
+            direct.inner.releaseXferReq(hid)
+        except Exception:  # noqa: BLE001 - NIXL's own classes; retried in _retry_stuck
+            self._stuck.append(direct.wrap(hid))
+            self.peer_failed()
 
     def _retry_stuck(self) -> None:
         if self._agent is None:  # retired: _retire left what it could not release to the exit
@@ -2061,7 +2084,7 @@ class NixlEndpoint(Closable):
             if self._unsendable(peer, [lease]) is not None:
                 return None  # _post says why, or loads the view again
             toks: list[int] = []
-            h = None
+            hid = -1  # NIXL's own handle (an int): wrapped (_Direct.wrap) only where it outlives this frame
             posting = False
             seq = -1
             try:
@@ -2070,30 +2093,31 @@ class NixlEndpoint(Closable):
                 seq = next(self._seq)
                 with drv.lock:  # as _post's, without a frame of NIXL's wrappers
                     lspec, rspec = [(local, size, drv.devid)], [(r.addr + offset, size, r.devid)]
-                    h = direct.request(op, drv.mem_type, lspec, r.mem_type, rspec, peer)
-                    _LIVE_XFERS[id(h)] = h
+                    hid = direct.begin(op, drv.mem_type, lspec, r.mem_type, rspec, peer)
                     posting = True  # from here NIXL may have posted puts: the handle is kept
-                    state = direct.start(h)
+                    st = direct.post(hid, b"")
             except BaseException as exc:
+                h = direct.wrap(hid) if hid >= 0 else None
                 self._post_failed(exc, op, [block], None, h, toks, [lease], seq, posting)
             self.transfers += 1
-            if state == "DONE":
+            if st == direct.ok:
                 # Over within the post: what _complete does for it, no lease counting it (the
                 # lock was held throughout, so no revocation came in between).
-                drv.release_xfer(h)
+                with drv.lock:
+                    drv.release_id(direct, hid)
                 self.cache.release_token(toks[0])
                 return _OVER
             lease.inflight += 1  # from here a revocation waits for it (its drop does)
-            if state != "PROC":
-                t = Transfer(self, h, toks, [lease], seq, op, [block], False)
+            if st != direct.in_prog:
+                t = Transfer(self, direct.wrap(hid), toks, [lease], seq, op, [block], False)
                 self._complete(t, "ERR")
                 return t
-        return self._quick_wait(direct, h, toks[0], lease, seq, op, block, now + _SPIN_S)
+        return self._quick_wait(direct, hid, toks[0], lease, seq, op, block, now + _SPIN_S)
 
     def _quick_wait(
         self,
         direct: _Direct,
-        h: Any,
+        hid: int,
         tok: int,
         lease: _Lease,
         seq: int,
@@ -2114,20 +2138,21 @@ class NixlEndpoint(Closable):
         exc: Exception | None = None
         try:
             if agent is not None:
-                status, hh, in_prog, ok = direct.status, h._handle, direct.in_prog, direct.ok
+                status, in_prog, ok = direct.status, direct.in_prog, direct.ok
                 while True:
                     with lock:
                         with dlock:
                             if drv._agent is not agent:
                                 break  # retired meanwhile: the Transfer's wait says so
                             try:
-                                st = status(hh)
+                                st = status(hid)
                             except Exception as e:  # noqa: BLE001 - NIXL's own classes
                                 state, exc = "QUERY", e
                                 break
-                        if st == ok:
-                            ending = True
-                            drv.release_xfer(h)
+                            if st == ok:
+                                ending = True
+                                drv.release_id(direct, hid)
+                        if ending:
                             self.cache.release_token(tok)
                             lease.inflight -= 1
                             if lease.state == "revoked":
@@ -2140,9 +2165,9 @@ class NixlEndpoint(Closable):
                         break
         except BaseException:
             if not ending:  # (an interrupt while it ended: what it let go stays let go)
-                self._orphan(Transfer(self, h, [tok], [lease], seq, op, [block], False))
+                self._orphan(Transfer(self, direct.wrap(hid), [tok], [lease], seq, op, [block], False))
             raise
-        t = Transfer(self, h, [tok], [lease], seq, op, [block], False)
+        t = Transfer(self, direct.wrap(hid), [tok], [lease], seq, op, [block], False)
         if state != "PROC":
             with lock:
                 if state == "QUERY":
