@@ -130,10 +130,11 @@ test-vm: setup pyext
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests/pty
 
 # The second kernel of the matrix: Debian 12's 6.12 (installed by scripts/ci/kernel-6.12.sh):
-# the modules built W=1 against its headers, the whole VM suite booting it.
+# the checks that depend on the kernel (W=1 builds, sparse; check-kernel.sh --matrix), then the
+# whole VM suite booting it.
 test-vm-6.12: setup pyext
 	kver=$$(scripts/ci/kernel-6.12.sh) && \
-		scripts/ci/check-kernel.sh /usr/src/linux-headers-$$kver && \
+		scripts/ci/check-kernel.sh --matrix /usr/src/linux-headers-$$kver && \
 		VM_KVER=$$kver RESULTS=$(CURDIR)/results/6.12 scripts/vm-run.sh test
 
 # The budget leg: Debian's newest kernel built with the dmem cgroup controller, which Debian's
