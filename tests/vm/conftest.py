@@ -30,6 +30,17 @@ GPU_PAGE = 64 * KiB
 # The smallest allocation that starts on a GPU page over either provider: cuMemAlloc aligns
 # allocations of 2 MiB and more to 2 MiB, smaller ones only to 256 bytes.
 GPU_ALLOC = 2 * MiB if NATIVE else GPU_PAGE
+# The second kernel of make test's matrix runs the races, the fuzzer and the thread races at a
+# quarter of their CI counts (GPUPIN_STRESS_SCALE=0.25, set by make test-vm-6.12): the first
+# kernel runs them whole, make test-long at their full counts.
+STRESS_SCALE = float(os.environ.get("GPUPIN_STRESS_SCALE") or 1)
+if not 0 < STRESS_SCALE <= 1:
+    raise ValueError(f"GPUPIN_STRESS_SCALE={STRESS_SCALE}: a fraction of the CI counts, in (0, 1]")
+
+
+def scaled(n: int) -> int:
+    """A stress test's CI count ``n`` at GPUPIN_STRESS_SCALE (at least 1)."""
+    return max(1, round(n * STRESS_SCALE))
 
 
 def pytest_ignore_collect(collection_path: Any, config: pytest.Config) -> bool | None:

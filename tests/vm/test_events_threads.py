@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from conftest import GPU_ALLOC, GPU_PAGE, SLOW
+from conftest import GPU_ALLOC, GPU_PAGE, SLOW, scaled
 from gpupin import Device, Event, MemoryProvider, Pin
 from gpupin.cache import RegistrationCache
 from gpupin.testing import PausedThread, after_poll, after_read
@@ -144,7 +144,7 @@ def test_threads_racing_for_records_get_each_exactly_once(
 ) -> None:
     """Readers (read_events, wait_invalidations with a short timeout) race a thread freeing
     pinned memory: none hangs, each record goes to exactly one, the file stays non-blocking."""
-    rng, n = random.Random(seed), 1000  # 64 MiB pinned: within the 256 MiB simulated BAR
+    rng, n = random.Random(seed), scaled(1000)  # 64 MiB pinned: within the 256 MiB simulated BAR
     vas = [memory.alloc(GPU_ALLOC) for _ in range(n)]
     pins = {device.pin(va, GPU_PAGE).handle for va in vas}
     stop = threading.Event()

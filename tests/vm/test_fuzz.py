@@ -14,7 +14,7 @@ addresses handed straight back, an MPS client's teardown dropping a process's
 registration, after which puts release nothing and frees call back for pins gpupin let go, and
 spells of late frees, whose callbacks land while PIN takes the table and publishes the pin).
 
-GPUPIN_FUZZ_CALLS sets the total (default 10,000; 100,000 with GPUPIN_LONG=1);
+GPUPIN_FUZZ_CALLS sets the total (default 10,000, scaled by GPUPIN_STRESS_SCALE; 100,000 with GPUPIN_LONG=1);
 GPUPIN_FUZZ_SEED replays one run: a failure prints the seed of the process that failed.
 """
 
@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from conftest import GPU_PAGE, first_pci_device, raw
+from conftest import GPU_PAGE, first_pci_device, raw, scaled
 from gpupin import Device, SimMemory, sim_stats
 from gpupin._native import ffi, lib
 from gpupin.testing import load_peer
@@ -44,7 +44,8 @@ pytestmark = [
     ),
 ]
 LONG = os.environ.get("GPUPIN_LONG") == "1"
-CALLS = int(os.environ.get("GPUPIN_FUZZ_CALLS") or (100_000 if LONG else 10_000))  # vm-run.sh passes "" if unset
+# vm-run.sh passes "" if unset
+CALLS = int(os.environ.get("GPUPIN_FUZZ_CALLS") or (100_000 if LONG else scaled(10_000)))
 PROCS = 4
 LATE_FREES = "/sys/module/nvp2p_sim/parameters/race_get_pages_late_us"
 

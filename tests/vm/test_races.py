@@ -1,9 +1,10 @@
 """Races between the free callback and unpin, close, dma_unmap, queries, netlink dumps and peer
 driver transfers; put_pages racing the callback; SIGKILL in the middle of a pin.
 
-Counts default to CI size; GPUPIN_LONG=1 (make test-long) runs the full ones.  The races over
-plain frees run over either provider (allocations of GPU_ALLOC: 2 MiB natively, as cuMemAlloc
-aligns only those to 2 MiB); those needing a simulator knob or a forked child stay simulator-only.
+Counts default to CI size (scaled by GPUPIN_STRESS_SCALE); GPUPIN_LONG=1 (make test-long) runs
+the full ones.  The races over plain frees run over either provider (allocations of GPU_ALLOC:
+2 MiB natively, as cuMemAlloc aligns only those to 2 MiB); those needing a simulator knob or a
+forked child stay simulator-only.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 import pytest
 
 import gpupin
-from conftest import GPU_ALLOC, GPU_PAGE
+from conftest import GPU_ALLOC, GPU_PAGE, scaled
 from gpupin import Device, MemoryProvider, SimMemory, sim_stats
 from gpupin.netlink import Netlink
 from gpupin.peer import Peer
@@ -73,7 +74,7 @@ def test_put_pages_races_callback(device: Device, sim: SimMemory, sim_params) ->
     sim_params(race_put_pages=True)
     va = sim.alloc(4 * GPU_PAGE)
     before = sim_stats().callbacks_run
-    n = ITER if LONG else 2000
+    n = ITER if LONG else scaled(2000)
     for i in range(n):
         pin = device.pin(va + (i % 4) * GPU_PAGE, GPU_PAGE)
         device.unpin(pin)
@@ -85,7 +86,7 @@ def test_put_pages_races_callback(device: Device, sim: SimMemory, sim_params) ->
 
 
 def test_close_races_free(memory: MemoryProvider) -> None:
-    rounds = 100 if LONG else 20
+    rounds = 100 if LONG else scaled(20)
     for _ in range(rounds):
         dev = Device()
         vas = [memory.alloc(GPU_ALLOC) for _ in range(100)]
@@ -97,7 +98,7 @@ def test_close_races_free(memory: MemoryProvider) -> None:
 
 
 def test_dma_unmap_races_free(device: Device, memory: MemoryProvider, pci: str) -> None:
-    n = ITER if LONG else 2000
+    n = ITER if LONG else scaled(2000)
     for _ in range(n // 200):
         vas = [memory.alloc(GPU_ALLOC) for _ in range(200)]
         pins = [device.pin(va, GPU_PAGE) for va in vas]
@@ -121,7 +122,7 @@ def test_dma_unmap_races_free(device: Device, memory: MemoryProvider, pci: str) 
 
 def test_queries_race_free(device: Device, memory: MemoryProvider) -> None:
     """GET_PAGES/QUERY users in flight while the callback waits for them."""
-    n = ITER if LONG else 400
+    n = ITER if LONG else scaled(400)
     batch = min(n, 2000)  # 2000 pins of 64 KiB fit the simulated 256 MiB BAR
     for _ in range(n // batch):
         vas = [memory.alloc(GPU_ALLOC) for _ in range(batch)]
@@ -144,7 +145,7 @@ def test_queries_race_free(device: Device, memory: MemoryProvider) -> None:
 
 def test_netlink_dump_races_free(device: Device, memory: MemoryProvider) -> None:
     """GET_PINS dumps walking pins while their callbacks run."""
-    n = ITER if LONG else 2000
+    n = ITER if LONG else scaled(2000)
     seen = 0
     with Netlink() as nl:
         for _ in range(n // BATCH):
@@ -175,7 +176,7 @@ def test_netlink_dump_races_free(device: Device, memory: MemoryProvider) -> None
 
 def test_peer_transfers_race_free(device: Device, memory: MemoryProvider, peer: Peer) -> None:
     """Driver accesses (kernel API) in flight while the callback notifies and waits for them."""
-    n = ITER if LONG else 1000
+    n = ITER if LONG else scaled(1000)
     completed = aborted = refused = 0
     for _ in range(n // 100):
         vas = [memory.alloc(max(GPU_ALLOC, 2 * GPU_PAGE)) for _ in range(100)]
@@ -218,7 +219,7 @@ def test_peer_transfers_race_free(device: Device, memory: MemoryProvider, peer: 
 def test_sigkill_during_pin(gpupin_loaded: None, leakcheck: None, sim_params) -> None:  # type: ignore[no-untyped-def]
     """A process killed while its PIN is inside get_pages leaves nothing behind."""
     sim_params(pin_latency_us=3000)
-    n = ITER if LONG else 200
+    n = ITER if LONG else scaled(200)
     rng = random.Random(n)
     for _ in range(n):
         r, w = os.pipe()
