@@ -225,6 +225,27 @@ _LIVE_XFERS: dict[int, Any] = {}
 _LIVE_DLISTS: dict[int, Any] = {}
 
 
+def _release(h: Any, *, dlist: bool = False) -> None:
+    """Release NIXL's handle object ``h`` (a transfer's: releaseXferReq; ``dlist``, a prepped
+    list's: releasedDlistH), marked released before the call: NIXL's own release() marks it
+    after, and an interrupt landing in between (Python raises it as the call returns) would
+    leave its finalizer to release it a second time, a double free.  Nothing that can raise
+    runs between the mark and the call (no call), so an interrupt leaves it released or, at
+    worst, marked and leaked, never freed twice.  What NIXL raises is raised, the mark undone
+    (it released nothing)."""
+    if h._released:
+        return
+    h._released = True
+    try:
+        if dlist:
+            h._agent.releasedDlistH(h._handle)
+        else:
+            h._agent.releaseXferReq(h._handle)
+    except Exception:
+        h._released = False
+        raise
+
+
 class _Direct:
     """NIXL's binding calls behind ``nixl_agent``'s transfer methods (initialize_xfer,
     transfer, check_xfer_state and get_xfer_descs in NIXL's _api.py call nothing else), for
@@ -492,7 +513,7 @@ class NixlDriver(LibraryDriver):
         with self.lock:
             try:
                 if self.direct() is not None:  # release_xfer_handle calls no more than this
-                    handle.release()
+                    _release(handle)
                 else:
                     self.agent.release_xfer_handle(handle)
                 _LIVE_XFERS.pop(id(handle), None)
@@ -908,8 +929,8 @@ class _Prep:
                 h = getattr(self, which)
                 setattr(self, which, None)
                 if h is not None:
+                    _release(h, dlist=True)  # (one NIXL refuses stays kept: never its finalizer's)
                     _LIVE_DLISTS.pop(id(h), None)
-                    h.release()
         if local:
             self.toks = []
 
@@ -2102,10 +2123,13 @@ class NixlEndpoint(Closable):
             self.transfers += 1
             if st == direct.ok:
                 # Over within the post: what _complete does for it, no lease counting it (the
-                # lock was held throughout, so no revocation came in between).
-                with drv.lock:
-                    drv.release_id(direct, hid)
-                self.cache.release_token(toks[0])
+                # lock was held throughout, so no revocation came in between); the token goes
+                # also if an interrupt lands as the handle is released.
+                try:
+                    with drv.lock:
+                        drv.release_id(direct, hid)
+                finally:
+                    self.cache.release_token(toks[0])
                 return _OVER
             lease.inflight += 1  # from here a revocation waits for it (its drop does)
             if st != direct.in_prog:
@@ -2134,8 +2158,14 @@ class NixlEndpoint(Closable):
         drv = self.driver
         agent = drv._agent
         lock, dlock = self._lock, drv.lock
-        state, ending = "PROC", False
+        state = "PROC"
+        # Ending it, each step marked before it is taken: an interrupt (Python raises one as a
+        # call returns) finishes the steps not taken and never repeats one; the handle, once
+        # NIXL said DONE, is never released again (at worst, an interrupt before its release
+        # leaks it: never a double free).
+        ending = tok_done = counted = False
         exc: Exception | None = None
+        t: Transfer | None = None
         try:
             if agent is not None:
                 status, in_prog, ok = direct.status, direct.in_prog, direct.ok
@@ -2153,7 +2183,9 @@ class NixlEndpoint(Closable):
                                 ending = True
                                 drv.release_id(direct, hid)
                         if ending:
+                            tok_done = True
                             self.cache.release_token(tok)
+                            counted = True
                             lease.inflight -= 1
                             if lease.state == "revoked":
                                 self._drop_if_idle(lease)
@@ -2163,18 +2195,30 @@ class NixlEndpoint(Closable):
                             break
                     if time.monotonic() > until:
                         break
+            t = Transfer(self, direct.wrap(hid), [tok], [lease], seq, op, [block], False)
+            if state != "PROC":
+                with lock:
+                    if state == "QUERY":
+                        with dlock:
+                            state = self._failed_query(t, exc) if exc is not None else "ERR"
+                    self._settle(t, state)
+            return t
         except BaseException:
-            if not ending:  # (an interrupt while it ended: what it let go stays let go)
+            if ending:
+                with lock:
+                    if not tok_done:
+                        tok_done = True
+                        self.cache.release_token(tok)
+                    if not counted:
+                        counted = True
+                        lease.inflight -= 1
+                        if lease.state == "revoked":
+                            self._drop_if_idle(lease)
+            elif t is None:  # the Transfer it is from now on, polled (as _blocking does for a wait)
                 self._orphan(Transfer(self, direct.wrap(hid), [tok], [lease], seq, op, [block], False))
+            elif t.state == "PROC":
+                self._orphan(t)
             raise
-        t = Transfer(self, direct.wrap(hid), [tok], [lease], seq, op, [block], False)
-        if state != "PROC":
-            with lock:
-                if state == "QUERY":
-                    with dlock:
-                        state = self._failed_query(t, exc) if exc is not None else "ERR"
-                self._settle(t, state)
-        return t
 
     def _post_failed(
         self,
@@ -2913,11 +2957,23 @@ class NixlEndpoint(Closable):
             self.driver.peer_failed()
         # The Transfer may outlive its endpoint (the application keeps it): it must not keep
         # NIXL's handle, which keeps the agent, to be destroyed wherever the Transfer goes.
+        # Taken off it before anything is released: an interrupt (Python raises one as a call
+        # returns) finishes the releases below, and none is done twice.
         h, t._h = t._h, None
-        self.driver.release_xfer(h)
-        for tok in t._toks:
-            self.cache.release_token(tok)
-        t._toks = []
+        toks, t._toks = t._toks, []
+        try:
+            self._account(t, state)
+        finally:
+            try:
+                if h is not None:
+                    self.driver.release_xfer(h)
+            finally:
+                for tok in toks:
+                    self.cache.release_token(tok)
+
+    def _account(self, t: Transfer, state: str) -> None:
+        """(_complete) ``t``, over, leaves the endpoint's books: the target's check asked for,
+        its leases' counts, a revoked one dropped once idle."""
         if state == "DONE" and t.confirm:
             # The target's check of the exposures it went to, asked for (a round trip).  Sent
             # after DONE, on the channel the DROP takes later: the target counts these before it

@@ -728,6 +728,118 @@ def test_a_steady_write_that_runs_past_its_post_ends_in_one_frame(monkeypatch: p
         p.close()
 
 
+class _InterruptedAfter:
+    """NIXL's binding agent, but its ``name`` call raises KeyboardInterrupt once it returned,
+    as CPython raises a Ctrl-C that came while NIXL ran the call."""
+
+    def __init__(self, inner: Any, name: str) -> None:
+        self._inner, self._name = inner, name
+
+    def __getattr__(self, attr: str) -> Any:
+        real = getattr(self._inner, attr)
+        if attr != self._name:
+            return real
+
+        def call(*a: Any) -> Any:
+            real(*a)
+            raise KeyboardInterrupt
+
+        return call
+
+
+def test_a_ctrl_c_as_nixl_releases_a_handle_leaves_it_released_once() -> None:
+    """NIXL's own release() marks its handle object released only after NIXL's call returned:
+    a Ctrl-C in between left it marked live, and NIXL's finalizer freed it a second time at
+    exit (SIGSEGV).  gpupin marks it first, for a transfer's handle and a prepped list's."""
+    p = Pair()
+    kept: list[Any] = []
+    try:
+        dst, src = p.mt.alloc(MiB), p.mi.alloc(MiB)
+        rb = p.tgt.expose(dst, MiB)
+        p.ini.write(src, 4096, rb)
+        lease = p.ini._leases[(rb.agent, rb.xid)]
+        for _ in range(1000):  # one NIXL did not end within its post: it has a handle to release
+            t = p.ini.post_write([(src, 4096, rb, 0)])
+            if t._h is not None:
+                break
+            t.wait()
+        else:
+            pytest.fail("every transfer ended within its post: nothing to release")
+        h = t._h
+        kept.append(h)
+        h._agent = _InterruptedAfter(h._agent, "releaseXferReq")
+        with pytest.raises(KeyboardInterrupt):
+            t.wait()
+        assert h._released, "NIXL released the handle and it is marked live: its finalizer frees it again"
+        # The transfer left the endpoint's books all the same: nothing counted or held for ever.
+        assert t.state == "DONE" and t not in p.ini._running and lease.inflight == 0
+        assert p.ini.cache.held() == 0
+        prep = p.ini.prepare("WRITE", [(src, 4096, rb, 0)])
+        prep.run()
+        local = prep._prep.local
+        kept.append(local)
+        local._agent = _InterruptedAfter(local._agent, "releasedDlistH")
+        with pytest.raises(KeyboardInterrupt):
+            prep.close()
+        assert local._released, "NIXL released the prepped list and it is marked live"
+    finally:
+        for h in kept:  # (on the code before, keep this process from that second release)
+            h._released = True
+        p.close()
+
+
+def test_a_ctrl_c_as_a_steady_write_ends_leaves_nothing_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C landing as NIXL releases a steady write's handle (_quick's frame, the write
+    over within its post or polled to its end there): the write raises it, and the token, the
+    lease's count and the handle are each let go once: nothing stays held, and connect() (which
+    waits for the peer's transfers) goes through."""
+    import gpupin.nixl as gn
+
+    monkeypatch.setattr(gn, "_PUMP_EVERY_S", 60.0)  # the writes take _quick
+    monkeypatch.setattr(gn, "_SPIN_S", 30.0)  # and end in its frame
+    p = Pair()
+    try:
+        dst, src = p.mt.alloc(MiB), p.mi.alloc(MiB)
+        rb = p.tgt.expose(dst, MiB)
+        p.ini.write(src, 4096, rb)  # the lease: through _post
+        lease = p.ini._leases[(rb.agent, rb.xid)]
+        d = p.ini.driver._direct
+        assert d is not None
+        real_post, real_status, real_release = d.post, d.status, p.ini.driver.release_id
+
+        def release_then_ctrl_c(direct: Any, hid: int) -> None:
+            real_release(direct, hid)
+            raise KeyboardInterrupt
+
+        def post_over(h: int, notif: bytes) -> int:  # over within its post (DRAM's usual case)
+            real_post(h, notif)
+            while real_status(h) != d.ok:
+                pass
+            return d.ok
+
+        def post_runs(h: int, notif: bytes) -> int:  # still running after its post (VRAM's)
+            real_post(h, notif)
+            return d.in_prog
+
+        for post in (post_over, post_runs):
+            d.post = post
+            p.ini.driver.release_id = release_then_ctrl_c  # type: ignore[method-assign]
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    p.ini.write(src, 4096, rb)
+            finally:
+                d.post = real_post
+                del p.ini.driver.release_id
+            assert p.ini.cache.held() == 0, f"{post.__name__}: the write's token stays held"
+            assert lease.inflight == 0 and not p.ini._running, f"{post.__name__}: the lease counts it"
+            p.ini.connect(p.tgt.metadata(), timeout=2)  # waits for no transfer
+            p.mi.write(src, b"\x5a" * 4096)
+            p.ini.write(src, 4096, rb)
+            assert p.mt.read(dst, 4096) == b"\x5a" * 4096
+    finally:
+        p.close()
+
+
 def test_a_peer_restarted_under_the_same_name_is_reached_again() -> None:
     """The target process dies and another starts under the same agent name (its generations
     counted anew): NIXL refuses the new incarnation's metadata until the old one is forgotten;
@@ -1326,20 +1438,20 @@ def test_a_running_transfer_of_an_endpoint_left_to_the_collector_is_released_by_
 
     released: list[bool] = []  # collecting() at each release of a handle NIXL had not released
     real_del = nixl_api.nixl_xfer_handle.__del__
-    real_release = nixl_api.nixl_xfer_handle.release
+    real_release = gpupin.nixl._release  # (gpupin releases NIXL's handle objects through it)
 
     def spy_del(self: Any) -> None:
         if not self._released:
             released.append(gpupin.nixl.collecting())
         real_del(self)
 
-    def spy_release(self: Any) -> None:
-        if not self._released:
+    def spy_release(h: Any, **kw: Any) -> None:
+        if not h._released and isinstance(h, nixl_api.nixl_xfer_handle):
             released.append(gpupin.nixl.collecting())
-        real_release(self)
+        real_release(h, **kw)
 
     monkeypatch.setattr(nixl_api.nixl_xfer_handle, "__del__", spy_del)
-    monkeypatch.setattr(nixl_api.nixl_xfer_handle, "release", spy_release)
+    monkeypatch.setattr(gpupin.nixl, "_release", spy_release)
     mt, mi = HostMemory(4 << 20), HostMemory(4 << 20)
     tgt = NixlEndpoint("t-running-drop", mt, mem_type="DRAM")
     ini = NixlEndpoint("i-running-drop", mi, mem_type="DRAM")
