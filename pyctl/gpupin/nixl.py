@@ -1794,7 +1794,7 @@ class NixlEndpoint(Closable):
         prep: _Prep | None = None,
     ) -> None:
         deadline = time.monotonic() + timeout  # one timeout for the whole call: leases, loads, the wait
-        q = self._quick(op, blocks[0]) if len(blocks) == 1 and prep is None and not confirm else None
+        q = self._quick(op, blocks[0], deadline) if len(blocks) == 1 and prep is None and not confirm else None
         if q is _OVER:
             if self._notes:
                 self._flush_notes()
@@ -2078,7 +2078,7 @@ class NixlEndpoint(Closable):
             return lease
         return None
 
-    def _quick(self, op: str, block: tuple[int, int, RemoteBuffer, int]) -> object:
+    def _quick(self, op: str, block: tuple[int, int, RemoteBuffer, int], deadline: float) -> object:
         """write()/read() of one block in the steady state, in one frame: a lease held and
         sound, NIXL's view of the peer clean up to it (_unsendable, as _post asks), no transfer
         of this endpoint left to poll (``_running``: tracked, or past its wait), nothing to
@@ -2086,7 +2086,8 @@ class NixlEndpoint(Closable):
         and what they guard are _post's; the transfer is _post's untracked one.  None where any
         of it does not hold, with nothing posted or held (_post then runs, and says what is
         wrong); _OVER where NIXL ended the transfer within the post, or within _SPIN_S of
-        polling in this frame (_quick_wait; no Transfer made); else the running Transfer."""
+        polling in this frame (_quick_wait, until ``deadline`` at the latest; no Transfer
+        made); else the running Transfer."""
         local, size, r, offset = block
         if _DEFERRED or self._running or self._draining or op not in ("WRITE", "READ"):
             return None
@@ -2136,7 +2137,7 @@ class NixlEndpoint(Closable):
                 t = Transfer(self, direct.wrap(hid), toks, [lease], seq, op, [block], False)
                 self._complete(t, "ERR")
                 return t
-        return self._quick_wait(direct, hid, toks[0], lease, seq, op, block, now + _SPIN_S)
+        return self._quick_wait(direct, hid, toks[0], lease, seq, op, block, min(now + _SPIN_S, deadline))
 
     def _quick_wait(
         self,
