@@ -38,9 +38,10 @@ if not 0 < STRESS_SCALE <= 1:
     raise ValueError(f"GPUPIN_STRESS_SCALE={STRESS_SCALE}: a fraction of the CI counts, in (0, 1]")
 
 
-def scaled(n: int) -> int:
-    """A stress test's CI count ``n`` at GPUPIN_STRESS_SCALE (at least 1)."""
-    return max(1, round(n * STRESS_SCALE))
+def scaled(n: int, step: int = 1) -> int:
+    """A stress test's CI count ``n`` at GPUPIN_STRESS_SCALE: a multiple of ``step`` (a test that
+    runs in batches of ``step`` counts whole batches), at least one ``step``."""
+    return max(step, round(n * STRESS_SCALE / step) * step)
 
 
 def pytest_ignore_collect(collection_path: Any, config: pytest.Config) -> bool | None:

@@ -98,7 +98,7 @@ def test_close_races_free(memory: MemoryProvider) -> None:
 
 
 def test_dma_unmap_races_free(device: Device, memory: MemoryProvider, pci: str) -> None:
-    n = ITER if LONG else scaled(2000)
+    n = ITER if LONG else scaled(2000, step=200)
     for _ in range(n // 200):
         vas = [memory.alloc(GPU_ALLOC) for _ in range(200)]
         pins = [device.pin(va, GPU_PAGE) for va in vas]
@@ -145,7 +145,7 @@ def test_queries_race_free(device: Device, memory: MemoryProvider) -> None:
 
 def test_netlink_dump_races_free(device: Device, memory: MemoryProvider) -> None:
     """GET_PINS dumps walking pins while their callbacks run."""
-    n = ITER if LONG else scaled(2000)
+    n = ITER if LONG else scaled(2000, step=BATCH)
     seen = 0
     with Netlink() as nl:
         for _ in range(n // BATCH):
@@ -176,7 +176,7 @@ def test_netlink_dump_races_free(device: Device, memory: MemoryProvider) -> None
 
 def test_peer_transfers_race_free(device: Device, memory: MemoryProvider, peer: Peer) -> None:
     """Driver accesses (kernel API) in flight while the callback notifies and waits for them."""
-    n = ITER if LONG else scaled(1000)
+    n = ITER if LONG else scaled(1000, step=100)
     completed = aborted = refused = 0
     for _ in range(n // 100):
         vas = [memory.alloc(max(GPU_ALLOC, 2 * GPU_PAGE)) for _ in range(100)]
