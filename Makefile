@@ -129,14 +129,10 @@ test-vm: setup pyext
 	scripts/vm-run.sh test
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests/pty
 
-# The second kernel of the matrix: Debian 12's 6.12 (installed by scripts/ci/kernel-6.12.sh):
-# the checks that depend on the kernel (W=1 builds, sparse; check-kernel.sh --matrix), then the
-# whole VM suite booting it, its races, fuzzer and thread races at a quarter of their CI counts
-# (6.1 runs them whole: make test-vm).
+# The second kernel of the matrix, Debian 12's 6.12: the checks that depend on the kernel and
+# the whole VM suite booting it (scripts/ci/test-vm-6.12.sh says what and how).
 test-vm-6.12: setup pyext
-	kver=$$(scripts/ci/kernel-6.12.sh) && \
-		scripts/ci/check-kernel.sh --matrix /usr/src/linux-headers-$$kver && \
-		GPUPIN_STRESS_SCALE=0.25 VM_KVER=$$kver RESULTS=$(CURDIR)/results/6.12 scripts/vm-run.sh test
+	RESULTS=$(CURDIR)/results/6.12 scripts/ci/test-vm-6.12.sh
 
 # The budget leg: Debian's newest kernel built with the dmem cgroup controller, which Debian's
 # own builds leave out (scripts/debug-kernel.sh dmem: 20-30 min once on 2 cores, cached in /var/cache/gpupin);

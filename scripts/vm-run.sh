@@ -85,7 +85,14 @@ BAR_DEV="-object memory-backend-ram,id=gpupinbar,size=64M -device ivshmem-plain,
 # (cache=loose) over those directories.  virtme-ng's root goes uncached to the host for every
 # stat and read, which under software emulation makes each Python start take seconds.
 RO_SHARE="-fsdev local,id=gpupinro,path=/,security_model=none,readonly=on -device virtio-9p-pci,fsdev=gpupinro,mount_tag=gpupinro"
-RO_DIRS="$("$VENV/bin/python" -c 'import sys; print(sys.base_prefix)') $VENV $ROOT/pyctl $ROOT/tests"
+# The package directory is the one the venv imports gpupin from (its editable install: this
+# tree's pyctl/, or the main tree's for a copy such as make test's build/matrix).
+RO_DIRS="$("$VENV/bin/python" -c '
+import importlib.util, os, sys
+spec = importlib.util.find_spec("gpupin")
+pkg = spec.submodule_search_locations[0] if spec and spec.submodule_search_locations else ""
+print(sys.base_prefix, os.path.dirname(os.path.realpath(pkg)) if pkg else "")
+') $VENV $ROOT/tests"
 # modprobe.blacklist: udev's coldplug would load drivers for emulated hardware that no test
 # uses (KVM, the q35 machine's AHCI and DVD-ROM, watchdogs, SMBus, CPU frequency, crypto
 # accelerators), each costing seconds under emulation, before the script may start.

@@ -29,9 +29,62 @@ mkdir -p "$LOGS"
 rows=()
 failed=()
 t0=$SECONDS
+
+# test-vm-6.12 beside test-vm: each guest keeps about one of this machine's cores busy (its
+# tests are one Python process at a time, under software emulation), so the two kernels' legs
+# side by side take little more than the longer one.  The 6.12 leg runs from a copy of the
+# tree (build/matrix: git's files, tracked and untracked, not ignored), where it builds its
+# modules, so that neither leg's build overwrites the modules the other's guest loads; the
+# venv is this tree's.  What both would share is done first, one at a time: the packages
+# (make setup), the 6.12 kernel (its apt install) and the YNL tools (their download).  Its
+# output goes to results/legs/test-vm-6.12.log, printed whole when test-vm is over.
+# GPUPIN_SERIAL_LEGS=1: one leg after the other.
+BESIDE=
+BESIDE_PID=
+STARTED=
+if [ -z "${GPUPIN_SERIAL_LEGS:-}" ] && [[ " ${legs[*]} " == *" test-vm "* ]] &&
+	[[ " ${legs[*]} " == *" test-vm-6.12 "* ]] && git -C "$ROOT" rev-parse --git-dir >/dev/null 2>&1; then
+	BESIDE=test-vm-6.12
+fi
+
+# start_beside: prepare and start the 6.12 leg in the background (BESIDE_PID); its status and
+# its seconds go to results/legs/test-vm-6.12.status.
+start_beside() {
+	local copy=$ROOT/build/matrix log=$LOGS/$BESIDE.log st=$LOGS/$BESIDE.status
+	STARTED=1
+	rm -f "$st"
+	{
+		"${MAKE:-make}" --no-print-directory -C "$ROOT" setup pyext &&
+			"$ROOT/scripts/ci/kernel-6.12.sh" >/dev/null &&
+			"$ROOT/scripts/ynl-fetch.sh" >/dev/null &&
+			rm -rf "$copy" && mkdir -p "$copy" &&
+			(cd "$ROOT" && git ls-files -z -c -o --exclude-standard | tar --null -T - -cf -) | tar -C "$copy" -xf -
+	} >"$log" 2>&1 || { echo "1 0" >"$st"; return 0; }
+	(
+		t=$SECONDS
+		rc=0
+		VENV=$VENV RESULTS=$ROOT/results/6.12 "$copy/scripts/ci/test-vm-6.12.sh" >>"$log" 2>&1 || rc=$?
+		echo "$rc $((SECONDS - t))" >"$st"
+	) &
+	BESIDE_PID=$!
+	echo "$PROG: $BESIDE runs beside test-vm from a copy of the tree (build/matrix); its output: $log"
+}
+
 for leg in "${legs[@]}"; do
 	echo "$PROG: ---- $leg ----"
+	if [ "$leg" = test-vm ] && [ -n "$BESIDE" ]; then
+		start_beside  # (its setup and downloads counted in neither leg's time)
+	fi
 	t=$SECONDS
+	if [ "$leg" = "$BESIDE" ] && [ -n "$STARTED" ]; then
+		[ -z "$BESIDE_PID" ] || wait "$BESIDE_PID"
+		cat "$LOGS/$leg.log"
+		read -r rc secs <"$LOGS/$leg.status" 2>/dev/null || { rc=1; secs=0; }
+		if [ "$rc" = 0 ]; then verdict=passed; else verdict=FAILED; failed+=("$leg"); fi
+		rows+=("$(row "$leg" "$verdict" "$secs")")
+		echo "$PROG: $leg $verdict after ${secs}s (beside test-vm; $((SECONDS - t))s more after it)"
+		continue
+	fi
 	# pipefail: the verdict is make's status, not tee's.
 	if "${MAKE:-make}" --no-print-directory -C "$ROOT" "$leg" 2>&1 | tee "$LOGS/$leg.log"; then
 		verdict=passed
