@@ -246,6 +246,19 @@ def _release(h: Any, *, dlist: bool = False) -> None:
         raise
 
 
+def _releases_as_nixl(agent: Any, handle: Any) -> bool:
+    """Whether releasing ``handle`` on ``agent`` is NIXL's own release_xfer_handle (a subclass
+    of NIXL's agent that keeps it, NIXL's handle object): then _release does it."""
+    api = sys.modules.get(type(handle).__module__)
+    base = getattr(api, "nixl_agent", None)
+    return (
+        base is not None
+        and type(handle) is getattr(api, "nixl_xfer_handle", None)
+        and "release_xfer_handle" not in getattr(agent, "__dict__", {})
+        and getattr(type(agent), "release_xfer_handle", None) is getattr(base, "release_xfer_handle", None)
+    )
+
+
 class _Direct:
     """NIXL's binding calls behind ``nixl_agent``'s transfer methods (initialize_xfer,
     transfer, check_xfer_state and get_xfer_descs in NIXL's _api.py call nothing else), for
@@ -282,10 +295,21 @@ class _Direct:
 
     def wrap(self, hid: int) -> Any:
         """The handle object ``request`` would have made of ``hid``, kept in _LIVE_XFERS (as a
-        post keeps every handle it made) until released."""
-        h = self.handle(self.inner, hid)
+        post keeps every handle it made) until released.  Made marked released, and marked
+        live only once kept: an interrupt in between leaves an object whose finalizer releases
+        nothing (NIXL's would cancel and free the running request under its poller)."""
+        h = object.__new__(self.handle)
+        h._released = True
+        h._handle, h._agent = hid, self.inner
         _LIVE_XFERS[id(h)] = h
+        h._released = False
         return h
+
+    @staticmethod
+    def wrapped(hid: int) -> Any:
+        """The handle object kept for ``hid`` (an interrupt may have come as ``wrap`` returned
+        it), or None."""
+        return next((h for h in list(_LIVE_XFERS.values()) if getattr(h, "_handle", None) == hid), None)
 
     def start(self, h: Any) -> str:
         """transfer(h): "DONE", "PROC" or "ERR"."""
@@ -512,10 +536,11 @@ class NixlDriver(LibraryDriver):
         cancel) is kept and retried, never left to its finalizer.  False if it was kept."""
         with self.lock:
             try:
-                if self.direct() is not None:  # release_xfer_handle calls no more than this
-                    _release(handle)
+                agent = self.agent
+                if self.direct() is not None or _releases_as_nixl(agent, handle):
+                    _release(handle)  # what release_xfer_handle does, marked first
                 else:
-                    self.agent.release_xfer_handle(handle)
+                    agent.release_xfer_handle(handle)  # replaced or overridden: it decides
                 _LIVE_XFERS.pop(id(handle), None)
                 return True
             except Exception:  # noqa: BLE001 - NIXL's own classes; retried in _retry_stuck
@@ -2196,7 +2221,8 @@ class NixlEndpoint(Closable):
                             break
                     if time.monotonic() > until:
                         break
-            t = Transfer(self, direct.wrap(hid), [tok], [lease], seq, op, [block], False)
+            h = direct.wrap(hid)
+            t = Transfer(self, h, [tok], [lease], seq, op, [block], False)
             if state != "PROC":
                 with lock:
                     if state == "QUERY":
@@ -2216,7 +2242,8 @@ class NixlEndpoint(Closable):
                         if lease.state == "revoked":
                             self._drop_if_idle(lease)
             elif t is None:  # the Transfer it is from now on, polled (as _blocking does for a wait)
-                self._orphan(Transfer(self, direct.wrap(hid), [tok], [lease], seq, op, [block], False))
+                h = direct.wrapped(hid) or direct.wrap(hid)  # (never a second object for it)
+                self._orphan(Transfer(self, h, [tok], [lease], seq, op, [block], False))
             elif t.state == "PROC":
                 self._orphan(t)
             raise
@@ -2952,10 +2979,6 @@ class NixlEndpoint(Closable):
         """NIXL says ``t`` is over: its handle and local registrations go, its leases count it
         (a lease revoked meanwhile is dropped once idle)."""
         t.state = state
-        if t.lost:
-            self._found(t)
-        if state != "DONE":
-            self.driver.peer_failed()
         # The Transfer may outlive its endpoint (the application keeps it): it must not keep
         # NIXL's handle, which keeps the agent, to be destroyed wherever the Transfer goes.
         # Taken off it before anything is released: an interrupt (Python raises one as a call
@@ -2963,6 +2986,10 @@ class NixlEndpoint(Closable):
         h, t._h = t._h, None
         toks, t._toks = t._toks, []
         try:
+            if t.lost:
+                self._found(t)
+            if state != "DONE":
+                self.driver.peer_failed()
             self._account(t, state)
         finally:
             try:
@@ -2973,28 +3000,45 @@ class NixlEndpoint(Closable):
                     self.cache.release_token(tok)
 
     def _account(self, t: Transfer, state: str) -> None:
-        """(_complete) ``t``, over, leaves the endpoint's books: the target's check asked for,
-        its leases' counts, a revoked one dropped once idle."""
-        if state == "DONE" and t.confirm:
-            # The target's check of the exposures it went to, asked for (a round trip).  Sent
-            # after DONE, on the channel the DROP takes later: the target counts these before it
-            # lets a revoked exposure go.  Not sent for every transfer: any notification makes
-            # NIXL's next transfer on that peer wait for the peer's progress (~0.5 ms here).
-            peer = t._leases[0].peer
-            if self._send(peer, _pack(_XFER, (t.seq, len(t._leases)), [(x.xid, x.epoch) for x in t._leases])):
-                for lease in t._leases:
-                    lease.checks += 1
-            else:
-                self._waiting.pop((peer, t.seq), None)  # no answer will come: wait(confirm) times out
-        elif t.confirm:
-            self._waiting.pop((t._leases[0].peer, t.seq), None)
+        """(_complete) ``t``, over, leaves the endpoint's books first (no message sent yet, so
+        an interrupt as a send returns cannot leave it counted), then the target's check asked
+        for goes, then each revoked lease now idle is dropped, every one of them whatever an
+        earlier drop raised (after the check: the target counts the checks before it lets a
+        revoked exposure go)."""
         self._running.discard(t)  # over before its leases' drops go (a target may act on them at once)
         if self._inflight and t in self._inflight:
             self._inflight.remove(t)
         for lease in t._leases:
             lease.inflight -= 1
-            if lease.state == "revoked":
-                self._drop_if_idle(lease)
+        try:
+            if t.confirm:
+                self._ask_check(t, state)
+        finally:
+            first: BaseException | None = None
+            for lease in t._leases:
+                if lease.state == "revoked":
+                    try:
+                        self._drop_if_idle(lease)
+                    except BaseException as exc:  # the others' drops still go; raised after them
+                        first = first or exc
+            if first is not None:
+                raise first
+
+    def _ask_check(self, t: Transfer, state: str) -> None:
+        """(_account) The target's check of the exposures a DONE ``t`` went to, asked for (a
+        round trip).  Sent after DONE, on the channel the DROP takes later: the target counts
+        these before it lets a revoked exposure go.  Not sent for every transfer: any
+        notification makes NIXL's next transfer on that peer wait for the peer's progress
+        (~0.5 ms here).  Counted once sent (an interrupt as the send returns undercounts, which
+        the target's count of what arrived tolerates: the check arrives before the drop)."""
+        peer = t._leases[0].peer
+        if state == "DONE" and self._send(
+            peer, _pack(_XFER, (t.seq, len(t._leases)), [(x.xid, x.epoch) for x in t._leases])
+        ):
+            for lease in t._leases:
+                lease.checks += 1
+        else:
+            self._waiting.pop((peer, t.seq), None)  # no answer will come: wait(confirm) times out
 
     def _drop_if_idle(self, lease: _Lease) -> None:
         if lease.state == "revoked" and lease.inflight == 0:

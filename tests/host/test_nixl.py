@@ -840,6 +840,168 @@ def test_a_ctrl_c_as_a_steady_write_ends_leaves_nothing_held(monkeypatch: pytest
         p.close()
 
 
+def _ctrl_c_after_send(agent: Any, kind: bytes) -> list[bytes]:
+    """Make ``agent.send_notif`` raise KeyboardInterrupt once, after it really sent the first
+    message of gpupin's ``kind`` (as a Ctrl-C that came while NIXL sent it)."""
+    import gpupin.nixl as gn
+
+    real, sent = agent.send_notif, []
+
+    def send_notif(peer: Any, msg: bytes) -> Any:
+        r = real(peer, msg)
+        if not sent and msg.startswith(gn._PREFIX + kind):
+            sent.append(msg)
+            raise KeyboardInterrupt
+        return r
+
+    agent.send_notif = send_notif
+    return sent
+
+
+def test_a_ctrl_c_as_a_transfer_ends_with_messages_leaves_nothing_counted() -> None:
+    """Ending a transfer sends messages (the target's check for confirm=True, the drop of a
+    lease revoked meanwhile); a Ctrl-C as one of those sends returns left the transfer counted
+    on its leases (connect, forget_peer and close refused for ever, a revoked lease never
+    dropped).  The books are done before any send, and each revoked lease is dropped whatever
+    another's drop raised."""
+    import gpupin.nixl as gn
+
+    p = Pair()
+    try:
+        a, b, src = p.mt.alloc(MiB), p.mt.alloc(MiB), p.mi.alloc(MiB)
+        ra, rb = p.tgt.expose(a, MiB), p.tgt.expose(b, MiB)
+        p.ini.write_blocks([(src, 4096, ra, 0), (src + 4096, 4096, rb, 0)])  # both leases
+        la, lb = p.ini._leases[(ra.agent, ra.xid)], p.ini._leases[(rb.agent, rb.xid)]
+        agent = p.ini.driver._agent
+        sent = _ctrl_c_after_send(agent, gn._XFER)  # the target's check of a confirmed write
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                p.ini.write(src, 4096, ra, confirm=True)
+        finally:
+            del agent.send_notif
+        assert sent, "no check was sent"
+        assert la.inflight == 0 and not p.ini._running and p.ini.cache.held() == 0
+        p.ini.connect(p.tgt.metadata(), timeout=2)  # waits for no transfer
+        # Both leases revoked while a transfer into both runs; the first drop is interrupted.
+        d = p.ini.driver._direct
+        assert d is not None
+        real_post = d.post
+
+        def post_runs(h: int, notif: bytes) -> int:
+            real_post(h, notif)
+            return d.in_prog
+
+        d.post = post_runs
+        try:
+            t = p.ini.post_write([(src, 4096, ra, 0), (src + 4096, 4096, rb, 0)])
+        finally:
+            d.post = real_post
+        with p.ini._lock:  # what taking the target's REVOKE of each does to a lease in use
+            la.state = lb.state = "revoked"
+        sent = _ctrl_c_after_send(agent, gn._DROP)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                t.wait()
+        finally:
+            del agent.send_notif
+        assert len(sent) == 1 and t.state == "DONE"
+        assert la.inflight == lb.inflight == 0, "a lease still counts the transfer: never dropped"
+        assert (ra.agent, ra.xid) not in p.ini._leases and (rb.agent, rb.xid) not in p.ini._leases
+        assert p.ini.cache.held() == 0 and not p.ini._running
+    finally:
+        p.close()
+
+
+def test_a_ctrl_c_as_a_handle_is_wrapped_leaves_no_finalizer_to_release_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """_Direct.wrap makes NIXL's handle object for a running request; an interrupt after the
+    object is made and before gpupin keeps it dropped the object, whose finalizer released
+    the request under its poller (a crash once polled).  It is made marked released, and
+    marked live only once kept: dropped before that, it releases nothing."""
+    import gc
+
+    import gpupin.nixl as gn
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.released: list[int] = []
+
+        def releaseXferReq(self, hid: int) -> None:  # noqa: N802 - NIXL's name
+            self.released.append(hid)
+
+    class Interrupting(dict):  # type: ignore[type-arg]
+        def __setitem__(self, key: Any, value: Any) -> None:
+            raise KeyboardInterrupt
+
+    p = Pair()
+    try:
+        d = gn._Direct.of(p.ini.driver._agent)
+        assert d is not None
+        d.inner = rec = Recorder()  # (this _Direct only: the endpoint's own is untouched)
+        monkeypatch.setattr(gn, "_LIVE_XFERS", Interrupting())
+        with pytest.raises(KeyboardInterrupt):
+            d.wrap(0x1234)
+        gc.collect()
+        assert rec.released == [], "the dropped handle object released a running request"
+    finally:
+        monkeypatch.undo()
+        p.close()
+
+
+def test_a_ctrl_c_as_a_subclassed_agent_releases_a_handle_leaves_it_released_once() -> None:
+    """An application's agent of a subclass of NIXL's (no binding path: _Direct.of refuses
+    it) releases a transfer's handle through NIXL's own release_xfer_handle, which marks it
+    after NIXL's call; gpupin marks it first there too, the subclass keeping NIXL's method."""
+    import threading
+
+    import gpupin.nixl as gn
+
+    api = gn.load_nixl()
+
+    class AppAgent(api.nixl_agent):  # type: ignore[misc,name-defined]
+        pass
+
+    mt, mi = HostMemory(16 << 20), HostMemory(16 << 20)
+    tgt = NixlEndpoint("t-subclass", mt, mem_type="DRAM")
+    own = AppAgent("i-subclass", api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    ini = NixlEndpoint("i-subclass", mi, mem_type="DRAM", agent=own)
+    stop = threading.Event()
+    pump = threading.Thread(target=lambda: tgt.serve(60, stop.is_set))
+    kept: list[Any] = []
+    try:
+        assert ini.driver.direct() is None
+        ini.connect(tgt.metadata())
+        tgt.connect(ini.metadata())
+        pump.start()
+        dst, src = mt.alloc(MiB), mi.alloc(MiB)
+        rb = tgt.expose(dst, MiB)
+        ini.write(src, 4096, rb)
+        for _ in range(1000):  # one NIXL did not end within its post: it has a handle to release
+            t = ini.post_write([(src, 4096, rb, 0)])
+            if t._h is not None:
+                break
+            t.wait()
+        else:
+            pytest.fail("every transfer ended within its post: nothing to release")
+        h = t._h
+        kept.append(h)
+        h._agent = _InterruptedAfter(h._agent, "releaseXferReq")
+        with pytest.raises(KeyboardInterrupt):
+            t.wait()
+        assert h._released, "NIXL released the handle and it is marked live: its finalizer frees it again"
+    finally:
+        for h in kept:
+            h._released = True
+        try:
+            ini.close()
+        finally:
+            stop.set()
+            if pump.is_alive():
+                pump.join()
+            tgt.close()
+            mi.close()
+            mt.close()
+
+
 def test_a_peer_restarted_under_the_same_name_is_reached_again() -> None:
     """The target process dies and another starts under the same agent name (its generations
     counted anew): NIXL refuses the new incarnation's metadata until the old one is forgotten;
