@@ -747,6 +747,28 @@ class _InterruptedAfter:
         return call
 
 
+def _interrupted_release(ep: NixlEndpoint, src: int, rb: Any, kept: list[Any]) -> Any:
+    """Post writes from ``ep`` until one is still running after its post (it has a handle to
+    release), then wait for it with a Ctrl-C landing as NIXL releases its handle: the handle
+    must be marked released (else NIXL's finalizer frees it again).  Returns the Transfer;
+    the handle goes into ``kept`` (the caller marks it released at the end, which keeps the
+    process from that second release on code that fails this)."""
+    for _ in range(1000):
+        t = ep.post_write([(src, 4096, rb, 0)])
+        if t._h is not None:
+            break
+        t.wait()
+    else:
+        pytest.fail("every transfer ended within its post: nothing to release")
+    h = t._h
+    kept.append(h)
+    h._agent = _InterruptedAfter(h._agent, "releaseXferReq")
+    with pytest.raises(KeyboardInterrupt):
+        t.wait()
+    assert h._released, "NIXL released the handle and it is marked live: its finalizer frees it again"
+    return t
+
+
 def test_a_ctrl_c_as_nixl_releases_a_handle_leaves_it_released_once() -> None:
     """NIXL's own release() marks its handle object released only after NIXL's call returned:
     a Ctrl-C in between left it marked live, and NIXL's finalizer freed it a second time at
@@ -758,19 +780,7 @@ def test_a_ctrl_c_as_nixl_releases_a_handle_leaves_it_released_once() -> None:
         rb = p.tgt.expose(dst, MiB)
         p.ini.write(src, 4096, rb)
         lease = p.ini._leases[(rb.agent, rb.xid)]
-        for _ in range(1000):  # one NIXL did not end within its post: it has a handle to release
-            t = p.ini.post_write([(src, 4096, rb, 0)])
-            if t._h is not None:
-                break
-            t.wait()
-        else:
-            pytest.fail("every transfer ended within its post: nothing to release")
-        h = t._h
-        kept.append(h)
-        h._agent = _InterruptedAfter(h._agent, "releaseXferReq")
-        with pytest.raises(KeyboardInterrupt):
-            t.wait()
-        assert h._released, "NIXL released the handle and it is marked live: its finalizer frees it again"
+        t = _interrupted_release(p.ini, src, rb, kept)
         # The transfer left the endpoint's books all the same: nothing counted or held for ever.
         assert t.state == "DONE" and t not in p.ini._running and lease.inflight == 0
         assert p.ini.cache.held() == 0
@@ -975,19 +985,7 @@ def test_a_ctrl_c_as_a_subclassed_agent_releases_a_handle_leaves_it_released_onc
         dst, src = mt.alloc(MiB), mi.alloc(MiB)
         rb = tgt.expose(dst, MiB)
         ini.write(src, 4096, rb)
-        for _ in range(1000):  # one NIXL did not end within its post: it has a handle to release
-            t = ini.post_write([(src, 4096, rb, 0)])
-            if t._h is not None:
-                break
-            t.wait()
-        else:
-            pytest.fail("every transfer ended within its post: nothing to release")
-        h = t._h
-        kept.append(h)
-        h._agent = _InterruptedAfter(h._agent, "releaseXferReq")
-        with pytest.raises(KeyboardInterrupt):
-            t.wait()
-        assert h._released, "NIXL released the handle and it is marked live: its finalizer frees it again"
+        _interrupted_release(ini, src, rb, kept)
     finally:
         for h in kept:
             h._released = True
