@@ -748,18 +748,27 @@ class _InterruptedAfter:
 
 
 def _interrupted_release(ep: NixlEndpoint, src: int, rb: Any, kept: list[Any]) -> Any:
-    """Post writes from ``ep`` until one is still running after its post (it has a handle to
-    release), then wait for it with a Ctrl-C landing as NIXL releases its handle: the handle
+    """Post a write from ``ep`` that is still running after its post (it has a handle to
+    release: NIXL's post is said to run on, through the bindings; an agent without them says so
+    itself), then wait for it with a Ctrl-C landing as NIXL releases its handle: the handle
     must be marked released (else NIXL's finalizer frees it again).  Returns the Transfer;
     the handle goes into ``kept`` (the caller marks it released at the end, which keeps the
     process from that second release on code that fails this)."""
-    for _ in range(1000):
+    d = ep.driver.direct()
+    if d is not None:
+        real = d.post
+
+        def post_runs(h: int, notif: bytes) -> int:
+            real(h, notif)
+            return d.in_prog
+
+        d.post = post_runs
+    try:
         t = ep.post_write([(src, 4096, rb, 0)])
-        if t._h is not None:
-            break
-        t.wait()
-    else:
-        pytest.fail("every transfer ended within its post: nothing to release")
+    finally:
+        if d is not None:
+            d.post = real
+    assert t._h is not None and t.state == "PROC"
     h = t._h
     kept.append(h)
     h._agent = _InterruptedAfter(h._agent, "releaseXferReq")
@@ -968,7 +977,9 @@ def test_a_ctrl_c_as_a_subclassed_agent_releases_a_handle_leaves_it_released_onc
     api = gn.load_nixl()
 
     class AppAgent(api.nixl_agent):  # type: ignore[misc,name-defined]
-        pass
+        def transfer(self, handle: Any, notif_msg: bytes = b"") -> str:
+            super().transfer(handle, notif_msg)
+            return "PROC"  # (said to run on: the test's transfer has a handle to release)
 
     mt, mi = HostMemory(16 << 20), HostMemory(16 << 20)
     tgt = NixlEndpoint("t-subclass", mt, mem_type="DRAM")
