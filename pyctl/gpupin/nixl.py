@@ -598,14 +598,18 @@ class NixlDriver(LibraryDriver):
             if reg is None:
                 raise UnknownHandle(f"NIXL registration {h}: not a registration of this driver")
             t = time.perf_counter()
+            # Counted before NIXL's call, undone only if NIXL refused: the count makes peers
+            # renew their view of this agent, and an interrupt as the call returns must not
+            # leave it behind a registration NIXL dropped (one more renewal is harmless).
+            self.deregistrations += 1
             try:
                 self.agent.deregister_memory(reg.dlist)
             except Exception as exc:  # noqa: BLE001 - still registered: `live` keeps counting it
+                self.deregistrations -= 1
                 raise _nixl_error(f"deregister_memory({reg.va:#x}, {reg.size})", exc) from None
             finally:
                 self.deregister_s += time.perf_counter() - t
             del self._regs[h]
-            self.deregistrations += 1
 
     @property
     def live(self) -> int:
@@ -1217,10 +1221,14 @@ class NixlEndpoint(Closable):
         """(under _lock, no transfer with the peer running) The application's load: metadata of
         unknown age, which may name registrations the peer has dropped since (NIXL adds every
         descriptor it lacks, beside the live ones).  The endpoint trusts its view of the peer no
-        more: the next transfer with it loads the peer's current metadata first."""
+        more: the next transfer with it loads the peer's current metadata first.  Distrusted
+        before NIXL's load as well as after it: an interrupt (Python raises one as a call
+        returns) must not leave a view of unknown age trusted."""
+        named = peer or _agent_name(metadata)
+        before = named is not None and self._views.pop(named, None) is not None
         got = self._add(metadata, peer)
-        if got in self._views:
-            self._views.pop(got)
+        if got in self._views or (before and got == named):
+            self._views.pop(got, None)
             self.view_reloads_asked += 1
         return got
 
@@ -1354,10 +1362,11 @@ class NixlEndpoint(Closable):
         """(under _lock, no transfer with ``peer`` running) NIXL's view of ``peer`` goes.
         remove_remote_agent returns nothing: invalidateRemoteMD fails only for a name NIXL does
         not know (nothing to forget) or its own (refused at construction)."""
+        self._views.pop(peer, None)  # (before NIXL's call: an interrupt leaves it untrusted)
+        self._connected.discard(peer)  # (loaded again, whole, by the next _add)
         with self.driver.lock:
             self._view_changed(peer)
             self.agent.remove_remote_agent(peer)
-        self._views.pop(peer, None)
 
     # -- target side -----------------------------------------------------------
     def expose(self, ptr: int, size: int, *, epoch: int = 0) -> RemoteBuffer:
@@ -1963,6 +1972,7 @@ class NixlEndpoint(Closable):
             toks: list[int] = []
             h = None
             posting = False
+            counted = 0  # of the leases, those counting it
             seq = -1  # (taken before anything is posted)
             with self._lock:
                 why = self._unsendable(peer, leases)
@@ -2055,17 +2065,26 @@ class NixlEndpoint(Closable):
                             rdesc = agent.get_xfer_descs(rspec, r0.mem_type)
                             h = agent.initialize_xfer(op, ldesc, rdesc, peer, b"")
                         _LIVE_XFERS[id(h)] = h
+                        # Its leases count it before NIXL posts a byte (a revocation waits for
+                        # it), each pass counted: an interrupt between two (Python raises one
+                        # at a loop's back edge) leaves no lease behind a running transfer.
+                        for lease in leases:
+                            lease.inflight += 1
+                            counted += 1
                         posting = True  # from here NIXL may have posted puts: the handle is kept
                         state = direct.start(h) if direct is not None else agent.transfer(h)
                 except BaseException as exc:
-                    self._post_failed(exc, op, blocks, prep, h, toks, leases, seq, posting)
-                for lease in leases:
-                    lease.inflight += 1
-                t = Transfer(self, h, toks, leases, seq, op, blocks, confirm)
-                if confirm:
-                    self._waiting[(peer, seq)] = t
-                if tracked:
-                    self._running.add(t)
+                    self._post_failed(exc, op, blocks, prep, h, toks, leases, seq, posting, counted)
+                t = None
+                try:
+                    t = Transfer(self, h, toks, leases, seq, op, blocks, confirm)
+                    if confirm:
+                        self._waiting[(peer, seq)] = t
+                    if tracked:
+                        self._running.add(t)
+                except BaseException:  # interrupted: polled from now on, as an interrupted wait is
+                    self._orphan(t if t is not None else Transfer(self, h, toks, leases, seq, op, blocks, confirm))
+                    raise
                 self.transfers += 1
                 if state != "PROC":
                     self._complete(t, "DONE" if state == "DONE" else "ERR")
@@ -2259,16 +2278,21 @@ class NixlEndpoint(Closable):
         leases: list[_Lease],
         seq: int,
         posting: bool,
+        counted: int = 0,
     ) -> NoReturn:
         """(under _lock) A post that raised ``exc``: what it holds is let go, or, where NIXL
-        may have posted puts already (``posting``), kept as a running transfer; then raises."""
+        may have posted puts already (``posting``), kept as a running transfer; then raises.
+        ``counted``: how many of ``leases`` (the first ones) count it already."""
         peer = leases[0].peer
+        if not posting:
+            for lease in leases[:counted]:
+                lease.inflight -= 1
         if prep is not None and not posting:  # made again from scratch next time
             with self.driver.lock:
                 prep.drop(local=True, remote=True)
         if posting:  # polled until NIXL says it is over, like any running transfer
             t = Transfer(self, h, toks, leases, seq, op, blocks, False)
-            for lease in leases:
+            for lease in leases[counted:]:
                 lease.inflight += 1
             self._running.add(t)
             self._inflight.append(t)

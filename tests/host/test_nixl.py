@@ -931,6 +931,110 @@ def test_a_ctrl_c_as_a_transfer_ends_with_messages_leaves_nothing_counted() -> N
         p.close()
 
 
+def _ctrl_c_after(obj: Any, name: str) -> None:
+    """Make ``obj.name`` (set on the instance) raise KeyboardInterrupt once its real call
+    returned (as a Ctrl-C that came while NIXL ran it)."""
+    real = getattr(obj, name)
+
+    def call(*a: Any, **k: Any) -> Any:
+        real(*a, **k)
+        raise KeyboardInterrupt
+
+    setattr(obj, name, call)
+
+
+def test_a_ctrl_c_as_nixl_changes_a_view_or_registration_leaves_nothing_trusted() -> None:
+    """A Ctrl-C as NIXL's load of a peer's metadata, its removal of a peer, or its
+    deregistration returns: the endpoint trusts no view of unknown age (the next transfer loads
+    the peer's current metadata), keeps no connection NIXL dropped, and counts the dropped
+    registration (peers renew their view of it)."""
+    p = Pair()
+    try:
+        dst, src = p.mt.alloc(MiB), p.mi.alloc(MiB)
+        rb = p.tgt.expose(dst, MiB)
+        p.ini.write(src, 4096, rb)
+        assert rb.agent in p.ini._views
+        agent = p.ini.driver._agent
+        _ctrl_c_after(agent, "add_remote_agent")
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                p.ini.connect(p.tgt.metadata())
+        finally:
+            del agent.add_remote_agent
+        assert rb.agent not in p.ini._views, "a view loaded from the application's metadata is still trusted"
+        p.mi.write(src, b"\x21" * 4096)
+        p.ini.write(src, 4096, rb)
+        assert p.mt.read(dst, 4096) == b"\x21" * 4096
+        _ctrl_c_after(agent, "remove_remote_agent")
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                p.ini.forget_peer(rb.agent)
+        finally:
+            del agent.remove_remote_agent
+        assert rb.agent not in p.ini._views and rb.agent not in p.ini._connected
+        drv = p.tgt.driver
+        reg = drv.pin(p.mt.alloc(MiB), MiB)
+        before = drv.deregistrations
+        tagent = drv._agent
+        _ctrl_c_after(tagent, "deregister_memory")
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                drv.unpin(reg)
+        finally:
+            del tagent.deregister_memory
+        assert drv.deregistrations == before + 1, "NIXL dropped a registration that peers are not told of"
+        drv._regs.pop(reg.handle, None)  # (NIXL dropped it: not deregistered again at close)
+    finally:
+        p.close()
+
+
+def test_a_ctrl_c_between_the_lease_counts_of_a_post_leaves_nothing_posted() -> None:
+    """A transfer's leases count it before NIXL posts it: a Ctrl-C between two of the counts
+    (Python raises one at a loop's back edge) leaves nothing posted and nothing counted.  Before,
+    they counted it after the post: the later leases did not count a running transfer (a
+    revocation answered at once, while its bytes still moved) and it was never polled."""
+    import gpupin.nixl as gn
+
+    class Tripwire(gn._Lease):
+        """A lease whose next increment of ``inflight`` is interrupted before it happens."""
+
+        armed = False
+
+        @property  # type: ignore[override]
+        def inflight(self) -> int:
+            return self.__dict__.get("n", 0)
+
+        @inflight.setter
+        def inflight(self, v: int) -> None:
+            if Tripwire.armed and v > self.__dict__.get("n", 0):
+                Tripwire.armed = False
+                raise KeyboardInterrupt
+            self.__dict__["n"] = v
+
+    p = Pair()
+    try:
+        a, b, src = p.mt.alloc(MiB), p.mt.alloc(MiB), p.mi.alloc(MiB)
+        ra, rb = p.tgt.expose(a, MiB), p.tgt.expose(b, MiB)
+        p.ini.write_blocks([(src, 4096, ra, 0), (src + 4096, 4096, rb, 0)])  # both leases
+        la = p.ini._leases[(ra.agent, ra.xid)]
+        old = p.ini._leases[(rb.agent, rb.xid)]
+        lb = Tripwire(**{f: getattr(old, f) for f in old.__dataclass_fields__ if f != "inflight"})
+        p.ini._leases[(rb.agent, rb.xid)] = lb
+        p.mt.write(a, bytes(4096))
+        p.mi.write(src, b"\x77" * 8192)
+        Tripwire.armed = True
+        with pytest.raises(KeyboardInterrupt):
+            p.ini.write_blocks([(src, 4096, ra, 0), (src + 4096, 4096, rb, 0)])
+        assert la.inflight == 0 and lb.inflight == 0, "a lease counts a transfer that was not posted"
+        assert p.ini.pending_transfers() == 0 and p.ini.cache.held() == 0
+        assert p.mt.read(a, 4096) == bytes(4096), "NIXL moved bytes of a transfer no lease counts"
+        p.ini.write_blocks([(src, 4096, ra, 0), (src + 4096, 4096, rb, 0)])
+        assert p.mt.read(b, 4096) == b"\x77" * 4096
+    finally:
+        Tripwire.armed = False
+        p.close()
+
+
 def test_a_ctrl_c_as_a_handle_is_wrapped_leaves_no_finalizer_to_release_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """_Direct.wrap makes NIXL's handle object for a running request; an interrupt after the
     object is made and before gpupin keeps it dropped the object, whose finalizer released
