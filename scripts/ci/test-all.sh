@@ -38,11 +38,13 @@ t0=$SECONDS
 # venv is this tree's.  What both would share is done first, one at a time: the packages
 # (make setup), the 6.12 kernel (its apt install) and the YNL tools (their download).  Its
 # output goes to results/legs/test-vm-6.12.log, printed whole when test-vm is over.
-# GPUPIN_SERIAL_LEGS=1: one leg after the other.
+# Only with GPUPIN_PARALLEL_LEGS=1: in one of three whole runs so (the machine loaded by other
+# tests as well), the 6.12 guest died 23 s after its start, before its script, and its
+# diagnostic boot then ran; not understood yet, so one leg after the other is the default.
 BESIDE=
 BESIDE_PID=
 STARTED=
-if [ -z "${GPUPIN_SERIAL_LEGS:-}" ] && [[ " ${legs[*]} " == *" test-vm "* ]] &&
+if [ "${GPUPIN_PARALLEL_LEGS:-}" = 1 ] && [[ " ${legs[*]} " == *" test-vm "* ]] &&
 	[[ " ${legs[*]} " == *" test-vm-6.12 "* ]] && git -C "$ROOT" rev-parse --git-dir >/dev/null 2>&1; then
 	BESIDE=test-vm-6.12
 fi
