@@ -548,6 +548,18 @@ def test_a_transfer_goes_through_nixl_bindings_unless_the_agent_methods_are_repl
         p.close()
 
 
+def _running_post(d: Any) -> Any:
+    """For NIXL's bindings ``d`` (gpupin.nixl._Direct): a post that posts for real (``d``'s
+    post as it is now) and says the transfer runs on, as NIXL says of most VRAM transfers."""
+    real = d.post
+
+    def post_runs(h: int, notif: bytes) -> int:
+        real(h, notif)
+        return d.in_prog
+
+    return post_runs
+
+
 def test_the_binding_path_fails_as_the_wrappers_do() -> None:
     """Faults injected behind gpupin.nixl._Direct (the doubles the other tests set on the agent
     turn it off): a post that fails after NIXL made the request holds nothing afterwards and
@@ -581,9 +593,7 @@ def test_the_binding_path_fails_as_the_wrappers_do() -> None:
         p.ini.write(src, 4096, rb)
         assert p.mt.read(dst, 4096) == b"\x66" * 4096
 
-        def post_runs(h: int, notif: bytes) -> int:  # posted for real, said to run on
-            real_post(h, notif)
-            return d.in_prog
+        post_runs = _running_post(d)
 
         def not_found(h: int) -> int:
             raise nixlNotFoundError("injected")
@@ -631,15 +641,13 @@ def test_a_steady_write_that_runs_past_its_post_ends_in_one_frame(monkeypatch: p
         monkeypatch.setattr(gn, "Transfer", Counted)
         d = p.ini.driver._direct
         assert d is not None and p.ini.driver.direct() is d
-        real_post, real_status = d.post, d.status
+        real_status = d.status
         lease = p.ini._leases[(rb.agent, rb.xid)]
         live = len(gn._LIVE_XFERS)
         polls: list[int] = []
         answers: list[Any] = []
 
-        def post_runs(h: int, notif: bytes) -> int:  # posted for real, said to run on
-            real_post(h, notif)
-            return d.in_prog
+        post_runs = _running_post(d)
 
         def scripted(h: int) -> int:  # the scripted answers first, then NIXL's own
             polls.append(h)
@@ -757,12 +765,7 @@ def _interrupted_release(ep: NixlEndpoint, src: int, rb: Any, kept: list[Any]) -
     d = ep.driver.direct()
     if d is not None:
         real = d.post
-
-        def post_runs(h: int, notif: bytes) -> int:
-            real(h, notif)
-            return d.in_prog
-
-        d.post = post_runs
+        d.post = _running_post(d)
     try:
         t = ep.post_write([(src, 4096, rb, 0)])
     finally:
@@ -836,9 +839,7 @@ def test_a_ctrl_c_as_a_steady_write_ends_leaves_nothing_held(monkeypatch: pytest
                 pass
             return d.ok
 
-        def post_runs(h: int, notif: bytes) -> int:  # still running after its post (VRAM's)
-            real_post(h, notif)
-            return d.in_prog
+        post_runs = _running_post(d)  # still running after its post (VRAM's)
 
         for post in (post_over, post_runs):
             d.post = post
@@ -906,11 +907,7 @@ def test_a_ctrl_c_as_a_transfer_ends_with_messages_leaves_nothing_counted() -> N
         assert d is not None
         real_post = d.post
 
-        def post_runs(h: int, notif: bytes) -> int:
-            real_post(h, notif)
-            return d.in_prog
-
-        d.post = post_runs
+        d.post = _running_post(d)
         try:
             t = p.ini.post_write([(src, 4096, ra, 0), (src + 4096, 4096, rb, 0)])
         finally:
