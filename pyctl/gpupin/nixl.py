@@ -500,6 +500,11 @@ class NixlDriver(LibraryDriver):
         self._direct = _Direct.of(agent)
         self._next = itertools.count(1)
         self._regs: dict[int, NixlRegistration] = {}
+        # Registrations NIXL may hold that _regs does not: one being made or dropped when an
+        # interrupt came (Python raises one as NIXL's call returns).  Deregistered before the
+        # next registration (NIXL keeps two at one base side by side and finds the older one
+        # first) and at close; each drop counted, so peers renew their view of this agent.
+        self._unsure: dict[int, Any] = {}
         self.registrations = 0
         self.deregistrations = 0
         self.register_s = 0.0
@@ -573,18 +578,27 @@ class NixlDriver(LibraryDriver):
         # No reap() here: a miss pins under the cache's lock and the endpoint's, and a deferred
         # agent retirement spins that agent for up to SETTLE_S.  Its callers reap first.
         with self.lock:
+            self._drop_unsure()
+            agent = self.agent
+            try:
+                dlist = agent.get_reg_descs([(va, size, self.devid, "")], self.mem_type)
+            except Exception as exc:  # noqa: BLE001
+                raise _nixl_error(what, exc) from None
+            h = next(self._next)
+            reg = NixlRegistration(h, va, size, dlist)
+            # Recorded before NIXL registers, kept in _regs with no check point in between:
+            # an interrupt anywhere leaves it in one of the two, never in neither.
+            self._unsure[h] = dlist
             t = time.perf_counter()
             try:
-                dlist = self.agent.register_memory([(va, size, self.devid, "")], self.mem_type)
-            except Exception as exc:  # noqa: BLE001
+                agent.register_memory(dlist)
+            except Exception as exc:  # noqa: BLE001 - NIXL refused: it holds none
+                del self._unsure[h]
                 raise _nixl_error(what, exc) from None
             finally:
                 self.register_s += time.perf_counter() - t
-            if dlist is None:
-                raise NixlError(f"{what} failed (NIXL returned no descriptor list; its log says why)")
-            h = next(self._next)
-            reg = NixlRegistration(h, va, size, dlist)
             self._regs[h] = reg
+            del self._unsure[h]
             self.registrations += 1
             return reg
 
@@ -598,18 +612,35 @@ class NixlDriver(LibraryDriver):
             if reg is None:
                 raise UnknownHandle(f"NIXL registration {h}: not a registration of this driver")
             t = time.perf_counter()
-            # Counted before NIXL's call, undone only if NIXL refused: the count makes peers
-            # renew their view of this agent, and an interrupt as the call returns must not
-            # leave it behind a registration NIXL dropped (one more renewal is harmless).
+            # Counted and moved to _unsure before NIXL's call, undone only if NIXL refused: the
+            # count makes peers renew their view of this agent, and an interrupt as the call
+            # returns (or before NIXL ran it) must leave neither a registration NIXL dropped in
+            # _regs nor one it still holds unrecorded (one more renewal is harmless).
             self.deregistrations += 1
+            self._unsure[h] = reg.dlist
+            del self._regs[h]
             try:
                 self.agent.deregister_memory(reg.dlist)
             except Exception as exc:  # noqa: BLE001 - still registered: `live` keeps counting it
+                self._regs[h] = reg
+                del self._unsure[h]
                 self.deregistrations -= 1
                 raise _nixl_error(f"deregister_memory({reg.va:#x}, {reg.size})", exc) from None
             finally:
                 self.deregister_s += time.perf_counter() - t
-            del self._regs[h]
+            del self._unsure[h]
+
+    def _drop_unsure(self) -> None:
+        """(under the lock) Deregister what an interrupt left in _unsure (NIXL may hold it or
+        not: a refusal means it holds none), each counted as a drop."""
+        while self._unsure:
+            h = next(iter(self._unsure))
+            self.deregistrations += 1
+            try:  # off the record only once NIXL answered: an interrupt has it tried again
+                self.agent.deregister_memory(self._unsure[h])
+            except Exception:  # noqa: BLE001, S110 - NOT_FOUND: NIXL never made it, or dropped it
+                pass
+            del self._unsure[h]
 
     @property
     def live(self) -> int:
@@ -620,6 +651,9 @@ class NixlDriver(LibraryDriver):
         """Close the cache over this driver (deregistering everything; InUse while one is held),
         then retire the agent if this driver made it."""
         self.close_cache()
+        if self._agent is not None:
+            with self.lock:
+                self._drop_unsure()
         self._retire()
 
     def __del__(self) -> None:
