@@ -808,6 +808,35 @@ class _AskAgain(Exception):
     """(_leases_for) A lease another thread asked for went before its answer: ask for it anew."""
 
 
+def _count(todo: list[_Lease], by: int) -> None:
+    """``lease.inflight += by`` for each lease of ``todo``, each taken off it with no check
+    point before its count changes (Python raises an interrupt as a call returns and at a
+    loop's back edge): what an interrupt leaves in ``todo`` is not done yet, and a second
+    pass over it (a finally) does it without doing any twice."""
+    while todo:
+        lease = todo[-1]
+        del todo[-1]
+        lease.inflight += by
+
+
+def _count_lost(todo: list[_Lease], by: int) -> None:
+    """``lease.lost += by`` for each lease of ``todo``, resumable as _count is."""
+    while todo:
+        lease = todo[-1]
+        del todo[-1]
+        lease.lost += by
+
+
+def _release_tokens(release: Callable[[int], object], toks: list[int]) -> None:
+    """release(tok) for each of ``toks`` (the cache's C release_token: no check point before
+    it runs), each taken off the list first: an interrupt leaves the rest in it, never one
+    released twice."""
+    while toks:
+        tok = toks[-1]
+        del toks[-1]
+        release(tok)
+
+
 @dataclass
 class _Lease:
     """(initiator) The right to transfer into one exposure of one peer, granted by its target."""
@@ -2319,17 +2348,24 @@ class NixlEndpoint(Closable):
         ``counted``: how many of ``leases`` (the first ones) count it already."""
         peer = leases[0].peer
         if not posting:
-            for lease in leases[:counted]:
-                lease.inflight -= 1
+            todo = leases[:counted]
+            try:
+                _count(todo, -1)
+            finally:  # what an interrupt left of it
+                _count(todo, -1)
         if prep is not None and not posting:  # made again from scratch next time
             with self.driver.lock:
                 prep.drop(local=True, remote=True)
         if posting:  # polled until NIXL says it is over, like any running transfer
-            t = Transfer(self, h, toks, leases, seq, op, blocks, False)
-            for lease in leases[counted:]:
-                lease.inflight += 1
-            self._running.add(t)
-            self._inflight.append(t)
+            # (_post counted every lease before it set ``posting``)
+            t = None
+            try:
+                t = Transfer(self, h, toks, leases, seq, op, blocks, False)
+                self._running.add(t)
+                self._inflight.append(t)
+            except BaseException:  # interrupted: polled from now on all the same
+                self._orphan(t if t is not None else Transfer(self, h, toks, leases, seq, op, blocks, False))
+                raise
             self.driver.peer_failed()
             disconnected = type(exc).__name__ == "nixlRemoteDisconnectError"
             if disconnected:  # NIXL erased the peer (the endpoint failed: its puts with it)
@@ -2349,10 +2385,11 @@ class NixlEndpoint(Closable):
             if isinstance(exc, Exception):
                 raise _nixl_error(_what(op, blocks), exc) from None
             raise exc
-        if h is not None:
-            self.driver.release_xfer(h)
-        for tok in toks:
-            self.cache.release_token(tok)
+        release = self.cache.release_token
+        try:
+            self._let_go(h, toks)
+        finally:  # what an interrupt left of them
+            _release_tokens(release, toks)
         if isinstance(exc, GpupinError):
             raise exc
         if isinstance(exc, Exception):
@@ -2994,10 +3031,13 @@ class NixlEndpoint(Closable):
         reference to the view it was made with (getXferStatus: NOT_FOUND once it expired), and
         a view loaded again is another one: polling it would never say more.  Our view of the
         peer is gone too: the next transfer with it loads the peer afresh."""
-        t.lost = True
-        self._lost.add(t)
-        for lease in t._leases:
-            lease.lost += 1
+        todo = t._leases[:]  # (a slice: no check point, unlike a call)
+        try:
+            t.lost = True
+            self._lost.add(t)
+            _count_lost(todo, 1)
+        finally:  # what an interrupt left of it
+            _count_lost(todo, 1)
         if erased:
             self._view_erased(t._leases[0].peer)
         else:  # a post NIXL failed part-way erased nothing: its view stays, untrusted (as connect())
@@ -3028,10 +3068,13 @@ class NixlEndpoint(Closable):
 
     def _found(self, t: Transfer) -> None:
         """(under _lock) A lost ``t`` is over (forget_peer)."""
-        t.lost = False
-        self._lost.discard(t)
-        for lease in t._leases:
-            lease.lost -= 1
+        todo = t._leases[:]
+        try:
+            t.lost = False
+            self._lost.discard(t)
+            _count_lost(todo, -1)
+        finally:  # what an interrupt left of it
+            _count_lost(todo, -1)
 
     def _complete(self, t: Transfer, state: str) -> None:
         """NIXL says ``t`` is over: its handle and local registrations go, its leases count it
@@ -3043,19 +3086,30 @@ class NixlEndpoint(Closable):
         # returns) finishes the releases below, and none is done twice.
         h, t._h = t._h, None
         toks, t._toks = t._toks, []
+        release = self.cache.release_token
         try:
-            if t.lost:
-                self._found(t)
-            if state != "DONE":
-                self.driver.peer_failed()
-            self._account(t, state)
+            try:
+                if t.lost:
+                    self._found(t)
+                if state != "DONE":
+                    self.driver.peer_failed()
+            finally:
+                self._account(t, state)
         finally:
             try:
-                if h is not None:
-                    self.driver.release_xfer(h)
-            finally:
-                for tok in toks:
-                    self.cache.release_token(tok)
+                self._let_go(h, toks)
+            finally:  # what an interrupt left of them
+                _release_tokens(release, toks)
+
+    def _let_go(self, h: Any, toks: list[int]) -> None:
+        """NIXL's handle ``h`` of a transfer that is over (None: none) released, then each of
+        its cache references ``toks`` (emptied as it goes: the caller finishes what an
+        interrupt left of it)."""
+        try:
+            if h is not None:
+                self.driver.release_xfer(h)
+        finally:
+            _release_tokens(self.cache.release_token, toks)
 
     def _account(self, t: Transfer, state: str) -> None:
         """(_complete) ``t``, over, leaves the endpoint's books first (no message sent yet, so
@@ -3063,12 +3117,15 @@ class NixlEndpoint(Closable):
         for goes, then each revoked lease now idle is dropped, every one of them whatever an
         earlier drop raised (after the check: the target counts the checks before it lets a
         revoked exposure go)."""
-        self._running.discard(t)  # over before its leases' drops go (a target may act on them at once)
-        if self._inflight and t in self._inflight:
-            self._inflight.remove(t)
-        for lease in t._leases:
-            lease.inflight -= 1
+        todo = t._leases[:]
         try:
+            try:
+                self._running.discard(t)  # over before its leases' drops go (a target may act on them at once)
+                if self._inflight and t in self._inflight:
+                    self._inflight.remove(t)
+                _count(todo, -1)
+            finally:  # what an interrupt left of it
+                _count(todo, -1)
             if t.confirm:
                 self._ask_check(t, state)
         finally:

@@ -1079,6 +1079,95 @@ def test_a_ctrl_c_as_nixl_registers_leaves_no_registration_behind() -> None:
         p.close()
 
 
+class _Tripwire:
+    """Makes a lease's ``inflight`` and ``lost`` raise KeyboardInterrupt once, right after the
+    first decrement of either among the leases so made (armed): as a Ctrl-C that Python raises
+    at the back edge of the loop that made it."""
+
+    armed = False
+
+    @staticmethod
+    def lease(old: Any) -> Any:
+        import gpupin.nixl as gn
+
+        class Lease(gn._Lease):
+            def __setattr__(self, name: str, v: Any) -> None:
+                before = self.__dict__.get(name, 0)
+                object.__setattr__(self, name, v)
+                if _Tripwire.armed and name in ("inflight", "lost") and v < before:
+                    _Tripwire.armed = False
+                    raise KeyboardInterrupt
+
+        return Lease(**{f: getattr(old, f) for f in old.__dataclass_fields__})
+
+
+def test_a_ctrl_c_between_the_lease_counts_of_an_ending_leaves_none_counted() -> None:
+    """Ending a transfer takes it off each of its leases' counts, one pass each; a Ctrl-C
+    between two passes left the later leases counting a transfer that was over, for ever
+    (connect() and close() refused with InUse, a revoked lease never dropped).  The rest is
+    finished whatever comes between two passes."""
+    p = Pair()
+    try:
+        a, b, src = p.mt.alloc(MiB), p.mt.alloc(MiB), p.mi.alloc(MiB)
+        ra, rb = p.tgt.expose(a, MiB), p.tgt.expose(b, MiB)
+        blocks = [(src, 4096, ra, 0), (src + 4096, 4096, rb, 0)]
+        p.ini.write_blocks(blocks)  # both leases
+        for r in (ra, rb):
+            p.ini._leases[(r.agent, r.xid)] = _Tripwire.lease(p.ini._leases[(r.agent, r.xid)])
+        la, lb = p.ini._leases[(ra.agent, ra.xid)], p.ini._leases[(rb.agent, rb.xid)]
+        _Tripwire.armed = True
+        with pytest.raises(KeyboardInterrupt):
+            p.ini.write_blocks(blocks)
+        assert not _Tripwire.armed, "no lease's count was taken down"
+        assert la.inflight == lb.inflight == 0, "a lease still counts a transfer that is over"
+        assert p.ini.pending_transfers() == 0 and p.ini.cache.held() == 0
+        p.ini.connect(p.tgt.metadata(), timeout=2)  # waits for no transfer
+        # A transfer NIXL lost track of, found over by forget_peer: the same for ``lost``.
+        with _not_found(p.ini):
+            with pytest.raises(NixlError):
+                p.ini.write_blocks(blocks, timeout=2)
+        assert la.lost == lb.lost == 1
+        _Tripwire.armed = True
+        with pytest.raises(KeyboardInterrupt):
+            p.ini.forget_peer(ra.agent)
+        assert not _Tripwire.armed, "no lease's lost count was taken down"
+        assert la.lost == lb.lost == 0, "a lease still counts a lost transfer that is over"
+    finally:
+        _Tripwire.armed = False
+        p.close()
+
+
+def test_a_ctrl_c_between_the_token_releases_of_an_ending_leaves_none_held() -> None:
+    """A transfer from two local allocations holds two cache references; a Ctrl-C as the first
+    release returned left the second held for ever (close() InUse, never evicted)."""
+    p = Pair()
+    try:
+        dst, s1, s2 = p.mt.alloc(MiB), p.mi.alloc(MiB), p.mi.alloc(MiB)
+        rb = p.tgt.expose(dst, MiB)
+        blocks = [(s1, 4096, rb, 0), (s2, 4096, rb, 4096)]
+        p.ini.write_blocks(blocks)
+        cache = p.ini.cache
+        real, released = cache.release_token, []
+
+        def release(tok: int) -> Any:
+            r = real(tok)
+            if not released:
+                released.append(tok)
+                raise KeyboardInterrupt
+            return r
+
+        cache.release_token = release
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                p.ini.write_blocks(blocks)
+        finally:
+            cache.release_token = real
+        assert released, "no reference was released"
+        assert cache.held() == 0, "a reference of a transfer that is over is held for ever"
+    finally:
+        p.close()
+
+
 def test_a_ctrl_c_as_a_handle_is_wrapped_leaves_no_finalizer_to_release_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """_Direct.wrap makes NIXL's handle object for a running request; an interrupt after the
     object is made and before gpupin keeps it dropped the object, whose finalizer released
