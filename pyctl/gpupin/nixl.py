@@ -844,7 +844,8 @@ class _Lease:
     peer: str
     xid: int
     epoch: int
-    state: str = "asking"  # asking, granted (loading), held, revoked (REVOKE came; no new transfer), refused
+    # asking, granted (loading), held, revoked (REVOKE came; no new transfer), refused, dropped
+    state: str = "asking"
     verdict: int = OK
     dereg: int = 0  # the target's dropped registrations when it granted the lease
     grant: int = 0  # the hold request that asked for it (its DROP names it)
@@ -1231,6 +1232,9 @@ class NixlEndpoint(Closable):
         self._running: set[Transfer] = set()  # every posted transfer NIXL has not ended (polled here)
         # Lease drops whose sending failed: (peer, message, when to try again, tries so far).
         self._drops: list[tuple[str, bytes, float, int]] = []
+        # Leases revoked and not yet dropped (their transfers still run, or an interrupt
+        # stopped the drop): progress() drops each once idle.
+        self._revoked: dict[tuple[str, int], _Lease] = {}
         self._unacked: set[tuple[str, int]] = set()  # (closing initiator) (peer, xid) drops not yet acknowledged
         # request -> (peer, dereg, incarnation, metadata)
         self._md_asked: dict[int, tuple[str, int, int, bytes] | None] = {}
@@ -1418,6 +1422,7 @@ class NixlEndpoint(Closable):
         # forgotten peer nothing), not answers to a lease that is gone.
         self._holds = {req: asked for req, asked in self._holds.items() if asked[0].peer != peer}
         self._drops = [d for d in self._drops if d[0] != peer]
+        self._revoked = {k: lease for k, lease in self._revoked.items() if k[0] != peer}
         self._remove_view(peer)
         self._connected.discard(peer)
 
@@ -1568,6 +1573,8 @@ class NixlEndpoint(Closable):
                     self._watch()
                 if self._drops:
                     self._retry_drops()
+                if self._revoked:
+                    self._drop_revoked()
             if self._running:
                 self._poll_inflight()
         finally:
@@ -1681,6 +1688,7 @@ class NixlEndpoint(Closable):
                     self._send_drop(peer, _pack(_DROP, (head[0], 0, 0, 0)))
             else:
                 revoked.state = "revoked"
+                self._revoked[(peer, head[0])] = revoked
                 if head[1] != OK and not revoked.broken:
                     revoked.broken = _VERDICT.get(head[1], f"verdict {head[1]}")
                 self._drop_if_idle(revoked)
@@ -3156,9 +3164,25 @@ class NixlEndpoint(Closable):
             self._waiting.pop((peer, t.seq), None)  # no answer will come: wait(confirm) times out
 
     def _drop_if_idle(self, lease: _Lease) -> None:
+        """(under _lock) A revoked ``lease`` no transfer counts any more is dropped: off this
+        endpoint's books, then its DROP sent, then marked "dropped".  An interrupt before the
+        mark leaves it "revoked" in _revoked, and the next progress() sends its drop (again: a
+        second drop of one grant finds no holder at the target and changes nothing)."""
         if lease.state == "revoked" and lease.inflight == 0:
-            self._leases.pop((lease.peer, lease.xid), None)
+            key = (lease.peer, lease.xid)
+            if self._leases.get(key) is lease:
+                del self._leases[key]
             self._send_drop(lease.peer, _pack(_DROP, (lease.xid, lease.checks, 0, lease.grant)))
+            lease.state = "dropped"
+
+    def _drop_revoked(self) -> None:
+        """(under _lock) Drop the revoked leases now idle whose drop an interrupt stopped (an
+        ending's loop stops at any pass); forget the others once dropped."""
+        for key, lease in list(self._revoked.items()):
+            if lease.state == "revoked" and lease.inflight == 0:
+                self._drop_if_idle(lease)
+            if lease.state != "revoked":
+                del self._revoked[key]
 
     def _send_drop(self, peer: str, msg: bytes, tries: int = 0) -> None:
         """A lease drop: the target waits for it, so one that could not be sent is sent again,
@@ -3371,8 +3395,13 @@ class NixlEndpoint(Closable):
                 for lease in self._leases.values()
                 if lease.state in ("asking", "granted", "held", "revoked") and lease.inflight == 0
             ]
+            # (and revoked ones whose drop an interrupt stopped: off _leases already)
+            stopped = [x for x in self._revoked.values() if x.state == "revoked" and x.inflight == 0]
+            leases += [x for x in stopped if not any(x is y for y in leases)]
+            self._revoked.clear()
             for lease in leases:
-                del self._leases[(lease.peer, lease.xid)]
+                self._leases.pop((lease.peer, lease.xid), None)
+                lease.state = "dropped"
                 if self._send(lease.peer, _pack(_DROP, (lease.xid, lease.checks, 1, lease.grant))):
                     self._unacked.add((lease.peer, lease.xid))
                 else:

@@ -730,7 +730,7 @@ def test_a_steady_write_that_runs_past_its_post_ends_in_one_frame(monkeypatch: p
         p.ini.write(src, 4096, rb, timeout=20)
         th.join(20)
         answers.clear()
-        assert lease.state == "revoked" and unexposed == [None, None]
+        assert lease.state == "dropped" and unexposed == [None, None]
         assert (rb.agent, rb.xid) not in p.ini._leases and lease.inflight == 0 and len(made) == 3
     finally:
         p.close()
@@ -1164,6 +1164,53 @@ def test_a_ctrl_c_between_the_token_releases_of_an_ending_leaves_none_held() -> 
             cache.release_token = real
         assert released, "no reference was released"
         assert cache.held() == 0, "a reference of a transfer that is over is held for ever"
+    finally:
+        p.close()
+
+
+def test_a_ctrl_c_before_a_lease_drop_is_sent_leaves_it_to_the_next_progress() -> None:
+    """A lease revoked while a transfer under it runs is dropped when that ends; a Ctrl-C
+    before its drop was sent (as the call that sends it starts) lost the drop, and the target's
+    unexpose waited for it until its timeout.  The lease stays revoked until its drop went:
+    the next progress() sends it."""
+    import gpupin.nixl as gn
+
+    p = Pair()
+    try:
+        with _slow_transfers(p.ini) as slow:
+            dst, src = p.mt.alloc(MiB), p.mi.alloc(MiB)
+            rb = p.tgt.expose(dst, MiB)
+            with pytest.raises(NixlError, match="stays registered"):
+                p.ini.write(src, 4096, rb, timeout=0.2)  # still "running" at NIXL
+            lease = p.ini._leases[(rb.agent, rb.xid)]
+            done = threading.Event()
+            th = threading.Thread(target=lambda: (p.tgt.unexpose(rb, timeout=30), done.set()))
+            th.start()
+            end = time.monotonic() + 10
+            while lease.state != "revoked" and time.monotonic() < end:
+                p.ini.progress()
+                time.sleep(0.01)
+            assert lease.state == "revoked" and lease.inflight == 1
+            agent = p.ini.driver._agent
+            real, tried = agent.send_notif, []
+
+            def send_notif(peer: Any, msg: bytes) -> Any:
+                if not tried and msg.startswith(gn._PREFIX + gn._DROP):
+                    tried.append(msg)
+                    raise KeyboardInterrupt  # before NIXL sent it
+                return real(peer, msg)
+
+            agent.send_notif = send_notif
+            try:
+                slow[0] = False
+                with pytest.raises(KeyboardInterrupt):
+                    p.ini.settle(5)
+            finally:
+                del agent.send_notif
+            assert tried and not done.is_set()
+            p.ini.progress()
+            assert done.wait(10), "the target still waits for a drop that was never sent"
+            th.join()
     finally:
         p.close()
 
