@@ -309,7 +309,14 @@ class _Direct:
     def wrapped(hid: int) -> Any:
         """The handle object kept for ``hid`` (an interrupt may have come as ``wrap`` returned
         it), or None."""
-        return next((h for h in list(_LIVE_XFERS.values()) if getattr(h, "_handle", None) == hid), None)
+        return next(
+            (
+                h
+                for h in list(_LIVE_XFERS.values())
+                if getattr(h, "_handle", None) == hid and not getattr(h, "_released", False)
+            ),
+            None,
+        )
 
     def start(self, h: Any) -> str:
         """transfer(h): "DONE", "PROC" or "ERR"."""
@@ -543,7 +550,11 @@ class NixlDriver(LibraryDriver):
             try:
                 agent = self.agent
                 if self.direct() is not None or _releases_as_nixl(agent, handle):
-                    _release(handle)  # what release_xfer_handle does, marked first
+                    try:
+                        _release(handle)  # what release_xfer_handle does, marked first
+                    finally:  # marked released (or refused, then kept in _stuck): not live
+                        if getattr(handle, "_released", False):
+                            _LIVE_XFERS.pop(id(handle), None)
                 else:
                     agent.release_xfer_handle(handle)  # replaced or overridden: it decides
                 _LIVE_XFERS.pop(id(handle), None)

@@ -778,6 +778,10 @@ def _interrupted_release(ep: NixlEndpoint, src: int, rb: Any, kept: list[Any]) -
     with pytest.raises(KeyboardInterrupt):
         t.wait()
     assert h._released, "NIXL released the handle and it is marked live: its finalizer frees it again"
+    import gpupin.nixl as gn
+
+    assert id(h) not in gn._LIVE_XFERS, "a released handle is still kept as live"
+    assert gn._Direct.wrapped(h._handle) is None, "a released handle is handed out for its address"
     return t
 
 
