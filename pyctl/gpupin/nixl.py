@@ -1381,11 +1381,13 @@ class NixlEndpoint(Closable):
         _lock while it posts, so none starts before ``work`` returns.  The lock is let go between
         polls: the threads whose transfers are waited for take it to end them.  Meanwhile no new
         transfer with ``peer`` starts (post() waits): a stream of them would never leave a gap."""
-        with self._lock:
-            if not self._busy_with(peer):
-                return work()
-            self._draining[peer] = self._draining.get(peer, 0) + 1
+        counted = False
         try:
+            with self._lock:
+                if not self._busy_with(peer):
+                    return work()
+                self._draining[peer] = self._draining.get(peer, 0) + 1
+                counted = True  # (no check point since the count: undone below whatever comes)
             while True:
                 if time.monotonic() > deadline:
                     raise InUse(
@@ -1398,11 +1400,12 @@ class NixlEndpoint(Closable):
                     if not self._busy_with(peer):
                         return work()
         finally:
-            with self._lock:
-                if self._draining[peer] == 1:
-                    del self._draining[peer]
-                else:
-                    self._draining[peer] -= 1
+            if counted:
+                with self._lock:
+                    if self._draining[peer] == 1:
+                        del self._draining[peer]
+                    else:
+                        self._draining[peer] -= 1
 
     def _add(self, metadata: bytes, peer: str | None) -> str:
         """(under _lock, no transfer with ``peer`` running) add_remote_agent.  A refused load

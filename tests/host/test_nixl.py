@@ -2033,6 +2033,53 @@ def test_connect_waits_while_a_transfer_with_that_peer_runs() -> None:
         p.close()
 
 
+def test_a_ctrl_c_as_connect_starts_waiting_leaves_no_peer_marked_draining() -> None:
+    """connect() marks the peer draining (no new transfer with it starts) while it waits for the
+    running ones; a Ctrl-C as it let the endpoint's lock go after the mark, before the try that
+    takes the mark back, left every later transfer with that peer waiting for ever."""
+
+    class Tripping:
+        """The endpoint's lock, whose release raises KeyboardInterrupt once after it released
+        while a peer is marked draining (as Python raises a Ctrl-C as the release returns)."""
+
+        def __init__(self, ep: NixlEndpoint) -> None:
+            self.inner, self.ep, self.armed = ep._lock, ep, True
+
+        def __enter__(self) -> Any:
+            return self.inner.__enter__()
+
+        def __exit__(self, *exc: Any) -> Any:
+            r = self.inner.__exit__(*exc)
+            if self.armed and self.ep._draining and exc[0] is None:
+                self.armed = False
+                raise KeyboardInterrupt
+            return r
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+    p = Pair()
+    try:
+        with _served(p.tgt), _slow_transfers(p.ini) as slow:
+            rb = p.tgt.expose(p.mt.alloc(MiB), MiB)
+            src = p.mi.alloc(MiB)
+            t = p.ini.post_write([(src, 4096, rb, 0)])
+            lock = p.ini._lock
+            p.ini._lock = Tripping(p.ini)  # type: ignore[assignment]
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    p.ini.connect(p.tgt.metadata(), timeout=5)
+            finally:
+                p.ini._lock = lock
+            assert not p.ini._draining, "the peer stays marked draining: no transfer with it starts again"
+            slow[0] = False
+            t.wait(5)
+            assert t.state == "DONE"
+            p.ini.write(src, 4096, rb, timeout=5)
+    finally:
+        p.close()
+
+
 @contextlib.contextmanager
 def _not_found(ep: NixlEndpoint) -> Iterator[list[bool]]:
     """Inside _slow_transfers: make ``ep``'s agent answer a transfer's state with NIXL's own
