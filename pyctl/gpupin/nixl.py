@@ -3167,7 +3167,11 @@ class NixlEndpoint(Closable):
         these before it lets a revoked exposure go.  Not sent for every transfer: any
         notification makes NIXL's next transfer on that peer wait for the peer's progress
         (~0.5 ms here).  Counted once sent (an interrupt as the send returns undercounts, which
-        the target's count of what arrived tolerates: the check arrives before the drop)."""
+        the target's count of what arrived tolerates: the check arrives before the drop).  That
+        order holds on one UCX worker (gpupin's own agents; NIXL binds a worker per thread on
+        an agent made with several): there a drop sent later from another thread may overtake
+        the check, and the target answers it GONE (a false stale_answers count, never an
+        exposure let go while a transfer into it runs: a drop goes only once none does)."""
         peer = t._leases[0].peer
         if state == "DONE" and self._send(
             peer, _pack(_XFER, (t.seq, len(t._leases)), [(x.xid, x.epoch) for x in t._leases])
