@@ -2469,7 +2469,9 @@ def test_a_collection_under_the_registry_lock_finalizes_without_deadlock() -> No
     import os
     import subprocess
 
-    env = {**os.environ, "PYTHONPATH": str(Path(gpupin.__file__).parents[1]), "NIXL_LOG_LEVEL": "ERROR"}
+    # (gpupin first, then what the caller's path has: NIXL may be installed on it)
+    path = os.pathsep.join(filter(None, [str(Path(gpupin.__file__).parents[1]), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "NIXL_LOG_LEVEL": "ERROR"}
     r = subprocess.run(
         [sys.executable, "-c", _COLLECT_UNDER_THE_REGISTRY_LOCK], env=env, capture_output=True, text=True, timeout=120
     )
