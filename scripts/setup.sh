@@ -6,8 +6,9 @@
 #
 # A profile installs what its commands need (what an earlier run installed stays):
 #   demo   make demo: the module build, the Python package, the VM (QEMU, virtme-ng)
-#   check  make check: demo's and sparse, checkpatch.pl, ruff, mypy
-#   test   make test and everything else (the default): check's and pytest, DKMS, NIXL
+#   check  make check: demo's and sparse, checkpatch.pl, ruff, mypy, pytest (mypy reads its types)
+#   test   make test and everything else (the default): check's and DKMS, NIXL (and the GPU
+#          extras where nvidia-smi lists a GPU)
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 . "$(dirname "$0")/lib.sh"

@@ -111,8 +111,8 @@ struct nvp2p_sim_stats {
 /*
  * Zero the counters of strict misuse (use_after_free_calls, puts_not_found,
  * lock_timeouts, callback_overruns, dma_map_races, dmabuf_nonpci_attaches,
- * stale_table_puts, unmap_peer_mismatches): for a test that provoked them on purpose and checked
- * them.  The other counters are left alone.
+ * stale_table_puts, unmap_peer_mismatches, put_kind_mismatches): for a test that provoked them
+ * on purpose and checked them.  The other counters are left alone.
  */
 #define NVP2P_SIM_IOC_RESET_MISUSE _IO(NVP2P_SIM_IOC_MAGIC, 0x06)
 

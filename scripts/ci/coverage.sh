@@ -81,7 +81,7 @@ done
 # Python started by a test with its own environment writes .coverage.* into the tree.
 # The GPU suite runs on a lent GPU host, not here: its data is combined when a run of
 # 'GPUPIN_COVERAGE=1 scripts/gpu/gpu-run.sh' was copied to results/coverage-gpu/ (with a file
-# 'commit' naming what it measured) and pyctl/ has not changed since.
+# 'commit' naming what it measured) and neither pyctl/ nor tests/gpu/ has changed since.
 gpu=()
 GPU_COV=$ROOT/results/coverage-gpu
 if [ -f "$GPU_COV/commit" ] && ls "$GPU_COV"/.coverage.* >/dev/null 2>&1; then

@@ -1,7 +1,7 @@
 """Threads sharing one Device's invalidation records: none is left asleep in read(),
 each record goes to exactly one reader, and the file's flags never change.
 
-A reader asleep in read() is the hang of the issue: every thread is joined with a timeout, one
+A reader left asleep in read() while another thread took the records is the hang: every thread is joined with a timeout, one
 still running fails the test, and is woken then (the file made non-blocking again, a record
 queued) so that none outlives it.  Over either provider."""
 
@@ -97,7 +97,7 @@ def test_a_reader_is_not_left_asleep_when_another_empties_the_queue(
 def test_a_cache_draining_is_not_left_asleep_by_a_user_waiting(
     device: Device, memory: MemoryProvider, waker: Waker
 ) -> None:
-    """The issue as a user meets it: the cache drains records under its lock while the user's
+    """The hang as a user meets it: the cache drains records under its lock while the user's
     wait_invalidations() takes the rest; the drain must end, and the cache still close."""
     cache = RegistrationCache(device, memory, validate="kernel")
     vas = [memory.alloc(GPU_ALLOC) for _ in range(100)]

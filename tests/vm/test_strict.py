@@ -1,7 +1,7 @@
 """What NVIDIA's real driver does and the strict simulator models (kernel/sim/FIDELITY.md).
 
-Each test reproduces one defect found against the real driver's semantics (the review's C1-C4
-and M1-M5, and the event records); on commit 6f89e4f each of them fails (a kernel BUG/WARNING, a
+Each test reproduces one defect found against the real driver's semantics (C1-C4, M1-M3 and M5
+below, and the event records); on commit 6f89e4f each of them fails (a kernel BUG/WARNING, a
 simulator report of a use after free, a foreign put_pages or an API-lock deadlock, or a wrong
 result).
 """
