@@ -30,9 +30,10 @@
  * NVIDIA's nv_pci_probe counts them: BAR1 on a discrete GPU), so an
  * administrator can set limits before anything is pinned; another device
  * that holds a pin's pages (the simulator's bar_device) gets its region at
- * the first pin on it.  Pages at no device's BAR (a coherent GPU's memory,
- * the simulator's host pages) or flagged CPU-cacheable take no BAR1 and
- * are charged to no region.
+ * the first pin on it.  Pages at no device's BAR (a coherent GPU's memory
+ * on bare metal, the simulator's host pages) or flagged CPU-cacheable take
+ * no BAR1 and are charged to no region (a coherent GPU in a VM with a
+ * driver before 580.65.06 is the exception: budgets.md).
  *
  * What is not charged (Documentation/budgets.md): dma-buf pins (NVIDIA's
  * exporter maps BAR1 for them too, but its bus addresses say nothing of

@@ -210,8 +210,11 @@ static int gpupin_nvp2p_commit(struct gpupin_pin_obj *pin)
  * plus the mapping's offset).  A 2.x table flags CPU-cacheable pages
  * (NVIDIA_P2P_PAGE_TABLE_FLAGS_CPU_CACHEABLE, set by nv_p2p_get_pages for
  * coherent C2C/NVLink memory): they take no BAR1.  Built against a 1.x
- * header there is no flag (coherent pages then lie in no BAR: budget.c
- * finds none).  A table gpupin cannot read gives 0 (its commit refuses it).
+ * header (drivers before 580.65.06) there is no flag: coherent pages lie in
+ * no BAR on bare metal, but in a GH200/GB200 VM they lie in the GPU's PCI
+ * resource 4 (nv-pci.c), so budget.c charges them to its region though they
+ * take no BAR1 (budgets.md says so).  A table gpupin cannot read gives 0
+ * (its commit refuses it).
  */
 static u64 gpupin_table_bar1_addr(const struct nvidia_p2p_page_table *pt)
 {
