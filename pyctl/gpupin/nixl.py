@@ -2231,42 +2231,57 @@ class NixlEndpoint(Closable):
         if lease is None:
             return None
         self._last_post = now
-        with self._lock:
-            if self._unsendable(peer, [lease]) is not None:
-                return None  # _post says why, or loads the view again
-            toks: list[int] = []
-            hid = -1  # NIXL's own handle (an int): wrapped (_Direct.wrap) only where it outlives this frame
-            posting = False
-            seq = -1
-            try:
-                tok = self.cache.fast_lookup(local, size)
-                toks.append(tok if tok >= 0 else self.cache.miss(local, size, tok))
-                seq = next(self._seq)
-                with drv.lock:  # as _post's, without a frame of NIXL's wrappers
-                    lspec, rspec = [(local, size, drv.devid)], [(r.addr + offset, size, r.devid)]
-                    hid = direct.begin(op, drv.mem_type, lspec, r.mem_type, rspec, peer)
-                    posting = True  # from here NIXL may have posted puts: the handle is kept
-                    st = direct.post(hid, b"")
-            except BaseException as exc:
-                h = direct.wrap(hid) if hid >= 0 else None
-                self._post_failed(exc, op, [block], None, h, toks, [lease], seq, posting)
-            self.transfers += 1
-            if st == direct.ok:
-                # Over within the post: what _complete does for it, no lease counting it (the
-                # lock was held throughout, so no revocation came in between); the token goes
-                # also if an interrupt lands as the handle is released.
+        until = min(now + _SPIN_S, deadline)
+        handed = [False]  # (_quick_wait's try owns the running transfer once it set this)
+        running = False  # posted and counted: this frame owns it until handed
+        hid = -1  # NIXL's own handle (an int): wrapped (_Direct.wrap) only where it outlives this frame
+        toks: list[int] = []
+        seq = -1
+        try:
+            with self._lock:
+                if self._unsendable(peer, [lease]) is not None:
+                    return None  # _post says why, or loads the view again
+                posting = False
+                counted = 0
                 try:
-                    with drv.lock:
-                        drv.release_id(direct, hid)
-                finally:
-                    self.cache.release_token(toks[0])
-                return _OVER
-            lease.inflight += 1  # from here a revocation waits for it (its drop does)
-            if st != direct.in_prog:
-                t = Transfer(self, direct.wrap(hid), toks, [lease], seq, op, [block], False)
-                self._complete(t, "ERR")
-                return t
-        return self._quick_wait(direct, hid, toks[0], lease, seq, op, block, min(now + _SPIN_S, deadline))
+                    tok = self.cache.fast_lookup(local, size)
+                    toks.append(tok if tok >= 0 else self.cache.miss(local, size, tok))
+                    seq = next(self._seq)
+                    with drv.lock:  # as _post's, without a frame of NIXL's wrappers
+                        lspec, rspec = [(local, size, drv.devid)], [(r.addr + offset, size, r.devid)]
+                        hid = direct.begin(op, drv.mem_type, lspec, r.mem_type, rspec, peer)
+                        # Its lease counts it before NIXL posts a byte, as _post counts (no
+                        # check point between the two stores): a revocation waits for it, and
+                        # _post_failed keeps a post that raised under a lease that counts it.
+                        lease.inflight += 1
+                        counted = 1
+                        posting = True  # from here NIXL may have posted puts: the handle is kept
+                        st = direct.post(hid, b"")
+                except BaseException as exc:
+                    h = direct.wrap(hid) if hid >= 0 else None
+                    self._post_failed(exc, op, [block], None, h, toks, [lease], seq, posting, counted)
+                running = True
+                self.transfers += 1
+                if st == direct.ok:
+                    # Over within the post (the lock was held throughout, so no revocation came
+                    # in between): what _complete does for it, here; the lease and the token
+                    # let go of it also if an interrupt lands as the handle is released.
+                    running = False
+                    try:
+                        with drv.lock:
+                            drv.release_id(direct, hid)
+                    finally:
+                        lease.inflight -= 1
+                        self.cache.release_token(toks[0])
+                    return _OVER
+            # Running, or failed (_quick_wait's first poll says so and acts on it).
+            return self._quick_wait(direct, hid, toks[0], lease, seq, op, block, until, handed)
+        except BaseException:
+            if running and not handed[0]:  # interrupted before _quick_wait took it: polled from now on
+                self._orphan(
+                    Transfer(self, direct.wrapped(hid) or direct.wrap(hid), toks, [lease], seq, op, [block], False)
+                )
+            raise
 
     def _quick_wait(
         self,
@@ -2278,6 +2293,7 @@ class NixlEndpoint(Closable):
         op: str,
         block: tuple[int, int, RemoteBuffer, int],
         until: float,
+        handed: list[bool],
     ) -> object:
         """_quick's transfer, running (``lease`` counts it), polled as _spin polls it until
         ``until`` (monotonic): _OVER once NIXL says DONE, with what _complete does for a DONE
@@ -2297,6 +2313,7 @@ class NixlEndpoint(Closable):
         exc: Exception | None = None
         t: Transfer | None = None
         try:
+            handed[0] = True  # (no check point since this frame's entry: it owns the transfer now)
             if agent is not None:
                 status, in_prog, ok = direct.status, direct.in_prog, direct.ok
                 while True:
@@ -2379,7 +2396,13 @@ class NixlEndpoint(Closable):
             with self.driver.lock:
                 prep.drop(local=True, remote=True)
         if posting:  # polled until NIXL says it is over, like any running transfer
-            # (_post counted every lease before it set ``posting``)
+            # (_post and _quick count every lease before they set ``posting``; any not counted
+            # would let a revocation go while the transfer runs)
+            todo = leases[counted:]
+            try:
+                _count(todo, 1)
+            finally:
+                _count(todo, 1)
             t = None
             try:
                 t = Transfer(self, h, toks, leases, seq, op, blocks, False)

@@ -1219,6 +1219,120 @@ def test_a_ctrl_c_before_a_lease_drop_is_sent_leaves_it_to_the_next_progress() -
         p.close()
 
 
+def _unexpose_returns_while_a_transfer_runs(p: Pair, src: int, rb: Any) -> tuple[bool, int]:
+    """Post a transfer NIXL says still runs, then have the target unexpose ``rb`` while the
+    initiator takes its notifications: (whether unexpose returned while the transfer still
+    ran, the lease's count of running transfers meanwhile)."""
+    p.stop.set()
+    p.pump.join()  # the target's unexpose takes its own notifications
+    lease = p.ini._leases[(rb.agent, rb.xid)]
+    returned = threading.Event()
+    th = threading.Thread(target=lambda: (p.tgt.unexpose(rb, timeout=3), returned.set()))
+    with _slow_transfers(p.ini) as slow:
+        t = p.ini.post_write([(src, 4096, rb, 0)])
+        counted = lease.inflight
+        th.start()
+        end = time.monotonic() + 2
+        while th.is_alive() and time.monotonic() < end:
+            p.ini.progress()  # takes the REVOKE
+            time.sleep(0.001)
+        early = returned.is_set() and t.state == "PROC"
+        slow[0] = False
+    th.join(10)
+    p.ini.settle(5)
+    return early, counted
+
+
+def test_a_steady_write_whose_post_raises_leaves_its_lease_counting_right(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A steady write (one frame, _quick) counted its lease only after NIXL's post returned;
+    a post that raised (NIXL refusing it, or a Ctrl-C as it returned) made a Transfer its
+    lease never counted, and its end took the count to -1: every later transfer under that
+    lease ran uncounted, and a revocation meanwhile was dropped at once, so the target's
+    unexpose returned (and the buffer could be freed) while NIXL still moved its bytes."""
+    import gpupin.nixl as gn
+
+    class nixlBackendError(Exception):  # noqa: N801 - NIXL's name
+        pass
+
+    monkeypatch.setattr(gn, "_PUMP_EVERY_S", 60.0)  # the writes below take _quick
+    p = Pair()
+    try:
+        dst, src = p.mt.alloc(MiB), p.mi.alloc(MiB)
+        rb = p.tgt.expose(dst, MiB)
+        p.ini.write(src, 4096, rb)  # the lease (through _post)
+        lease = p.ini._leases[(rb.agent, rb.xid)]
+        d = p.ini.driver._direct
+        assert d is not None
+        real = d.post
+        quick: list[bool] = []
+        real_quick = NixlEndpoint._quick
+
+        def spy(self: NixlEndpoint, *a: Any) -> Any:
+            quick.append(True)
+            return real_quick(self, *a)
+
+        def refused(h: int, notif: bytes) -> int:
+            raise nixlBackendError("injected: the backend failed to post")
+
+        def posted_then_ctrl_c(h: int, notif: bytes) -> int:
+            real(h, notif)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(NixlEndpoint, "_quick", spy)
+        for post, raised in ((refused, NixlError), (posted_then_ctrl_c, KeyboardInterrupt)):
+            d.post = post
+            try:
+                with pytest.raises(raised):
+                    p.ini.write(src, 4096, rb)
+            finally:
+                d.post = real
+            assert quick, "the write did not take the steady path"
+            quick.clear()
+            assert p.ini.settle(5) == 0
+            assert lease.inflight == 0, f"a steady write whose post raised left the lease counting {lease.inflight}"
+        monkeypatch.undo()
+        early, counted = _unexpose_returns_while_a_transfer_runs(p, src, rb)
+        assert counted == 1 and not early, "unexpose returned while a transfer into the range still ran"
+    finally:
+        p.close()
+
+
+def test_a_ctrl_c_as_a_steady_write_starts_its_wait_leaves_it_polled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A steady write still running after its post is polled in _quick_wait's frame; a Ctrl-C
+    before that frame's try took it (at its entry) left a running transfer nothing tracked,
+    its reference held and its lease counting it for ever (connect() InUse, the target's
+    unexpose waiting).  It is polled to its end like any interrupted transfer."""
+    import gpupin.nixl as gn
+
+    monkeypatch.setattr(gn, "_PUMP_EVERY_S", 60.0)
+    p = Pair()
+    try:
+        dst, src = p.mt.alloc(MiB), p.mi.alloc(MiB)
+        rb = p.tgt.expose(dst, MiB)
+        p.ini.write(src, 4096, rb)
+        lease = p.ini._leases[(rb.agent, rb.xid)]
+        d = p.ini.driver._direct
+        assert d is not None
+        real = d.post
+        d.post = _running_post(d)
+
+        def entered(self: NixlEndpoint, *a: Any, **k: Any) -> Any:
+            raise KeyboardInterrupt  # as at _quick_wait's entry
+
+        monkeypatch.setattr(NixlEndpoint, "_quick_wait", entered)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                p.ini.write(src, 4096, rb)
+        finally:
+            d.post = real
+        monkeypatch.undo()
+        assert p.ini.settle(5) == 0
+        assert lease.inflight == 0 and p.ini.cache.held() == 0, "a transfer nothing tracks is counted for ever"
+        p.ini.connect(p.tgt.metadata(), timeout=1)
+    finally:
+        p.close()
+
+
 def test_a_ctrl_c_as_a_handle_is_wrapped_leaves_no_finalizer_to_release_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """_Direct.wrap makes NIXL's handle object for a running request; an interrupt after the
     object is made and before gpupin keeps it dropped the object, whose finalizer released
