@@ -1212,7 +1212,9 @@ class NixlEndpoint(Closable):
         # _lock guards the protocol's state below; taken before the agent's lock (driver.lock),
         # never after.  _plock: one thread at a time takes NIXL's notifications.
         self._lock = threading.RLock()
-        self._plock = threading.Lock()
+        self._plock = threading.RLock()  # (an RLock for _is_owned(): _pump never nests)
+        # Batches of notifications NIXL handed over and not yet handled (_pump), in order.
+        self._batches: list[dict[Any, list[bytes]]] = []
         self._exposures: dict[int, _Exposure] = {}  # xid -> exposure (target)
         self._by_range: dict[tuple[int, int], int] = {}  # (ptr, size) -> xid (target)
         self._connected: set[str] = set()  # peers whose metadata this endpoint loaded (answered)
@@ -1562,24 +1564,26 @@ class NixlEndpoint(Closable):
         """Take NIXL's notifications and handle them; then raise the warnings noted meanwhile
         (``flush=False``: left for the caller, who is in the middle of something)."""
         reap()
-        if not self._plock.acquire(blocking=False):
-            return  # another thread takes them right now
+        plock = self._plock
+        if plock._is_owned():  # type: ignore[attr-defined]  # (this thread pumps: never nested)
+            return
+        # Taken inside the try and let go if held: an interrupt as the acquire returns (a
+        # check point before any store) must not leave it taken, every later pump a no-op.
         try:
+            if not plock.acquire(blocking=False):
+                return  # another thread takes them right now
             with self.driver.lock:
                 try:
-                    new = self.agent.get_new_notifs()
+                    # Into the backlog as it comes (a C call's return, no check point before
+                    # the store): an interrupt while a batch is handled leaves the rest of it
+                    # for the next pump.
+                    self._batches.append(self.agent.get_new_notifs())
                 except Exception as exc:  # noqa: BLE001
                     self.driver.peer_failed()
                     raise _nixl_error("get_new_notifs", exc) from None
             with self._lock:
                 self._last_pump = time.monotonic()
-                for peer, msgs in new.items():
-                    peer = peer.decode(errors="replace") if isinstance(peer, bytes) else str(peer)
-                    for m in msgs:
-                        try:
-                            self._on_message(peer, bytes(m))
-                        except Exception as exc:  # noqa: BLE001 - the batch's other messages still count
-                            self._unanswered(f"a message from {peer} failed ({type(exc).__name__}: {exc})")
+                self._handle_batches()
                 if len(self._other) > _OTHER_MAX:  # the application never takes its messages
                     self.dropped_notifications += len(self._other) - _OTHER_MAX
                     del self._other[: len(self._other) - _OTHER_MAX]
@@ -1592,9 +1596,36 @@ class NixlEndpoint(Closable):
             if self._running:
                 self._poll_inflight()
         finally:
-            self._plock.release()
+            if plock._is_owned():  # type: ignore[attr-defined]
+                plock.release()
         if flush and self._notes:  # the batch is handled whole: now its warnings
             self._flush_notes()
+
+    def _handle_batches(self) -> None:
+        """(under _lock, _plock held) Handle the messages of the batches NIXL handed over, in
+        order, each taken off its batch before it is handled: an interrupt loses at most the
+        one it came in (handling one twice could answer a lease request twice), and the next
+        pump goes on with the rest."""
+        batches = self._batches
+        while batches:
+            batch = batches[0]
+            if not batch:
+                del batches[0]
+                continue
+            key = next(iter(batch))
+            msgs = batch[key]
+            if type(msgs) is not list:  # (NIXL's bindings give lists; anything else is made one)
+                msgs = batch[key] = list(msgs)
+            if not msgs:
+                del batch[key]
+                continue
+            m = msgs[0]
+            del msgs[0]
+            peer = key.decode(errors="replace") if isinstance(key, bytes) else str(key)
+            try:
+                self._on_message(peer, bytes(m))
+            except Exception as exc:  # noqa: BLE001 - the batch's other messages still count
+                self._unanswered(f"a message from {peer} failed ({type(exc).__name__}: {exc})")
 
     def _watch(self) -> None:
         """(target) Detection: an exposure whose allocation changed while peers hold leases on it

@@ -1333,6 +1333,85 @@ def test_a_ctrl_c_as_a_steady_write_starts_its_wait_leaves_it_polled(monkeypatch
         p.close()
 
 
+def test_a_ctrl_c_while_a_batch_of_notifications_is_handled_loses_only_that_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NIXL hands over every notification it has at once; a Ctrl-C while the endpoint handled
+    one lost the rest of the batch: an application's message never returned by progress(), a
+    confirmed write's check never counted (the target's unexpose InUse at every call until
+    forget_peer).  The batch is kept, each message taken off it as it is handled: the next
+    progress() goes on with the rest."""
+    p = Pair(auto_progress=True)
+    try:
+        dst, src = p.mt.alloc(MiB), p.mi.alloc(MiB)
+        rb = p.tgt.expose(dst, MiB)
+        p.ini.write(src, 4096, rb)  # the lease
+        p.stop.set()
+        p.pump.join()  # the target takes notifications only where this test says
+        t = p.ini.post("WRITE", [(src, 4096, rb, 0)], confirm=True)
+        t.wait()  # its check goes to the target
+        with p.ini.driver.lock:
+            p.ini.agent.send_notif(rb.agent, b"interrupted")
+            p.ini.agent.send_notif(rb.agent, b"last")
+        time.sleep(0.2)  # all three in NIXL's queue at the target
+        real = NixlEndpoint._on_message
+        seen: list[bytes] = []
+
+        def on_message(self: NixlEndpoint, peer: str, m: bytes) -> None:
+            seen.append(m)
+            if m == b"interrupted":
+                raise KeyboardInterrupt  # as at its entry
+            real(self, peer, m)
+
+        monkeypatch.setattr(NixlEndpoint, "_on_message", on_message)
+        with pytest.raises(KeyboardInterrupt):
+            p.tgt.progress()
+        assert len(seen) == 2 and seen[-1] == b"interrupted"  # the check, then the interrupted one
+        monkeypatch.undo()
+        got = p.tgt.progress() + p.tgt.serve(0.3)
+        assert [m for _, m in got] == [b"last"], "the rest of the batch was lost"
+        p.tgt.unexpose(rb, timeout=2)  # the check was counted: nothing waits for it
+    finally:
+        p.close()
+
+
+def test_a_ctrl_c_as_a_pump_takes_its_lock_leaves_it_free() -> None:
+    """One thread at a time takes NIXL's notifications (the pump's lock); a Ctrl-C as that
+    lock's acquire returned came before the try that lets it go: the lock stayed taken, every
+    later pump returned at once, and the endpoint took no grant, revocation or message again."""
+
+    class AcquireThenCtrlC:
+        def __init__(self, inner: Any) -> None:
+            self.inner, self.armed = inner, True
+
+        def acquire(self, *a: Any, **k: Any) -> bool:
+            got = self.inner.acquire(*a, **k)
+            if self.armed and got:
+                self.armed = False
+                raise KeyboardInterrupt
+            return got
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+    p = Pair()
+    try:
+        dst, src = p.mt.alloc(MiB), p.mi.alloc(MiB)
+        rb = p.tgt.expose(dst, MiB)
+        p.ini.write(src, 4096, rb)
+        real = p.ini._plock
+        p.ini._plock = AcquireThenCtrlC(real)  # type: ignore[assignment]
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                p.ini.progress()
+        finally:
+            p.ini._plock = real
+        rb2 = p.tgt.expose(p.mt.alloc(MiB), MiB)
+        p.ini.write(src, 4096, rb2, timeout=2)  # a new lease: its grant must be taken
+    finally:
+        p.close()
+
+
 def test_a_ctrl_c_as_a_handle_is_wrapped_leaves_no_finalizer_to_release_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """_Direct.wrap makes NIXL's handle object for a running request; an interrupt after the
     object is made and before gpupin keeps it dropped the object, whose finalizer released
