@@ -14,7 +14,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -1333,6 +1333,38 @@ def test_a_ctrl_c_as_a_steady_write_starts_its_wait_leaves_it_polled(monkeypatch
         p.close()
 
 
+class _InterruptingLock:
+    """A lock whose ``acquire`` (that took it) or ``__exit__`` (a release) raises
+    KeyboardInterrupt once after the real call, the first time ``when()`` holds then (as
+    Python raises a Ctrl-C as the call returns)."""
+
+    def __init__(self, inner: Any, at: str, when: Callable[[], bool]) -> None:
+        self.inner, self.at, self.when, self.armed = inner, at, when, True
+
+    def _trip(self, at: str) -> None:
+        if self.armed and at == self.at and self.when():
+            self.armed = False
+            raise KeyboardInterrupt
+
+    def acquire(self, *a: Any, **k: Any) -> bool:
+        got = self.inner.acquire(*a, **k)
+        if got:
+            self._trip("acquire")
+        return bool(got)
+
+    def __enter__(self) -> Any:
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        r = self.inner.__exit__(*exc)
+        if exc[0] is None:
+            self._trip("__exit__")
+        return r
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
 def test_a_ctrl_c_while_a_batch_of_notifications_is_handled_loses_only_that_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -1380,27 +1412,13 @@ def test_a_ctrl_c_as_a_pump_takes_its_lock_leaves_it_free() -> None:
     lock's acquire returned came before the try that lets it go: the lock stayed taken, every
     later pump returned at once, and the endpoint took no grant, revocation or message again."""
 
-    class AcquireThenCtrlC:
-        def __init__(self, inner: Any) -> None:
-            self.inner, self.armed = inner, True
-
-        def acquire(self, *a: Any, **k: Any) -> bool:
-            got = self.inner.acquire(*a, **k)
-            if self.armed and got:
-                self.armed = False
-                raise KeyboardInterrupt
-            return got
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.inner, name)
-
     p = Pair()
     try:
         dst, src = p.mt.alloc(MiB), p.mi.alloc(MiB)
         rb = p.tgt.expose(dst, MiB)
         p.ini.write(src, 4096, rb)
         real = p.ini._plock
-        p.ini._plock = AcquireThenCtrlC(real)  # type: ignore[assignment]
+        p.ini._plock = _InterruptingLock(real, "acquire", lambda: True)  # type: ignore[assignment]
         try:
             with pytest.raises(KeyboardInterrupt):
                 p.ini.progress()
@@ -2231,26 +2249,6 @@ def test_a_ctrl_c_as_connect_starts_waiting_leaves_no_peer_marked_draining() -> 
     running ones; a Ctrl-C as it let the endpoint's lock go after the mark, before the try that
     takes the mark back, left every later transfer with that peer waiting for ever."""
 
-    class Tripping:
-        """The endpoint's lock, whose release raises KeyboardInterrupt once after it released
-        while a peer is marked draining (as Python raises a Ctrl-C as the release returns)."""
-
-        def __init__(self, ep: NixlEndpoint) -> None:
-            self.inner, self.ep, self.armed = ep._lock, ep, True
-
-        def __enter__(self) -> Any:
-            return self.inner.__enter__()
-
-        def __exit__(self, *exc: Any) -> Any:
-            r = self.inner.__exit__(*exc)
-            if self.armed and self.ep._draining and exc[0] is None:
-                self.armed = False
-                raise KeyboardInterrupt
-            return r
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.inner, name)
-
     p = Pair()
     try:
         with _served(p.tgt), _slow_transfers(p.ini) as slow:
@@ -2258,7 +2256,7 @@ def test_a_ctrl_c_as_connect_starts_waiting_leaves_no_peer_marked_draining() -> 
             src = p.mi.alloc(MiB)
             t = p.ini.post_write([(src, 4096, rb, 0)])
             lock = p.ini._lock
-            p.ini._lock = Tripping(p.ini)  # type: ignore[assignment]
+            p.ini._lock = _InterruptingLock(lock, "__exit__", lambda: bool(p.ini._draining))  # type: ignore[assignment]
             try:
                 with pytest.raises(KeyboardInterrupt):
                     p.ini.connect(p.tgt.metadata(), timeout=5)
