@@ -1240,7 +1240,9 @@ class NixlEndpoint(Closable):
         self._preps: set[_Prep] = set()  # the prepped lists of this endpoint's open Prepareds
         self._other: list[tuple[str, bytes]] = []
         self._notes: list[str] = []  # warnings to raise once the state change at hand is done (_note)
-        self._inflight: list[Transfer] = []  # past their wait()'s timeout, not over
+        # Past their wait()'s timeout, not over (a dict for its order: ``del`` takes one off
+        # with no call, so no check point).
+        self._inflight: dict[Transfer, None] = {}
         self._lost: set[Transfer] = set()  # not over, NIXL's view of their peer erased (Transfer.lost)
         self._running: set[Transfer] = set()  # every posted transfer NIXL has not ended (polled here)
         # Lease drops whose sending failed: (peer, message, when to try again, tries so far).
@@ -2198,12 +2200,12 @@ class NixlEndpoint(Closable):
                         self._waiting[(peer, seq)] = t
                     if tracked:
                         self._running.add(t)
+                    self.transfers += 1
+                    if state != "PROC":  # (interrupted at its entry: still PROC, polled from now on)
+                        self._complete(t, "DONE" if state == "DONE" else "ERR")
                 except BaseException:  # interrupted: polled from now on, as an interrupted wait is
                     self._orphan(t if t is not None else Transfer(self, h, toks, leases, seq, op, blocks, confirm))
                     raise
-                self.transfers += 1
-                if state != "PROC":
-                    self._complete(t, "DONE" if state == "DONE" else "ERR")
                 return t
 
     def _unsendable(self, peer: str, leases: list[_Lease]) -> _Lease | str | None:
@@ -2438,7 +2440,7 @@ class NixlEndpoint(Closable):
             try:
                 t = Transfer(self, h, toks, leases, seq, op, blocks, False)
                 self._running.add(t)
-                self._inflight.append(t)
+                self._inflight[t] = None
             except BaseException:  # interrupted: polled from now on all the same
                 self._orphan(t if t is not None else Transfer(self, h, toks, leases, seq, op, blocks, False))
                 raise
@@ -3142,40 +3144,56 @@ class NixlEndpoint(Closable):
         did not change in between."""
         return self._view_serial + self._peer_serials.get(peer, 0)
 
-    def _found(self, t: Transfer) -> None:
-        """(under _lock) A lost ``t`` is over (forget_peer)."""
-        todo = t._leases[:]
-        try:
-            t.lost = False
-            self._lost.discard(t)
-            _count_lost(todo, -1)
-        finally:  # what an interrupt left of it
-            _count_lost(todo, -1)
-
     def _complete(self, t: Transfer, state: str) -> None:
-        """NIXL says ``t`` is over: its handle and local registrations go, its leases count it
-        (a lease revoked meanwhile is dropped once idle)."""
-        t.state = state
+        """NIXL says ``t`` is over: it leaves the books, its leases stop counting it, then its
+        handle and local registrations go (a lease revoked meanwhile is dropped once idle)."""
+        # The books first, in this frame and with no call until they are done: Python raises an
+        # interrupt at a call's entry and return, and at a loop's back edge, so every step
+        # before the first call is whole, and the loops are finished whatever comes.
         # The Transfer may outlive its endpoint (the application keeps it): it must not keep
         # NIXL's handle, which keeps the agent, to be destroyed wherever the Transfer goes.
-        # Taken off it before anything is released: an interrupt (Python raises one as a call
-        # returns) finishes the releases below, and none is done twice.
+        t.state = state
         h, t._h = t._h, None
         toks, t._toks = t._toks, []
-        release = self.cache.release_token
+        todo = t._leases[:]
+        found = t._leases[:] if t.lost else []
+        t.lost = False
+        self._running -= {t}  # over before its leases' drops go (a target may act on them at once)
+        self._lost -= {t}
+        if t in self._inflight:
+            del self._inflight[t]
         try:
             try:
-                if t.lost:
-                    self._found(t)
-                if state != "DONE":
-                    self.driver.peer_failed()
-            finally:
-                self._account(t, state)
-        finally:
-            try:
-                self._let_go(h, toks)
+                while todo:
+                    lease = todo[-1]
+                    del todo[-1]
+                    lease.inflight -= 1
+                while found:  # (lost and found: forget_peer)
+                    lease = found[-1]
+                    del found[-1]
+                    lease.lost -= 1
             finally:  # what an interrupt left of them
-                _release_tokens(release, toks)
+                while todo:
+                    lease = todo[-1]
+                    del todo[-1]
+                    lease.inflight -= 1
+                while found:
+                    lease = found[-1]
+                    del found[-1]
+                    lease.lost -= 1
+        finally:  # then its messages, its handle and its references, whatever came before
+            release = self.cache.release_token
+            try:
+                try:
+                    if state != "DONE":
+                        self.driver.peer_failed()
+                finally:
+                    self._account(t, state)
+            finally:
+                try:
+                    self._let_go(h, toks)
+                finally:  # what an interrupt left of them
+                    _release_tokens(release, toks)
 
     def _let_go(self, h: Any, toks: list[int]) -> None:
         """NIXL's handle ``h`` of a transfer that is over (None: none) released, then each of
@@ -3188,20 +3206,12 @@ class NixlEndpoint(Closable):
             _release_tokens(self.cache.release_token, toks)
 
     def _account(self, t: Transfer, state: str) -> None:
-        """(_complete) ``t``, over, leaves the endpoint's books first (no message sent yet, so
-        an interrupt as a send returns cannot leave it counted), then the target's check asked
-        for goes, then each revoked lease now idle is dropped, every one of them whatever an
+        """(_complete) The messages of ``t``'s end, once it left the books (no message sent
+        before, so an interrupt as a send returns cannot leave it counted): the target's check
+        asked for, then each revoked lease now idle dropped, every one of them whatever an
         earlier drop raised (after the check: the target counts the checks before it lets a
-        revoked exposure go)."""
-        todo = t._leases[:]
+        revoked exposure go).  A drop an interrupt stopped goes at the next progress()."""
         try:
-            try:
-                self._running.discard(t)  # over before its leases' drops go (a target may act on them at once)
-                if self._inflight and t in self._inflight:
-                    self._inflight.remove(t)
-                _count(todo, -1)
-            finally:  # what an interrupt left of it
-                _count(todo, -1)
             if t.confirm:
                 self._ask_check(t, state)
         finally:
@@ -3283,7 +3293,7 @@ class NixlEndpoint(Closable):
     def _orphan(self, t: Transfer) -> None:
         with self._lock:
             if t.state == "PROC" and t not in self._inflight:
-                self._inflight.append(t)
+                self._inflight[t] = None
                 self._running.add(t)
             self._waiting.pop((t._leases[0].peer, t.seq), None)
 

@@ -1430,6 +1430,64 @@ def test_a_ctrl_c_as_a_pump_takes_its_lock_leaves_it_free() -> None:
         p.close()
 
 
+def _interrupted_at_entry(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """NixlEndpoint.<name> raises KeyboardInterrupt at its first entry, as Python raises a
+    Ctrl-C that came in the bytecodes before a call at the callee's entry."""
+    real, hits = getattr(NixlEndpoint, name), []
+
+    def entered(self: NixlEndpoint, *a: Any, **k: Any) -> Any:
+        hits.append(1)
+        if len(hits) == 1:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(NixlEndpoint, name, entered)
+
+
+@pytest.mark.parametrize("where", ["_account", "_complete"])
+def test_a_ctrl_c_as_a_transfer_starts_ending_leaves_nothing_counted(
+    monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A Ctrl-C at the entry of the call that ends a transfer: at _account's (after the
+    transfer's state was set) the transfer stayed in the endpoint's books, counted by its
+    leases for ever (close(), connect() InUse; a revocation never answered); at _complete's,
+    for a blocking write NIXL ended within its post, nothing tracked it any more.  The books
+    are done before any call, and a transfer not yet ending is polled to its end."""
+    p = Pair()
+    try:
+        a, b, src = p.mt.alloc(MiB), p.mt.alloc(MiB), p.mi.alloc(MiB)
+        ra, rb = p.tgt.expose(a, MiB), p.tgt.expose(b, MiB)
+        blocks = [(src, 4096, ra, 0), (src + 4096, 4096, rb, 0)]
+        p.ini.write_blocks(blocks)
+        la = p.ini._leases[(ra.agent, ra.xid)]
+        d = p.ini.driver._direct
+        assert d is not None
+        real = d.post
+
+        def over_in_its_post(h: int, notif: bytes) -> int:  # (DRAM's usual answer)
+            real(h, notif)
+            while d.status(h) != d.ok:
+                pass
+            return d.ok
+
+        d.post = _running_post(d) if where == "_account" else over_in_its_post
+        _interrupted_at_entry(monkeypatch, where)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                if where == "_account":
+                    p.ini.post_write(blocks).wait(5)
+                else:
+                    p.ini.write_blocks(blocks)
+        finally:
+            d.post = real
+            monkeypatch.undo()
+        assert p.ini.settle(5) == 0
+        assert la.inflight == 0 and not p.ini._running and p.ini.cache.held() == 0, "the transfer is counted for ever"
+        p.ini.connect(p.tgt.metadata(), timeout=1)
+    finally:
+        p.close()
+
+
 def test_a_ctrl_c_as_a_handle_is_wrapped_leaves_no_finalizer_to_release_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """_Direct.wrap makes NIXL's handle object for a running request; an interrupt after the
     object is made and before gpupin keeps it dropped the object, whose finalizer released
