@@ -1322,16 +1322,19 @@ class NixlEndpoint(Closable):
         InUse while a transfer of this endpoint with the peer runs (NIXL would report it over
         while UCX may still move its bytes): ``settle()`` first.  Transfers NIXL lost track of
         (their wait() says so) are let go here, with their buffers and leases."""
-        with self._lock:
-            if peer in self._forgetting:
-                raise InUse(f"forget_peer({peer!r}): another thread forgets {peer} now")
-            self._refuse_if_busy(peer)
-            self._forgetting.add(peer)
+        marked = False
         try:
+            with self._lock:
+                if peer in self._forgetting:
+                    raise InUse(f"forget_peer({peer!r}): another thread forgets {peer} now")
+                self._refuse_if_busy(peer)
+                self._forgetting |= {peer}  # (an operator, no call: no check point before the flag)
+                marked = True
             self._forget_peer(peer, timeout)
         finally:
-            with self._lock:
-                self._forgetting.discard(peer)
+            if marked:  # taken back whatever came since
+                with self._lock:
+                    self._forgetting.discard(peer)
 
     def _forget_peer(self, peer: str, timeout: float) -> None:
         """(forget_peer, the peer marked as being forgotten: no transfer with it starts)"""

@@ -1486,6 +1486,39 @@ def test_a_ctrl_c_as_a_transfer_starts_ending_leaves_nothing_counted(
         p.close()
 
 
+def test_a_ctrl_c_as_forget_peer_marks_the_peer_leaves_no_mark() -> None:
+    """forget_peer() marks the peer (no transfer with it starts) and takes the mark back in a
+    finally; the mark was a method call, a check point before that try: a Ctrl-C there left the
+    peer marked for ever (every transfer with it refused, forget_peer() itself InUse).  The
+    mark is an operator now, and made inside the try."""
+
+    class Marking(set):  # type: ignore[type-arg]
+        armed = True
+
+        def add(self, x: Any) -> None:
+            super().add(x)
+            if Marking.armed:
+                Marking.armed = False
+                raise KeyboardInterrupt
+
+    p = Pair()
+    try:
+        dst, src = p.mt.alloc(MiB), p.mi.alloc(MiB)
+        rb = p.tgt.expose(dst, MiB)
+        p.ini.write(src, 4096, rb)
+        p.ini._forgetting = Marking()  # type: ignore[assignment]
+        try:  # (marked with no call: no check point there, and nothing raised)
+            p.ini.forget_peer(rb.agent)
+        except KeyboardInterrupt:
+            pass
+        assert not p.ini._forgetting, "the peer stays marked: no transfer with it starts again"
+        p.ini.write(src, 4096, rb, timeout=2)
+        p.ini.forget_peer(rb.agent)
+    finally:
+        p.ini._forgetting = set()
+        p.close()
+
+
 def test_a_ctrl_c_as_a_handle_is_wrapped_leaves_no_finalizer_to_release_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """_Direct.wrap makes NIXL's handle object for a running request; an interrupt after the
     object is made and before gpupin keeps it dropped the object, whose finalizer released
