@@ -1552,9 +1552,11 @@ class NixlEndpoint(Closable):
         if ex.revoked and not ex.done and ex.settled():
             ex.done = True
             del self._exposures[ex.xid]
-            if ex.hold is not None:
-                self.memory.release_free_hold(ex.hold)  # type: ignore[attr-defined]
-            ex.reg.release()
+            try:
+                if ex.hold is not None:
+                    self.memory.release_free_hold(ex.hold)  # type: ignore[attr-defined]
+            finally:  # (the registration goes also if an interrupt came as the hold went)
+                ex.reg.release()
 
     def progress(self) -> list[tuple[str, bytes]]:
         """Take NIXL's new notifications: answer lease requests and transfers (target), file

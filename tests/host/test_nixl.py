@@ -1519,6 +1519,32 @@ def test_a_ctrl_c_as_forget_peer_marks_the_peer_leaves_no_mark() -> None:
         p.close()
 
 
+def test_a_ctrl_c_as_an_exposure_lets_go_of_its_hold_lets_go_of_its_registration() -> None:
+    """An exposure taken back lets go of the provider's free hold, then of its cache reference;
+    a Ctrl-C as the hold's release returned skipped the second: the reference held for ever
+    (close() InUse) and NIXL's registration outliving the buffer's free."""
+    p = Pair()
+    try:
+        dst = p.mt.alloc(MiB)
+        rb = p.tgt.expose(dst, MiB)
+        real = p.mt.release_free_hold
+
+        def release_then_ctrl_c(hold: int) -> None:
+            real(hold)
+            raise KeyboardInterrupt
+
+        p.mt.release_free_hold = release_then_ctrl_c  # type: ignore[method-assign]
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                p.tgt.unexpose(rb)
+        finally:
+            del p.mt.release_free_hold
+        assert p.tgt.cache.held() == 0, "a finished exposure's reference is held for ever"
+        p.mt.free(dst)
+    finally:
+        p.close()
+
+
 def test_a_ctrl_c_as_a_handle_is_wrapped_leaves_no_finalizer_to_release_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """_Direct.wrap makes NIXL's handle object for a running request; an interrupt after the
     object is made and before gpupin keeps it dropped the object, whose finalizer released
