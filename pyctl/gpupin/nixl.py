@@ -662,10 +662,17 @@ class NixlDriver(LibraryDriver):
         """Close the cache over this driver (deregistering everything; InUse while one is held),
         then retire the agent if this driver made it."""
         self.close_cache()
+        if self._agent is not None and self._unsure:
+            if collecting():  # a finalizer: no NIXL call from the collector (reap() makes it)
+                _defer(self._drop_unsure_locked, first=True)
+            else:
+                self._drop_unsure_locked()
+        self._retire()
+
+    def _drop_unsure_locked(self) -> None:
         if self._agent is not None:
             with self.lock:
                 self._drop_unsure()
-        self._retire()
 
     def __del__(self) -> None:
         try:

@@ -1545,6 +1545,41 @@ def test_a_ctrl_c_as_an_exposure_lets_go_of_its_hold_lets_go_of_its_registration
         p.close()
 
 
+def test_a_driver_left_to_the_collector_after_a_ctrl_c_in_a_registration_calls_nixl_outside_it() -> None:
+    """What an interrupted registration left for the driver to deregister (NIXL may hold it) is
+    deregistered at close(); a driver finalized by the garbage collector did that from inside
+    the collector, a NIXL call where gpupin promises none.  It waits for reap()."""
+    import gc
+
+    import gpupin.nixl as gn
+
+    calls: list[bool] = []
+    mem = HostMemory(4 << 20)
+    try:
+        ep = NixlEndpoint("i-collected", mem, mem_type="DRAM")
+        drv, agent = ep.driver, ep.driver._agent
+        va = mem.alloc(1 << 20)
+        _ctrl_c_after(agent, "register_memory")
+        with pytest.raises(KeyboardInterrupt):
+            drv.pin(va, 1 << 20)
+        del agent.register_memory
+        ref = weakref.ref(agent)
+
+        def spy(*a: Any) -> Any:
+            calls.append(gn.collecting())
+            return type(ref()).deregister_memory(ref(), *a)  # type: ignore[union-attr]
+
+        agent.deregister_memory = spy
+        ep.cycle = ep  # type: ignore[attr-defined] - only the collector frees it
+        del ep, drv, agent
+        gc.collect()
+        gn.reap()
+        assert calls and not any(calls), "a NIXL call from inside the garbage collector"
+    finally:
+        gn.reap()
+        mem.close()
+
+
 def test_a_ctrl_c_as_a_handle_is_wrapped_leaves_no_finalizer_to_release_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """_Direct.wrap makes NIXL's handle object for a running request; an interrupt after the
     object is made and before gpupin keeps it dropped the object, whose finalizer released
