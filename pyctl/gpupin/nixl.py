@@ -3366,9 +3366,9 @@ class NixlEndpoint(Closable):
         self._stop_progress()
         try:
             self._close(timeout)
-        except InUse:
-            if progressed and not collecting():  # refused, changing nothing: peers are still answered
-                self._start_progress()
+        except BaseException:  # refused (InUse) or interrupted: the endpoint is still open
+            if progressed and not collecting() and self.driver._agent is not None:
+                self._start_progress()  # peers are still answered
             raise
         if self._notes and not collecting():  # once closed whole (warnings may be errors)
             self._flush_notes()

@@ -1580,6 +1580,22 @@ def test_a_driver_left_to_the_collector_after_a_ctrl_c_in_a_registration_calls_n
         mem.close()
 
 
+def test_an_interrupted_close_keeps_answering_peers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() stops the endpoint's progress thread first; a refused close started it again,
+    an interrupted one (a Ctrl-C in its waits) did not: the endpoint, still open, answered its
+    peers no more by itself and their unexpose() waited."""
+    p = Pair(auto_progress=True)
+    try:
+        _interrupted_at_entry(monkeypatch, "_close")
+        with pytest.raises(KeyboardInterrupt):
+            p.ini.close()
+        monkeypatch.undo()
+        stop = p.ini._progress_stop
+        assert stop is not None and not stop.is_set(), "the open endpoint's progress thread stays stopped"
+    finally:
+        p.close()
+
+
 def test_a_ctrl_c_as_a_handle_is_wrapped_leaves_no_finalizer_to_release_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """_Direct.wrap makes NIXL's handle object for a running request; an interrupt after the
     object is made and before gpupin keeps it dropped the object, whose finalizer released
