@@ -1,9 +1,9 @@
 """Threads sharing one Device's invalidation records: none is left asleep in read(),
 each record goes to exactly one reader, and the file's flags never change.
 
-A reader left asleep in read() while another thread took the records is the hang: every thread is joined with a timeout, one
-still running fails the test, and is woken then (the file made non-blocking again, a record
-queued) so that none outlives it.  Over either provider."""
+A reader left asleep in read() while another thread took the records is the hang: every
+thread is joined with a timeout, one still running fails the test, and is woken then (the file
+made non-blocking again, a record queued) so that none outlives it.  Over either provider."""
 
 from __future__ import annotations
 
