@@ -57,7 +57,8 @@ def run_pair(a, b) -> None:  # type: ignore[no-untyped-def]
 
 def test_unpin_races_free(device: Device, memory: MemoryProvider) -> None:
     invalidated = 0
-    for _ in range(ITER // BATCH):
+    n = ITER if LONG else scaled(ITER, step=BATCH)
+    for _ in range(n // BATCH):
         vas = [memory.alloc(GPU_ALLOC) for _ in range(BATCH)]
         pins = [device.pin(va, GPU_PAGE) for va in vas]
         run_pair(lambda: [memory.free(va) for va in vas], lambda: [device.unpin(p) for p in pins])
@@ -66,7 +67,7 @@ def test_unpin_races_free(device: Device, memory: MemoryProvider) -> None:
         if not NATIVE:
             s = sim_stats()
             assert s.page_tables == 0 and s.tables_not_freed == 0 and s.allocations == 0
-    print(f"{ITER} unpin/free races: the callback came first {invalidated} times")
+    print(f"{n} unpin/free races: the callback came first {invalidated} times")
 
 
 @pytest.mark.simonly(reason="sets the simulator's race_put_pages knob and counts its callbacks_run")
