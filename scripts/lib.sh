@@ -5,10 +5,10 @@
 # `make setup`) and GPUPIN_CACHE (where the caches live); defines die, need,
 # need_root, apt_install_missing, copy_module_sources, build_unicast_variant,
 # private_apt, cached_chroot, chroot_enter, chroot_leave, chroot_remove,
-# newest_kernel, kver_of_kdir, venv_python, build_wheel and project_version.  It sets no
-# shell options: each script keeps its own.  packaging/dkms-build.sh does not
-# source it (it runs on users' hosts from the DKMS source dir, where lib.sh is
-# not installed).
+# newest_kernel, kver_of_kdir, venv_python, build_wheel, project_version and
+# suite_args.  It sets no shell options: each script keeps its own.
+# packaging/dkms-build.sh does not source it (it runs on users' hosts from the
+# DKMS source dir, where lib.sh is not installed).
 # shellcheck shell=bash
 
 ROOT=$(CDPATH='' cd -- "$(dirname "${BASH_SOURCE[0]}")/.." >/dev/null && pwd)

@@ -13,7 +13,8 @@
 #     does on a user's host (packaging/dkms-build.sh: Debian's layout has no
 #     Module.symvers, so the CRCs are read out of that nvidia.ko), and
 #  4. checks every nvidia_p2p_* CRC gpupin.ko imports against the driver's
-#     Module.symvers, and that modinfo says `depends: nvidia`.
+#     Module.symvers, and that modinfo says `depends: gpupin_cb,nvidia` (with a
+#     gpupin_cb.ko that depends on nothing, and no fault-injection code built in).
 set -uo pipefail
 KDIR=${1:?usage: check-nvidia.sh KDIR [SUITE...]}
 shift

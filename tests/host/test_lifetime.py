@@ -471,7 +471,7 @@ def test_validity_words_are_read_from_live_memory_only() -> None:
     dev._map.close()  # would raise BufferError if the cache still exported the map
 
 
-# -- found in review: fork during a close, a GDS race, Device.close atomicity ------------
+# -- fork during a close, a GDS race, Device.close atomicity -------------------------------
 def test_forking_while_another_thread_closes_a_big_cache() -> None:
     """A fork child inherits a core another thread was freeing (cffi calls run without the
     GIL): resetting it in the child must not free those arrays again (children died of
