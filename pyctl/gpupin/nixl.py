@@ -595,6 +595,19 @@ class NixlDriver(LibraryDriver):
                 dlist = agent.get_reg_descs([(va, size, self.devid, "")], self.mem_type)
             except Exception as exc:  # noqa: BLE001
                 raise _nixl_error(what, exc) from None
+            for old in self._regs.values():
+                if old.va < va + size and va < old.va + old.size:
+                    # The cache registers whole allocations at their own bounds (granule 1): a
+                    # live registration overlapping this one is of an allocation that is gone,
+                    # held by a reference never let go (an interrupted call, a transfer past its
+                    # timeout).  NIXL would keep both and resolve a block at their base to the
+                    # older one (getCoveringIndex, lower_bound): a transfer through the old
+                    # memory, reported done.  Refused, never registered beside it.
+                    raise InUse(
+                        f"{what}: NIXL still holds [{old.va:#x}, +{old.size}) of an earlier allocation there "
+                        "(a transfer past its timeout, or a reference an interrupt kept): settle() the "
+                        "endpoint's transfers, or close() it and make a new one"
+                    )
             h = next(self._next)
             reg = NixlRegistration(h, va, size, dlist)
             # Recorded before NIXL registers, kept in _regs with no check point in between:

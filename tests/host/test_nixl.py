@@ -1597,6 +1597,27 @@ def test_an_interrupted_close_keeps_answering_peers(monkeypatch: pytest.MonkeyPa
         p.close()
 
 
+def test_a_registration_beside_a_live_one_at_the_same_address_is_refused() -> None:
+    """A registration held past its allocation's free (a reference an interrupt leaked, a
+    transfer past its timeout) stays in NIXL; one of the next allocation at that address was
+    registered beside it, and NIXL resolves a block at their base to the older one
+    (getCoveringIndex): a transfer through the old memory, reported done.  It is refused."""
+    p = Pair()
+    try:
+        drv = p.ini.driver
+        va = p.mi.alloc(2 * MiB)
+        old = drv.pin(va, MiB)  # (kept, as a leaked reference keeps it)
+        with pytest.raises(gpupin.InUse, match="earlier allocation"):
+            drv.pin(va, 2 * MiB)
+        with pytest.raises(gpupin.InUse, match="earlier allocation"):
+            drv.pin(va + 4096, 4096)
+        assert drv.live == 1 and not _nixl_holds(drv, va, 2 * MiB), "registered beside the live one"
+        drv.unpin(old)
+        drv.unpin(drv.pin(va, 2 * MiB))  # once it went, the address registers again
+    finally:
+        p.close()
+
+
 def test_a_ctrl_c_as_a_handle_is_wrapped_leaves_no_finalizer_to_release_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """_Direct.wrap makes NIXL's handle object for a running request; an interrupt after the
     object is made and before gpupin keeps it dropped the object, whose finalizer released
