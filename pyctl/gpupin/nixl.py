@@ -1623,8 +1623,10 @@ class NixlEndpoint(Closable):
             if self._running:
                 self._poll_inflight()
         finally:
-            if plock._is_owned():  # type: ignore[attr-defined]
+            try:  # (no question first: its return would be a check point with the lock held)
                 plock.release()
+            except RuntimeError:  # not this thread's: its acquire failed, or never ran
+                pass
         if flush and self._notes:  # the batch is handled whole: now its warnings
             self._flush_notes()
 

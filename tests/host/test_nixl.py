@@ -1618,6 +1618,45 @@ def test_a_registration_beside_a_live_one_at_the_same_address_is_refused() -> No
         p.close()
 
 
+def test_a_ctrl_c_as_a_pump_lets_go_of_its_lock_leaves_it_free() -> None:
+    """The pump asked its lock whether this thread held it before releasing it: a Ctrl-C as
+    that question returned left the lock held for ever, the endpoint deaf.  It releases with no
+    question first."""
+
+    class AskedThenCtrlC:
+        def __init__(self, inner: Any) -> None:
+            self.inner, self.armed = inner, True
+
+        def _is_owned(self) -> bool:
+            owned = bool(self.inner._is_owned())
+            if owned and self.armed:
+                self.armed = False
+                raise KeyboardInterrupt
+            return owned
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+    p = Pair()
+    real = p.ini._plock
+    try:
+        dst, src = p.mt.alloc(MiB), p.mi.alloc(MiB)
+        p.ini.write(src, 4096, p.tgt.expose(dst, MiB))
+        p.ini._plock = AskedThenCtrlC(real)  # type: ignore[assignment]
+        try:
+            p.ini.progress()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            p.ini._plock = real
+        assert not real._is_owned(), "the pump's lock stays held: the endpoint takes no notification again"
+        p.ini.write(src, 4096, p.tgt.expose(p.mt.alloc(MiB), MiB), timeout=2)  # a new lease's grant
+    finally:
+        while real._is_owned():
+            real.release()
+        p.close()
+
+
 def test_a_ctrl_c_as_a_handle_is_wrapped_leaves_no_finalizer_to_release_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """_Direct.wrap makes NIXL's handle object for a running request; an interrupt after the
     object is made and before gpupin keeps it dropped the object, whose finalizer released
