@@ -1979,7 +1979,16 @@ class NixlEndpoint(Closable):
                 self._flush_notes()
             return
         # A Transfer from _quick was polled for _SPIN_S already (_quick_wait): not spun again.
-        t = q if isinstance(q, Transfer) else self._post(op, blocks, timeout, confirm, tracked=False, prep=prep)
+        # (A class test, not isinstance: no call, so no check point where q is held by this
+        # frame alone.)  _post puts its untracked Transfer in ``made`` as it makes it: one an
+        # interrupt caught on its way here is polled to its end.
+        made: list[Transfer] = []
+        try:
+            t = q if q.__class__ is Transfer else self._post(op, blocks, timeout, confirm, False, prep, made)
+        except BaseException:
+            if made and made[0].state == "PROC":
+                self._orphan(made[0])
+            raise
         try:
             t._wait(max(0.0, deadline - time.monotonic()), confirm, 0.0 if t is q else _SPIN_S)
         except BaseException:
@@ -2059,11 +2068,13 @@ class NixlEndpoint(Closable):
         confirm: bool,
         tracked: bool,
         prep: _Prep | None = None,
+        made: list[Transfer] | None = None,
     ) -> Transfer:
         """post(); ``tracked=False`` for a transfer its caller waits for at once (write/read):
         not polled by other threads meanwhile (the progress thread would take the endpoint's
         locks from the waiter at every poll), and tracked once its wait gives up (_orphan).
-        ``prep``: the blocks' prepped lists (Prepared), used where still what they name."""
+        ``prep``: the blocks' prepped lists (Prepared), used where still what they name.
+        ``made``: the Transfer is appended to it as it is made (its caller's hold on it)."""
         if _DEFERRED:
             reap()  # before this endpoint's locks and the cache's (a miss pins under them)
         if op not in ("WRITE", "READ"):
@@ -2223,6 +2234,8 @@ class NixlEndpoint(Closable):
                 t = None
                 try:
                     t = Transfer(self, h, toks, leases, seq, op, blocks, confirm)
+                    if made is not None:
+                        made.append(t)
                     if confirm:
                         self._waiting[(peer, seq)] = t
                     if tracked:

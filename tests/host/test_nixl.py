@@ -1657,6 +1657,54 @@ def test_a_ctrl_c_as_a_pump_lets_go_of_its_lock_leaves_it_free() -> None:
         p.close()
 
 
+@pytest.mark.parametrize("how", ["write_blocks", "Prepared.run"])
+def test_a_ctrl_c_as_a_blocking_post_returns_leaves_its_transfer_polled(how: str) -> None:
+    """A blocking transfer is not tracked while its caller waits; a Ctrl-C as _post let go of
+    its lock on the way back (the lock's release is a call) lost it: never polled, its lease
+    counting it and its references held for ever.  The caller holds it from its making on."""
+    import sys
+
+    p = Pair()
+    try:
+        dst, src = p.mt.alloc(MiB), p.mi.alloc(MiB)
+        rb = p.tgt.expose(dst, MiB)
+        blocks = [(src, 4096, rb, 0), (src + 8192, 4096, rb, 8192)]
+        p.ini.write_blocks(blocks)  # the lease
+        lease = p.ini._leases[(rb.agent, rb.xid)]
+        prep = p.ini.prepare("WRITE", blocks)
+        d = p.ini.driver._direct
+        assert d is not None
+
+        def returning() -> bool:  # in _post's frame, a running Transfer made
+            f = sys._getframe(1)
+            while f is not None:
+                if f.f_code is NixlEndpoint._post.__code__:
+                    t = f.f_locals.get("t")
+                    return t.__class__ is gn_transfer and t.state == "PROC"
+                f = f.f_back
+            return False
+
+        import gpupin.nixl as gn
+
+        gn_transfer = gn.Transfer
+        real_post, real_lock = d.post, p.ini._lock
+        d.post = _running_post(d)
+        p.ini._lock = _InterruptingLock(real_lock, "__exit__", returning)  # type: ignore[assignment]
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                if how == "write_blocks":
+                    p.ini.write_blocks(blocks)
+                else:
+                    prep.run()
+        finally:
+            d.post, p.ini._lock = real_post, real_lock
+        assert p.ini.settle(5) == 0
+        assert lease.inflight == 0 and p.ini.cache.held() == 0, "a running transfer nothing polls"
+        prep.close()
+    finally:
+        p.close()
+
+
 def test_a_ctrl_c_as_a_handle_is_wrapped_leaves_no_finalizer_to_release_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """_Direct.wrap makes NIXL's handle object for a running request; an interrupt after the
     object is made and before gpupin keeps it dropped the object, whose finalizer released
