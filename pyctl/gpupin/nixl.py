@@ -1544,11 +1544,15 @@ class NixlEndpoint(Closable):
             ex = self._exposures.get(remote.xid)
             if ex is None or ex.done:
                 return
+            again = ex.revoked
             if not ex.revoked:
                 ex.revoked = True
                 self._by_range.pop((ex.ptr, ex.size), None)
-            for peer, (_, dropped) in ex.holders.items():  # again on a later call: one may have been lost
-                if dropped < 0:
+            for peer, (got, dropped) in ex.holders.items():  # again on a later call: one may have been lost
+                # On a later call also where the drop came and a check it counts never will (an
+                # interrupt took it off its batch unhandled): the holder, which knows the lease
+                # no more, answers with a drop of no check (no transfer of it runs: it dropped).
+                if dropped < 0 or (again and got < dropped):
                     self._send(peer, _pack(_REVOKE, (ex.xid, OK)))
             self._finish_if_settled(ex)
         while not ex.done:

@@ -1705,6 +1705,42 @@ def test_a_ctrl_c_as_a_blocking_post_returns_leaves_its_transfer_polled(how: str
         p.close()
 
 
+def test_a_confirm_check_lost_to_a_ctrl_c_is_asked_for_again_by_unexpose(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A target counts a confirmed write's check before it lets the exposure go; a Ctrl-C as it
+    took the check off its batch lost it, and every later unexpose() said InUse until
+    forget_peer of a live peer.  A later unexpose() asks the holder again: it knows the lease no
+    more, and answers with a drop of no check."""
+    p = Pair(auto_progress=True)
+    try:
+        dst, src = p.mt.alloc(MiB), p.mi.alloc(MiB)
+        rb = p.tgt.expose(dst, MiB)
+        p.ini.write(src, 4096, rb)  # the lease, while the target serves
+        p.stop.set()
+        p.pump.join()  # from here the target takes notifications on this thread only
+        real, hits = NixlEndpoint._on_xfer, []
+
+        def on_xfer(self: NixlEndpoint, *a: Any) -> Any:
+            hits.append(1)
+            if len(hits) == 1:
+                raise KeyboardInterrupt  # as at its entry
+            return real(self, *a)
+
+        monkeypatch.setattr(NixlEndpoint, "_on_xfer", on_xfer)
+        t = p.ini.post("WRITE", [(src, 4096, rb, 0)], confirm=True)
+        with pytest.raises(KeyboardInterrupt):
+            for _ in range(400):
+                t.done()  # DONE: its check is sent
+                p.tgt.progress()
+                time.sleep(0.005)
+        monkeypatch.undo()
+        p.serve_again()
+        with pytest.raises(gpupin.InUse):
+            p.tgt.unexpose(rb, timeout=0.5)  # the drop came, its check never will
+        p.tgt.unexpose(rb, timeout=5)
+    finally:
+        p.close()
+
+
 def test_a_ctrl_c_as_a_handle_is_wrapped_leaves_no_finalizer_to_release_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """_Direct.wrap makes NIXL's handle object for a running request; an interrupt after the
     object is made and before gpupin keeps it dropped the object, whose finalizer released
