@@ -3395,8 +3395,8 @@ class NixlEndpoint(Closable):
         raises InUse naming it.  An endpoint dropped without close() makes no NIXL call from
         the garbage collector: see reap()."""
         progressed = self._progress_stop is not None and not self._progress_stop.is_set()
-        self._stop_progress()
         try:
+            self._stop_progress()  # (its join may be interrupted too)
             self._close(timeout)
         except BaseException:  # refused (InUse) or interrupted: the endpoint is still open
             if progressed and not collecting() and self.driver._agent is not None:
