@@ -1236,6 +1236,7 @@ class NixlEndpoint(Closable):
         # Batches of notifications NIXL handed over and not yet handled (_pump), in order.
         self._batches: list[dict[Any, list[bytes]]] = []
         self._exposures: dict[int, _Exposure] = {}  # xid -> exposure (target)
+        self._letgo: list[_Exposure] = []  # taken back, their hold and reference not let go of yet
         self._by_range: dict[tuple[int, int], int] = {}  # (ptr, size) -> xid (target)
         self._connected: set[str] = set()  # peers whose metadata this endpoint loaded (answered)
         self._forgotten: set[str] = set()  # (initiator) peers forget_peer() dropped, not loaded since
@@ -1541,6 +1542,8 @@ class NixlEndpoint(Closable):
         back but held: call unexpose again, or ``forget_peer`` a peer that is dead)."""
         deadline = time.monotonic() + timeout
         with self._lock:
+            if self._letgo:  # (one an interrupt left half let go of: finished first)
+                self._let_go_of_exposures()
             ex = self._exposures.get(remote.xid)
             if ex is None or ex.done:
                 return
@@ -1574,13 +1577,26 @@ class NixlEndpoint(Closable):
 
     def _finish_if_settled(self, ex: _Exposure) -> None:
         if ex.revoked and not ex.done and ex.settled():
+            # Journaled before it is marked done (an operator, no call: no check point between
+            # the three stores), let go of after: an interrupt in a release leaves the rest to
+            # the next pump or unexpose.
+            self._letgo += [ex]
             ex.done = True
             del self._exposures[ex.xid]
+            self._let_go_of_exposures()
+
+    def _let_go_of_exposures(self) -> None:
+        """(under _lock) Release the free hold and the cache reference of each exposure taken
+        back and not yet let go of; each is off the journal only once both releases returned
+        (the hold's release is idempotent, the reference's is once)."""
+        while self._letgo:
+            ex = self._letgo[0]
             try:
                 if ex.hold is not None:
                     self.memory.release_free_hold(ex.hold)  # type: ignore[attr-defined]
-            finally:  # (the registration goes also if an interrupt came as the hold went)
+            finally:  # (the reference goes also if an interrupt came as the hold went)
                 ex.reg.release()
+            del self._letgo[0]
 
     def progress(self) -> list[tuple[str, bytes]]:
         """Take NIXL's new notifications: answer lease requests and transfers (target), file
@@ -1624,6 +1640,8 @@ class NixlEndpoint(Closable):
                     self._retry_drops()
                 if self._revoked:
                     self._drop_revoked()
+                if self._letgo:
+                    self._let_go_of_exposures()
             if self._running:
                 self._poll_inflight()
         finally:

@@ -1520,28 +1520,38 @@ def test_a_ctrl_c_as_forget_peer_marks_the_peer_leaves_no_mark() -> None:
         p.close()
 
 
-def test_a_ctrl_c_as_an_exposure_lets_go_of_its_hold_lets_go_of_its_registration() -> None:
+@pytest.mark.parametrize("when", ["as it returns", "at its entry"])
+def test_a_ctrl_c_as_an_exposure_lets_go_of_its_hold_lets_go_of_all_it_holds(when: str) -> None:
     """An exposure taken back lets go of the provider's free hold, then of its cache reference;
-    a Ctrl-C as the hold's release returned skipped the second: the reference held for ever
-    (close() InUse) and NIXL's registration outliving the buffer's free."""
+    a Ctrl-C as the hold's release returned skipped the second (the reference held for ever,
+    close() InUse, NIXL's registration outliving the buffer's free), and one at its entry left
+    the hold for ever too (free() refused at every call; unexpose() returned at once, the
+    exposure marked done).  Both are journaled first: what an interrupt left, the next
+    unexpose() or pump finishes."""
     p = Pair()
     try:
         dst = p.mt.alloc(MiB)
         rb = p.tgt.expose(dst, MiB)
-        real = p.mt.release_free_hold
+        real, armed = p.mt.release_free_hold, [True]
 
-        def release_then_ctrl_c(hold: int) -> None:
+        def release_free_hold(hold: int) -> None:
+            if armed[0] and when == "at its entry":
+                armed[0] = False
+                raise KeyboardInterrupt
             real(hold)
-            raise KeyboardInterrupt
+            if armed[0]:
+                armed[0] = False
+                raise KeyboardInterrupt
 
-        p.mt.release_free_hold = release_then_ctrl_c  # type: ignore[method-assign]
+        p.mt.release_free_hold = release_free_hold  # type: ignore[method-assign]
         try:
             with pytest.raises(KeyboardInterrupt):
                 p.tgt.unexpose(rb)
         finally:
             del p.mt.release_free_hold
+        p.tgt.unexpose(rb)  # again, as the docs advise
         assert p.tgt.cache.held() == 0, "a finished exposure's reference is held for ever"
-        p.mt.free(dst)
+        p.mt.free(dst)  # the hold went: the provider lets the allocation go
     finally:
         p.close()
 
