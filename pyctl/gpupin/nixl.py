@@ -604,9 +604,10 @@ class NixlDriver(LibraryDriver):
                     # older one (getCoveringIndex, lower_bound): a transfer through the old
                     # memory, reported done.  Refused, never registered beside it.
                     raise InUse(
-                        f"{what}: NIXL still holds [{old.va:#x}, +{old.size}) of an earlier allocation there "
-                        "(a transfer past its timeout, or a reference an interrupt kept): settle() the "
-                        "endpoint's transfers, or close() it and make a new one"
+                        f"{what}: NIXL still holds [{old.va:#x}, +{old.size}) of an earlier allocation there: "
+                        "settle() the endpoint's transfers (one past its timeout holds it); if an interrupt "
+                        "leaked its reference, nothing lets it go: use a new endpoint (this one's close() "
+                        "refuses too)"
                     )
             h = next(self._next)
             reg = NixlRegistration(h, va, size, dlist)
