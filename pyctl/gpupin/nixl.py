@@ -3473,6 +3473,18 @@ class NixlEndpoint(Closable):
                 ex.reg.release()
             except GpupinError:  # the cache went first (collected with it): its registrations too
                 pass
+        if self._letgo:  # taken back, and an interrupt stopped their releases: finished here
+            if collecting():  # (no lock from a finalizer: the holds go with the others, later)
+                letgo, self._letgo = self._letgo, []
+                for ex in letgo:
+                    holds.append(ex.hold)
+                    try:
+                        ex.reg.release()
+                    except GpupinError:
+                        pass
+            else:
+                with self._lock:
+                    self._let_go_of_exposures()
         self._by_range.clear()
         if self._preps:  # NIXL's prepped lists go before the agent (from the collector: first in reap)
             preps, self._preps = list(self._preps), set()

@@ -1520,14 +1520,16 @@ def test_a_ctrl_c_as_forget_peer_marks_the_peer_leaves_no_mark() -> None:
         p.close()
 
 
-@pytest.mark.parametrize("when", ["as it returns", "at its entry"])
-def test_a_ctrl_c_as_an_exposure_lets_go_of_its_hold_lets_go_of_all_it_holds(when: str) -> None:
+@pytest.mark.parametrize(
+    ("when", "closing"), [("as it returns", False), ("at its entry", False), ("at its entry", True)]
+)
+def test_a_ctrl_c_as_an_exposure_lets_go_of_its_hold_lets_go_of_all_it_holds(when: str, closing: bool) -> None:
     """An exposure taken back lets go of the provider's free hold, then of its cache reference;
     a Ctrl-C as the hold's release returned skipped the second (the reference held for ever,
     close() InUse, NIXL's registration outliving the buffer's free), and one at its entry left
     the hold for ever too (free() refused at every call; unexpose() returned at once, the
     exposure marked done).  Both are journaled first: what an interrupt left, the next
-    unexpose() or pump finishes."""
+    unexpose(), pump or close() finishes."""
     p = Pair()
     try:
         dst = p.mt.alloc(MiB)
@@ -1549,11 +1551,23 @@ def test_a_ctrl_c_as_an_exposure_lets_go_of_its_hold_lets_go_of_all_it_holds(whe
                 p.tgt.unexpose(rb)
         finally:
             del p.mt.release_free_hold
-        p.tgt.unexpose(rb)  # again, as the docs advise
-        assert p.tgt.cache.held() == 0, "a finished exposure's reference is held for ever"
+        if closing:
+            p.ini.close()
+            p.stop.set()
+            p.pump.join()
+            p.tgt.close()  # (no unexpose, no pump first)
+        else:
+            p.tgt.unexpose(rb)  # again, as the docs advise
+            assert p.tgt.cache.held() == 0, "a finished exposure's reference is held for ever"
         p.mt.free(dst)  # the hold went: the provider lets the allocation go
     finally:
-        p.close()
+        if closing:
+            p.stop.set()
+            p.pump.join()
+            p.mi.close()
+            p.mt.close()
+        else:
+            p.close()
 
 
 def test_a_driver_left_to_the_collector_after_a_ctrl_c_in_a_registration_calls_nixl_outside_it() -> None:
