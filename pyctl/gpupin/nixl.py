@@ -3210,9 +3210,9 @@ class NixlEndpoint(Closable):
     def _complete(self, t: Transfer, state: str) -> None:
         """NIXL says ``t`` is over: it leaves the books, its leases stop counting it, then its
         handle and local registrations go (a lease revoked meanwhile is dropped once idle)."""
-        # The books first, in this frame and with no call until they are done: Python raises an
+        # The books first, in this frame and with no call until the counts: Python raises an
         # interrupt at a call's entry and return, and at a loop's back edge, so every step
-        # before the first call is whole, and the loops are finished whatever comes.
+        # before them is whole, and the counts are finished in a finally whatever comes.
         # The Transfer may outlive its endpoint (the application keeps it): it must not keep
         # NIXL's handle, which keeps the agent, to be destroyed wherever the Transfer goes.
         t.state = state
@@ -3227,23 +3227,11 @@ class NixlEndpoint(Closable):
             del self._inflight[t]
         try:
             try:
-                while todo:
-                    lease = todo[-1]
-                    del todo[-1]
-                    lease.inflight -= 1
-                while found:  # (lost and found: forget_peer)
-                    lease = found[-1]
-                    del found[-1]
-                    lease.lost -= 1
-            finally:  # what an interrupt left of them
-                while todo:
-                    lease = todo[-1]
-                    del todo[-1]
-                    lease.inflight -= 1
-                while found:
-                    lease = found[-1]
-                    del found[-1]
-                    lease.lost -= 1
+                _count(todo, -1)
+                _count_lost(found, -1)  # (lost and found: forget_peer)
+            finally:  # what an interrupt left of them (one at a call's entry included)
+                _count(todo, -1)
+                _count_lost(found, -1)
         finally:  # then its messages, its handle and its references, whatever came before
             release = self.cache.release_token
             try:
